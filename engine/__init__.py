@@ -1,0 +1,1 @@
+"""Plain and speculative decoding for vision-language models, with statistics."""

@@ -1,0 +1,74 @@
+"""The engine: a loaded target, its drafters, and one generation at a time.
+
+    engine = Engine(load_target(...), {"text": load_drafter(...), "ngram": NgramDrafter()})
+    for event in engine.stream(messages, drafter="text"):
+        ...  # Chunk events, then one Done with the statistics
+
+All per-request state (KV caches, positions, drafter caches, the sampler's generator) is
+created inside `stream` and dropped when it ends, so requests cannot see each other's state.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from engine.drafters.base import Drafter
+from engine.loop import Chunk, DecodeSettings, Done, generate
+from engine.prompt import Prompt, encode_vlm, images_of, normalize
+from engine.sampling import SamplingSettings
+from models.loading import Target
+
+
+class RequestError(ValueError):
+    """The request cannot be answered as sent (too many images, too long...); says why."""
+
+
+class Engine:
+    def __init__(self, target: Target, drafters: dict[str, Drafter] | None = None, max_images: int = 8):
+        self.target = target
+        self.drafters = dict(drafters or {})
+        self.max_images = max_images
+        self.lock = threading.Lock()  # one generation per loaded model at a time
+
+    @property
+    def default_drafter(self) -> str | None:
+        return next(iter(self.drafters), None)
+
+    def stop_token_ids(self) -> frozenset[int]:
+        ids = set()
+        for source in (self.target.model.generation_config, self.target.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        return frozenset(i for i in ids if i is not None)
+
+    def prepare(self, messages: list[dict]) -> Prompt:
+        messages = normalize(messages)
+        images = images_of(messages)
+        if len(images) > self.max_images:
+            raise RequestError(f"{len(images)} images in the conversation; the limit is {self.max_images}")
+        inputs = encode_vlm(self.target.processor, messages)
+        prompt = Prompt(messages, images, inputs, self.target.placeholder_ids)
+        limit = getattr(self.target.model.config.get_text_config(), "max_position_embeddings", None)
+        if limit and len(prompt.input_ids) >= limit:
+            raise RequestError(f"the prompt is {len(prompt.input_ids)} tokens (image tokens included); "
+                               f"the model's context is {limit}")
+        return prompt
+
+    def stream(
+        self,
+        messages: list[dict],
+        drafter: str | None = None,
+        sampling: SamplingSettings = SamplingSettings(),
+        decode: DecodeSettings = DecodeSettings(),
+        stop: threading.Event | None = None,
+    ) -> Iterator[Chunk | Done]:
+        """Answer the conversation's last user turn. drafter=None decodes plainly."""
+        if drafter is not None and drafter not in self.drafters:
+            raise RequestError(f"unknown drafter {drafter!r}; loaded: {', '.join(self.drafters) or 'none'}")
+        prompt = self.prepare(messages)
+        if not decode.stop_token_ids:
+            decode = DecodeSettings(**{**decode.__dict__, "stop_token_ids": self.stop_token_ids()})
+        with self.lock:
+            yield from generate(self.target.runner, self.target.tokenizer, prompt,
+                                self.drafters.get(drafter) if drafter else None, sampling, decode, stop)

@@ -1,0 +1,88 @@
+"""Opening user images safely: every accepted file becomes an RGB PIL image, every refused
+one raises ImageError with the file's name and the reason.
+
+Limits (configurable through the arguments; the app and CLI use the defaults):
+- MAX_FILE_BYTES: uploads larger than this are refused before decoding.
+- MAX_PIXELS: width * height above this is refused as a likely decompression bomb (a small
+  file that expands to gigabytes of pixels). 40 megapixels covers any camera photo.
+Handled rather than refused: animated images (first frame), CMYK, 16-bit and 32-bit
+grayscale, palette and transparent images (composited on white), EXIF rotation.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+MAX_FILE_BYTES = 20 * 1024 * 1024
+MAX_PIXELS = 40_000_000
+
+
+class ImageError(ValueError):
+    """A file that cannot be used as an image; the message names it and the problem."""
+
+
+def load_image(source, name: str | None = None, max_bytes: int = MAX_FILE_BYTES,
+               max_pixels: int = MAX_PIXELS) -> Image.Image:
+    """source: a path, raw bytes, or a PIL image. Returns a fully decoded RGB image."""
+    if isinstance(source, Image.Image):
+        return to_rgb(source)
+    name = name or (os.path.basename(source) if isinstance(source, (str, os.PathLike)) else "image")
+    data = _read(source, name, max_bytes)
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ImageError(f"{name}: {width}x{height} pixels is over the limit of {max_pixels:,} pixels")
+            image.seek(0)  # animated images: the first frame
+            image.load()
+            return to_rgb(image)
+    except ImageError:
+        raise
+    except UnidentifiedImageError:
+        raise ImageError(f"{name}: not an image file (or a format this app cannot read)") from None
+    except Image.DecompressionBombError:
+        raise ImageError(f"{name}: too many pixels (over the limit of {max_pixels:,})") from None
+    except (OSError, SyntaxError, ValueError) as error:
+        raise ImageError(f"{name}: damaged or truncated image ({error})") from None
+
+
+def _read(source, name: str, max_bytes: int) -> bytes:
+    if isinstance(source, (bytes, bytearray)):
+        data = bytes(source)
+    else:
+        try:
+            size = os.path.getsize(source)
+            if size > max_bytes:
+                raise ImageError(f"{name}: {size / 1e6:.1f} MB is over the upload limit of {max_bytes / 1e6:.0f} MB")
+            with open(source, "rb") as file:
+                data = file.read()
+        except FileNotFoundError:
+            raise ImageError(f"{name}: no such file") from None
+        except IsADirectoryError:
+            raise ImageError(f"{name}: is a folder, not an image file") from None
+        except PermissionError:
+            raise ImageError(f"{name}: cannot be read (permission denied)") from None
+    if len(data) > max_bytes:
+        raise ImageError(f"{name}: {len(data) / 1e6:.1f} MB is over the upload limit of {max_bytes / 1e6:.0f} MB")
+    if not data:
+        raise ImageError(f"{name}: the file is empty")
+    return data
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """EXIF rotation applied; any mode converted to 8-bit RGB (transparency on white)."""
+    image = ImageOps.exif_transpose(image)
+    if image.mode.startswith("I") or image.mode == "F":  # 16/32-bit or float grayscale: scale to 8 bits
+        values = np.asarray(image, dtype=np.float64)
+        full_scale = 65535.0 if values.max(initial=0) > 255 else 255.0
+        image = Image.fromarray((values.clip(0, full_scale) * (255.0 / full_scale)).round().astype(np.uint8), "L")
+    if image.mode == "P":
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA"):
+        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(background, image.convert("RGBA"))
+    return image.convert("RGB")

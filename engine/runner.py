@@ -1,0 +1,84 @@
+"""One model's forward passes over a per-request KV cache, with explicit positions.
+
+Used for the target and for every drafter that is itself a language model. The cache is
+indexed by KV slot; the rotary position is tracked separately because after an image on an
+M-RoPE model the two differ by `rope_delta`. Rolling back a rejected draft is one `crop`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from models.families import Family
+
+
+@dataclass
+class CacheState:
+    """The KV cache of one model for one request.
+
+    cache_len: tokens held in the KV cache (the KV index of the next token).
+    rope_pos:  rotary position of the next token; cache_len + rope_delta.
+    """
+
+    cache: DynamicCache
+    cache_len: int
+    rope_pos: int
+
+
+class Runner:
+    """Prefill, extend and roll back one model's cache. `vocab_size` columns of logits are kept."""
+
+    def __init__(self, model, family: Family, vocab_size: int | None = None):
+        self.model = model
+        self.family = family
+        self.vocab_size = vocab_size
+        self.device = model.device
+
+    @torch.inference_mode()
+    def prefill(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, CacheState]:
+        """Run the prompt. inputs: processor outputs (input_ids (1, S), pixel_values, ...).
+
+        Returns the float32 logits of the last prompt position, (V,), and the new cache state.
+        """
+        inputs = {name: value.to(self.device) for name, value in inputs.items()}
+        position_ids, rope_delta = self.family.prefill_positions(self.model, inputs)
+        cache = DynamicCache(config=self.model.config)
+        cache.activate_past_recording()  # sliding-window layers keep what a rollback may need
+        out = self.model(**inputs, position_ids=position_ids, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        seq_len = inputs["input_ids"].shape[1]
+        state = CacheState(cache=cache, cache_len=seq_len, rope_pos=seq_len + rope_delta)
+        self.rollback(state, 0)  # trims sliding-window layers back to their window
+        return self._vocab(out.logits[0, -1]), state
+
+    @torch.inference_mode()
+    def extend(self, state: CacheState, token_ids: list[int]) -> torch.Tensor:
+        """Append `token_ids` (n,) to the cache; returns float32 logits for each of them, (n, V)."""
+        num_tokens = len(token_ids)
+        input_ids = torch.tensor([token_ids], device=self.device)
+        position_ids = self.family.positions(state.rope_pos, num_tokens, self.device)
+        out = self.model(input_ids=input_ids, position_ids=position_ids,
+                         past_key_values=state.cache, use_cache=True, logits_to_keep=num_tokens)
+        state.cache_len += num_tokens
+        state.rope_pos += num_tokens
+        return self._vocab(out.logits[0, -num_tokens:])
+
+    def rollback(self, state: CacheState, num_tokens: int) -> None:
+        """Drop the last `num_tokens` entries (0 is valid: it trims sliding-window layers)."""
+        state.cache.crop(-num_tokens)
+        state.cache_len -= num_tokens
+        state.rope_pos -= num_tokens
+
+    def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over exactly `vocab_size` ids (the target's): extra rows of a drafter's
+        padded vocabulary are cut, missing ones are -inf so they are never drawn."""
+        logits = logits.float()
+        if not self.vocab_size or logits.shape[-1] == self.vocab_size:
+            return logits
+        if logits.shape[-1] > self.vocab_size:
+            return logits[..., : self.vocab_size]
+        missing = self.vocab_size - logits.shape[-1]
+        return torch.nn.functional.pad(logits, (0, missing), value=float("-inf"))

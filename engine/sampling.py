@@ -1,0 +1,115 @@
+"""Turning logits into tokens, and deciding which drafted tokens the target keeps.
+
+Glossary (as in vLLM's rejection sampler):
+- draft tokens:     the k tokens a drafter proposes after the last committed token.
+- accepted tokens:  the longest prefix of the draft the target agrees with.
+- bonus token:      the target's own token after the accepted prefix: when a draft token is
+                    rejected it is the "recovered" token sampled from the residual
+                    max(0, p - q); when all k are accepted it is sampled from the target's
+                    distribution at position k+1. Every verify pass yields one.
+
+Greedy (temperature 0): accept while draft[i] == argmax(target_logits[i]); the output is
+identical to plain greedy decoding. Sampling: rejection sampling (Leviathan et al. 2023,
+Chen et al. 2023), so the output distribution is exactly the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+class Sampler:
+    """Warps logits into probabilities and draws from them with a per-request generator."""
+
+    def __init__(self, settings: SamplingSettings):
+        self.settings = settings
+        self.generator = torch.Generator()
+        if settings.seed is not None:
+            self.generator.manual_seed(settings.seed)
+        else:
+            self.generator.seed()
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (..., V) -> probabilities (..., V) after temperature, top-k and top-p."""
+        s = self.settings
+        logits = logits / s.temperature
+        if s.top_k > 0:
+            kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if s.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+            cumulative = sorted_logits.softmax(-1).cumsum(-1)
+            drop_sorted = cumulative - sorted_logits.softmax(-1) >= s.top_p  # keep the first token always
+            drop = drop_sorted.scatter(-1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        return logits.softmax(-1)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token from probs (V,)."""
+        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+
+    def next_token(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """A token from logits (V,), and the distribution it was drawn from (None when greedy)."""
+        if self.settings.greedy:
+            return int(logits.argmax()), None
+        probs = self.probs(logits)
+        return self.draw(probs), probs
+
+    def uniform(self) -> float:
+        return float(torch.rand((), generator=self.generator))
+
+
+def accept_draft(
+    sampler: Sampler,
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+) -> tuple[int, int]:
+    """Verify a draft against the target.
+
+    draft_tokens:  (k,) proposed ids.
+    draft_probs:   (k, V) the distributions the drafter sampled from, or None for a
+                   deterministic drafter (greedy draft model, n-gram): q is then one-hot.
+    target_logits: (k+1, V) the target's logits after the last committed token and after
+                   each draft token.
+    Returns (num_accepted, bonus_token).
+    """
+    k = len(draft_tokens)
+    if sampler.settings.greedy:
+        target_choice = target_logits.argmax(-1).tolist()  # (k+1,), one host sync
+        num_accepted = 0
+        while num_accepted < k and draft_tokens[num_accepted] == target_choice[num_accepted]:
+            num_accepted += 1
+        return num_accepted, target_choice[num_accepted]
+
+    target_probs = sampler.probs(target_logits).cpu()  # (k+1, V)
+    for i, token in enumerate(draft_tokens):
+        p = target_probs[i]
+        q = draft_probs[i].cpu() if draft_probs is not None else _one_hot(token, p)
+        if sampler.uniform() * float(q[token]) <= float(p[token]):  # accept with min(1, p/q)
+            continue
+        residual = (p - q).clamp_min(0)
+        if float(residual.sum()) <= 0:  # p == q numerically: any draw from p is right
+            residual = p
+        return i, sampler.draw(residual / residual.sum())
+    return k, sampler.draw(target_probs[k])
+
+
+def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
+    q = torch.zeros_like(like)
+    q[token] = 1.0
+    return q

@@ -1,0 +1,96 @@
+"""Statistics of one request, updated in one place by the decode loop.
+
+Conventions:
+- The first answer token comes from the prefill pass. `ttft_s` runs from the request's start
+  (prompt processing included) to that token.
+- `target_forwards` counts decode/verify passes of the target after prefill. Each yields the
+  accepted draft tokens plus one bonus token, so `tokens_per_forward` =
+  decode_tokens / target_forwards COUNTS THE BONUS TOKEN (as vLLM's mean accepted length
+  does): plain decoding gives exactly 1.0.
+- `decode_tokens` are the tokens after the first; `decode_tok_s` = decode_tokens / decode_s,
+  where decode_s runs from the first token to the last.
+- `acceptance` = accepted / drafted (None when nothing was drafted).
+- `accepted_by_position[i]`: rounds whose draft token i was accepted; `drafted_by_position[i]`:
+  rounds that drafted a token i.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+class Clock:
+    """Wall clock that waits for the accelerator before reading the time."""
+
+    def __init__(self, device):
+        self.sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
+
+    def now(self) -> float:
+        if self.sync is not None:
+            self.sync()
+        return time.perf_counter()
+
+
+@dataclass
+class Stats:
+    mode: str = "plain"  # "plain" or "speculative"
+    drafter: str | None = None
+    drafter_kind: str | None = None
+    prefill_tokens: int = 0
+    prefill_image_tokens: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    decode_tok_s: float = 0.0
+    total_s: float = 0.0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    acceptance: float | None = None
+    tokens_per_forward: float | None = None
+    accepted_by_position: list[int] = field(default_factory=list)
+    drafted_by_position: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)  # k used in each round
+    fallback_reason: str | None = None
+    finish_reason: str | None = None  # "stop_token", "max_new_tokens", "stopped"
+    tok_s_curve: list[float] = field(default_factory=list)  # running decode tok/s after each round
+
+    def record_round(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+        """One verify pass: `num_drafted` proposed, `num_accepted` kept, `num_emitted` output."""
+        self.target_forwards += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        self.decode_tokens += num_emitted
+        self.draft_lengths.append(num_drafted)
+        for position in range(num_drafted):
+            if position >= len(self.drafted_by_position):
+                self.drafted_by_position.append(0)
+                self.accepted_by_position.append(0)
+            self.drafted_by_position[position] += 1
+            self.accepted_by_position[position] += position < num_accepted
+        self.acceptance = self.accepted / self.drafted if self.drafted else None
+        self.tokens_per_forward = self.decode_tokens / self.target_forwards
+
+    def record_time(self, started: float, first_token_at: float, now: float) -> None:
+        self.total_s = now - started
+        self.decode_s = now - first_token_at
+        self.decode_tok_s = self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        self.tok_s_curve.append(round(self.decode_tok_s, 2))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line for a chat history or a log."""
+        parts = [f"{self.decode_tok_s:.1f} tok/s", f"TTFT {self.ttft_s * 1000:.0f} ms"]
+        if self.acceptance is not None:
+            parts.append(f"acceptance {self.acceptance:.0%}")
+            parts.append(f"{self.tokens_per_forward:.2f} tok/forward")
+        if self.fallback_reason:
+            parts.append(f"fell back to plain: {self.fallback_reason}")
+        return " · ".join(parts)

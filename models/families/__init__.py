@@ -1,0 +1,33 @@
+"""Supported model families, looked up by `config.model_type`. Adding a family = adding one entry."""
+
+from __future__ import annotations
+
+from .base import Family, MRopeFamily
+
+VLM_FAMILIES: tuple[Family, ...] = (
+    MRopeFamily("qwen2_vl", ("qwen2_vl",)),
+    MRopeFamily("qwen2_5_vl", ("qwen2_5_vl",)),
+    MRopeFamily("qwen3_vl", ("qwen3_vl",)),
+    Family("idefics3", ("idefics3",)),
+    Family("smolvlm", ("smolvlm",)),
+    Family("llava", ("llava",)),
+    Family("gemma3", ("gemma3",)),
+)
+
+# Any text-only causal LM (a drafter) numbers positions on one axis.
+TEXT_LM = Family("text_lm", ())
+
+
+def family_for_config(config) -> Family:
+    """The family of a VLM config; refuses loudly when the family is not supported."""
+    for family in VLM_FAMILIES:
+        if config.model_type in family.model_types:
+            return family
+    supported = ", ".join(t for f in VLM_FAMILIES for t in f.model_types)
+    raise ValueError(
+        f"model type {config.model_type!r} is not a supported vision-language family "
+        f"(supported: {supported}). Pick a model of one of these families."
+    )
+
+
+__all__ = ["Family", "MRopeFamily", "VLM_FAMILIES", "TEXT_LM", "family_for_config"]

@@ -1,0 +1,60 @@
+"""What the engine needs to know about a model family: how it numbers rotary positions.
+
+Two kinds of positional bookkeeping exist among the supported models:
+
+- 1-axis RoPE (SmolVLM / Idefics3, LLaVA, Gemma 3, every text-only LM): the rotary
+  position of a token equals its KV-cache index.
+- M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): an image of h x w merged patches fills h*w KV
+  slots but advances the rotary position by max(h, w). After an image the next rotary
+  position is `cache_len + rope_delta`, with `rope_delta` (usually negative) computed once
+  per request at prefill. Every later decode and verify position is shifted by it.
+
+A family turns a prefill's processor outputs into explicit `position_ids` and a `rope_delta`,
+and makes the position ids of `n` new tokens from the next rotary position. The engine always
+passes positions explicitly; it never relies on state a model keeps on itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Family:
+    """A 1-axis RoPE family: rotary position == KV index, rope_delta is 0."""
+
+    name: str
+    model_types: tuple[str, ...]
+
+    def prefill_positions(self, model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """Position ids for the prompt, shape (1, S), and the request's rope_delta (0 here)."""
+        seq_len = inputs["input_ids"].shape[1]
+        return torch.arange(seq_len, device=inputs["input_ids"].device)[None], 0
+
+    def positions(self, rope_pos: int, num_tokens: int, device) -> torch.Tensor:
+        """Position ids of `num_tokens` new tokens starting at rotary position `rope_pos`: (1, n)."""
+        return torch.arange(rope_pos, rope_pos + num_tokens, device=device)[None]
+
+
+@dataclass(frozen=True)
+class MRopeFamily(Family):
+    """Qwen-style M-RoPE: three position rows (temporal, height, width) and a per-request rope_delta."""
+
+    def prefill_positions(self, model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """Position ids (3, 1, S) from the model's own `get_rope_index`, and rope_delta."""
+        if inputs.get("image_grid_thw") is None:  # text only: all three rows are 0..S-1
+            seq_len = inputs["input_ids"].shape[1]
+            return torch.arange(seq_len, device=inputs["input_ids"].device).expand(3, 1, -1), 0
+        position_ids, rope_deltas = model.model.get_rope_index(
+            input_ids=inputs["input_ids"],
+            mm_token_type_ids=inputs["mm_token_type_ids"],
+            image_grid_thw=inputs["image_grid_thw"],
+            attention_mask=inputs.get("attention_mask"),
+        )
+        return position_ids, int(rope_deltas.reshape(-1)[0])
+
+    def positions(self, rope_pos: int, num_tokens: int, device) -> torch.Tensor:
+        """Position ids (3, 1, n): text tokens after the prompt advance all three rows together."""
+        return torch.arange(rope_pos, rope_pos + num_tokens, device=device).expand(3, 1, -1)

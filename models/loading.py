@@ -1,0 +1,150 @@
+"""Loading targets and drafters through transformers' Auto classes (hub ids and local folders alike).
+
+Checks happen here, loudly, before any decoding: the target's family is supported, the
+drafter's vocabulary agrees with the target's on the ids they share, safetensors only,
+remote code only when asked.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+from engine.drafters.model import ModelDrafter
+from engine.drafters.ngram import NgramDrafter
+from engine.runner import Runner
+from models.families import TEXT_LM, Family, family_for_config
+from models.processors import image_token_ids, load_processor
+
+
+class LoadError(ValueError):
+    """A model could not be loaded; the message says why and which flag fixes it."""
+
+
+@dataclass
+class LoadOptions:
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto
+    device: str = "auto"  # cpu | cuda | auto
+    quantization: str | None = None  # None | "4bit" | "8bit" (bitsandbytes)
+    trust_remote_code: bool = False
+
+
+@dataclass
+class Target:
+    name: str
+    model: torch.nn.Module
+    processor: object
+    family: Family
+    runner: Runner
+    placeholder_ids: frozenset[int]
+
+    @property
+    def tokenizer(self):
+        return self.processor.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise LoadError("--device cuda was asked for but no CUDA device is available; use --device cpu")
+    return device
+
+
+def _model_kwargs(options: LoadOptions) -> dict:
+    dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if options.dtype not in dtype:
+        raise LoadError(f"unknown dtype {options.dtype!r}; use one of {', '.join(dtype)}")
+    device = resolve_device(options.device)
+    kwargs = {"dtype": dtype[options.dtype], "use_safetensors": True, "trust_remote_code": options.trust_remote_code}
+    if options.quantization:
+        from transformers import BitsAndBytesConfig
+
+        if options.quantization not in ("4bit", "8bit"):
+            raise LoadError(f"unknown quantization {options.quantization!r}; use 4bit or 8bit")
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=options.quantization == "4bit", load_in_8bit=options.quantization == "8bit")
+    # accelerate's device_map spreads a target larger than one GPU over the available ones.
+    kwargs["device_map"] = "auto" if options.device == "auto" and device == "cuda" else device
+    return kwargs
+
+
+def _load_config(name: str, options: LoadOptions):
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=options.trust_remote_code)
+    except OSError as error:
+        where = "folder" if os.path.isdir(name) else "hub id (offline? set HF_HUB_OFFLINE=0 and check the network)"
+        raise LoadError(f"cannot load model {name!r} as a {where}: {str(error).splitlines()[0]}") from error
+    except ValueError as error:
+        if "trust_remote_code" in str(error):
+            raise LoadError(f"{name!r} needs its own code; pass --trust-remote-code if you trust it") from error
+        raise LoadError(f"cannot read the config of {name!r}: {error}") from error
+
+
+def load_target(name: str, options: LoadOptions | None = None) -> Target:
+    options = options or LoadOptions()
+    config = _load_config(name, options)
+    if not hasattr(config, "vision_config"):
+        raise LoadError(f"{name!r} is a {config.model_type!r} model without a vision tower; --model needs a "
+                        "vision-language model (a text-only model can be a --drafter)")
+    family = family_for_config(config)
+    model = AutoModelForImageTextToText.from_pretrained(name, **_model_kwargs(options)).eval()
+    processor = load_processor(name, trust_remote_code=options.trust_remote_code)
+    runner = Runner(model, family)
+    return Target(name, model, processor, family, runner, frozenset(image_token_ids(processor)))
+
+
+def load_drafter(name: str | None, target: Target, options: LoadOptions | None = None):
+    """`ngram`, a text-only causal LM, or a VLM of the target's family; None for plain decoding."""
+    if name in (None, "", "none"):
+        return None
+    if name == "ngram":
+        return NgramDrafter()
+    options = options or LoadOptions()
+    config = _load_config(name, options)
+    kwargs = _model_kwargs(options)
+    if hasattr(config, "vision_config"):
+        family = family_for_config(config)
+        if family.name != target.family.name:
+            raise LoadError(f"VLM drafter {name!r} is {family.name}, the target is {target.family.name}; a VLM "
+                            "drafter must be of the target's family (or use a text-only LM or --drafter ngram)")
+        model = AutoModelForImageTextToText.from_pretrained(name, **kwargs).eval()
+        encoder = load_processor(name, trust_remote_code=options.trust_remote_code)
+        tokenizer, kind = encoder.tokenizer, "vlm"
+    else:
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs).eval()
+        encoder = tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=options.trust_remote_code)
+        family, kind = TEXT_LM, "text_lm"
+    check_vocabularies(target.tokenizer, tokenizer, name)
+    text_config = model.config.get_text_config()
+    max_positions = getattr(text_config, "max_position_embeddings", None)
+    runner = Runner(model, family, vocab_size=target.vocab_size)
+    return ModelDrafter(name, kind, runner, encoder, max_positions)
+
+
+def check_vocabularies(target_tokenizer, drafter_tokenizer, drafter_name: str) -> None:
+    """Refuse a drafter whose ids mean other tokens than the target's.
+
+    Vocabulary sizes often differ by padding rows or image tokens (Qwen2.5-VL-7B: 152064
+    rows, Qwen2.5-0.5B: 151936), so only the tokens both tokenizers have are compared.
+    """
+    target_vocab = target_tokenizer.get_vocab()
+    drafter_vocab = drafter_tokenizer.get_vocab()
+    shared = target_vocab.keys() & drafter_vocab.keys()
+    mismatched = [t for t in shared if target_vocab[t] != drafter_vocab[t]]
+    coverage = len(shared) / max(len(drafter_vocab), 1)
+    if mismatched or coverage < 0.9:
+        example = f" (e.g. {mismatched[0]!r}: target id {target_vocab[mismatched[0]]}, drafter id " \
+                  f"{drafter_vocab[mismatched[0]]})" if mismatched else ""
+        raise LoadError(
+            f"drafter {drafter_name!r} does not share the target's vocabulary: {len(mismatched)} of {len(shared)} "
+            f"shared tokens have other ids{example}, and {coverage:.0%} of the drafter's tokens exist in the "
+            "target's. Use a drafter trained with the target's tokenizer (e.g. Qwen2.5-0.5B-Instruct for "
+            "Qwen2.5-VL, SmolLM2-135M-Instruct for SmolVLM), or --drafter ngram, which works with any target.")
