@@ -14,7 +14,6 @@ sys.path.insert(0, ROOT)
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from models.loading import LoadOptions, load_drafter, load_target  # noqa: E402
-from tests import tiny  # noqa: E402
 
 FLOAT32 = LoadOptions(dtype="float32", device="cpu")
 
@@ -32,6 +31,8 @@ class TinyZoo:
         self.dirs, self.targets, self.drafters = {}, {}, {}
 
     def dir(self, family: str, role: str = "target"):
+        from tests import tiny
+
         key = (family, role)
         if key not in self.dirs:
             out = self.root / f"{family}-{role}"

@@ -1,0 +1,98 @@
+"""Mock models whose logits the test chooses: a Markov chain over a small vocabulary.
+
+`MarkovRunner` stands where the engine's Runner stands (prefill / extend / rollback): the
+logits after token t are `table[t]`. `MarkovDrafter` drafts from another table and keeps its
+own position, so tests control exactly where drafts agree with the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.drafters.base import Draft
+from engine.prompt import Prompt
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+@dataclass
+class MarkovState:
+    tokens: list[int]
+
+    @property
+    def cache_len(self):
+        return len(self.tokens)
+
+
+class MarkovRunner:
+    device = torch.device("cpu")
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table  # (V, V): logits after token i
+
+    def prefill(self, inputs):
+        tokens = inputs["input_ids"][0].tolist()
+        return self.table[tokens[-1]].clone(), MarkovState(tokens)
+
+    def extend(self, state, token_ids):
+        state.tokens += token_ids
+        return self.table[torch.tensor(token_ids)].clone()
+
+    def rollback(self, state, num_tokens):
+        if num_tokens:
+            del state.tokens[-num_tokens:]
+
+
+def prompt_of(ids, placeholder_ids=()):
+    return Prompt([], [], {"input_ids": torch.tensor([ids])}, frozenset(placeholder_ids))
+
+
+class MarkovDrafter:
+    """Drafts from its own table (greedy, or sampled with the request's sampler)."""
+
+    kind = "mock"
+
+    def __init__(self, table: torch.Tensor, name="markov"):
+        self.table, self.name = table, name
+        self.accepted: list[int] = []
+
+    def begin(self, prompt):
+        self.accepted = []
+
+    def propose(self, generated, k, sampler):
+        tokens, probs, last = [], [], generated[-1]
+        for _ in range(k):
+            last, p = sampler.next_token(self.table[last].clone())
+            tokens.append(last)
+            probs.append(p)
+        return Draft(tokens, None if sampler.settings.greedy else torch.stack(probs))
+
+    def accept(self, num_accepted):
+        self.accepted.append(num_accepted)
+
+    def end(self):
+        pass
+
+
+class ScriptedDrafter(MarkovDrafter):
+    """Proposes the given continuation of the answer, optionally failing after some rounds."""
+
+    def __init__(self, continuation, fail_at_round=None, fail_at_begin=False):
+        super().__init__(None, "scripted")
+        self.continuation, self.fail_at_round, self.fail_at_begin = continuation, fail_at_round, fail_at_begin
+        self.rounds = 0
+
+    def begin(self, prompt):
+        if self.fail_at_begin:
+            raise RuntimeError("drafter exploded at begin")
+
+    def propose(self, generated, k, sampler):
+        self.rounds += 1
+        if self.fail_at_round is not None and self.rounds >= self.fail_at_round:
+            raise RuntimeError("drafter exploded mid-answer")
+        return Draft(self.continuation[len(generated):len(generated) + k])

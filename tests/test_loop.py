@@ -1,0 +1,144 @@
+"""The decode loop on mock models whose logits the test chooses."""
+
+from __future__ import annotations
+
+import threading
+import pytest
+import torch
+from scipy.stats import chi2
+
+from engine.loop import DecodeSettings, Done, generate
+from engine.sampling import SamplingSettings
+from tests.mocks import CharTokenizer, MarkovDrafter, MarkovRunner, ScriptedDrafter, prompt_of
+
+V = 8
+GREEDY = SamplingSettings()
+
+
+def table(seed, sharpness=3.0):
+    return torch.randn(V, V, generator=torch.Generator().manual_seed(seed)) * sharpness
+
+
+def answer(target_table, drafter=None, sampling=GREEDY, stop=None, **decode):
+    decode = DecodeSettings(**{"max_new_tokens": 30, "draft_tokens": 4, **decode})
+    events = list(generate(MarkovRunner(target_table), CharTokenizer(), prompt_of([1, 2, 3]), drafter,
+                           sampling, decode, stop))
+    assert isinstance(events[-1], Done)
+    return events
+
+
+def plain_ids(target_table, **decode):
+    return answer(target_table, **decode)[-1].token_ids
+
+
+def test_perfect_drafter_is_fully_accepted():
+    t = table(0)
+    truth = plain_ids(t)
+    done = answer(t, ScriptedDrafter(truth))[-1]
+    assert done.token_ids == truth
+    assert done.stats.acceptance == 1.0
+    # 1 token from prefill, then rounds of 4 accepted + 1 bonus: 29 = 5 * 5 + 4
+    assert done.stats.target_forwards == 6
+    assert done.stats.tokens_per_forward == pytest.approx(29 / 6)
+    assert done.stats.accepted_by_position == done.stats.drafted_by_position
+
+
+def test_corrupted_drafts_are_accepted_exactly_up_to_the_corruption():
+    t = table(1)
+    truth = plain_ids(t)
+    corrupted = list(truth)
+    for i in range(3, len(corrupted), 7):
+        corrupted[i] = (corrupted[i] + 1) % V
+    drafter = ScriptedDrafter(corrupted)
+    events = answer(t, drafter)
+    assert events[-1].token_ids == truth
+    # replay: each round accepts the longest prefix of the draft that equals the truth
+    position, expected_accepts = 1, []
+    for k in events[-1].stats.draft_lengths:
+        draft = corrupted[position:position + k]
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == truth[position + accepted]:
+            accepted += 1
+        expected_accepts.append(accepted)
+        position += accepted + 1
+    assert drafter.accepted[:len(expected_accepts)] == expected_accepts
+    origins = [o for e in events[:-1] for o in e.origins]
+    assert origins.count("draft") == events[-1].stats.accepted
+
+
+def test_empty_drafts_decode_plainly():
+    t = table(2)
+    done = answer(t, ScriptedDrafter([]))[-1]
+    assert done.token_ids == plain_ids(t)
+    assert done.stats.drafted == 0 and done.stats.acceptance is None
+    assert done.stats.tokens_per_forward == 1.0
+
+
+@pytest.mark.parametrize("fail", [{"fail_at_begin": True}, {"fail_at_round": 3}])
+def test_failing_drafter_falls_back_to_plain_and_completes(fail):
+    t = table(3)
+    truth = plain_ids(t)
+    done = answer(t, ScriptedDrafter(truth, **fail))[-1]
+    assert done.token_ids == truth
+    assert "drafter" in done.stats.fallback_reason and "exploded" in done.stats.fallback_reason
+
+
+def test_stop_token_inside_an_accepted_draft_ends_the_answer():
+    t = table(4)
+    truth = plain_ids(t)
+    stop_token = truth[6]
+    done = answer(t, ScriptedDrafter(truth), stop_token_ids=frozenset({stop_token}))[-1]
+    assert done.token_ids == truth[: truth.index(stop_token) + 1]
+    assert done.stats.finish_reason == "stop_token"
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 7])
+def test_max_new_tokens_is_exact(max_new):
+    t = table(5)
+    done = answer(t, ScriptedDrafter(plain_ids(t)), max_new_tokens=max_new)[-1]
+    assert len(done.token_ids) == max_new
+    assert done.stats.finish_reason == "max_new_tokens"
+
+
+def test_stop_flag_ends_promptly():
+    stop = threading.Event()
+    gen = generate(MarkovRunner(table(6)), CharTokenizer(), prompt_of([1]), None, GREEDY,
+                   DecodeSettings(max_new_tokens=1000), stop)
+    next(gen), next(gen)
+    stop.set()
+    rest = list(gen)
+    assert isinstance(rest[-1], Done) and rest[-1].stats.finish_reason == "stopped"
+    assert len(rest[-1].token_ids) <= 3
+
+
+def test_adaptive_draft_length_grows_on_acceptance_and_shrinks_on_rejection():
+    t = table(7)
+    truth = plain_ids(t, max_new_tokens=60)
+    lengths = answer(t, ScriptedDrafter(truth), max_new_tokens=60, adaptive=True)[-1].stats.draft_lengths
+    assert lengths[:3] == [4, 6, 8]
+    wrong = [(x + 1) % V for x in truth]
+    lengths = answer(t, ScriptedDrafter(wrong), max_new_tokens=60, adaptive=True)[-1].stats.draft_lengths
+    assert lengths[:4] == [4, 3, 2, 1]
+
+
+def test_rejection_sampling_keeps_the_targets_distribution():
+    """Tokens 2 and 3 of sampled answers (the first comes from prefill) follow the target's
+    distribution although the drafter's differs. 5000 answers, fixed seeds, Pearson's
+    chi-square test against the exact target probabilities at p > 0.001; the same samples
+    tested against the drafter's probabilities must fail (the test has power)."""
+    target, draft = table(8, 1.0), table(9, 1.0)
+    observed = torch.zeros(V, V, V)  # counts of (token1, token2, token3)
+    for seed in range(5000):
+        done = answer(target, MarkovDrafter(draft), SamplingSettings(temperature=1.0, seed=seed),
+                      max_new_tokens=3, draft_tokens=2)[-1]
+        observed[tuple(done.token_ids)] += 1
+
+    def p_value(logits_table):
+        probs = logits_table.softmax(-1)
+        expected = observed.sum((1, 2))[:, None, None] * probs[:, :, None] * probs[None, :, :]
+        cells = expected > 0
+        statistic = float(((observed - expected) ** 2 / expected)[cells].sum())
+        return chi2.sf(statistic, int(cells.sum()) - V)
+
+    assert p_value(target) > 0.001
+    assert p_value(draft) < 1e-6
