@@ -47,7 +47,7 @@ class Runner:
         position_ids, rope_delta = self.family.prefill_positions(self.model, inputs)
         cache = DynamicCache(config=self.model.config)
         cache.activate_past_recording()  # sliding-window layers keep what a rollback may need
-        out = self.model(**inputs, position_ids=position_ids, past_key_values=cache,
+        out = self.model(**inputs, position_ids=position_ids, cache=cache,
                          use_cache=True, logits_to_keep=1)
         seq_len = inputs["input_ids"].shape[1]
         state = CacheState(cache=cache, cache_len=seq_len, rope_pos=seq_len + rope_delta)
@@ -61,7 +61,7 @@ class Runner:
         input_ids = torch.tensor([token_ids], device=self.device)
         position_ids = self.family.positions(state.rope_pos, num_tokens, self.device)
         out = self.model(input_ids=input_ids, position_ids=position_ids,
-                         past_key_values=state.cache, use_cache=True, logits_to_keep=num_tokens)
+                         cache=state.cache, use_cache=True, logits_to_keep=num_tokens)
         state.cache_len += num_tokens
         state.rope_pos += num_tokens
         return self._vocab(out.logits[0, -num_tokens:])

@@ -28,17 +28,17 @@ def conversation(num_images: int, two_turns: bool = False):
             user("And which one is larger?")]
 
 
-def run(zoo, family, drafter_role, messages, k=4, adaptive=False):
+def run(zoo, family, drafter_role, messages, k=4, adaptive=False, events=False):
     target = zoo.target(family)
     drafters = {drafter_role: zoo.drafter(family, drafter_role)} if drafter_role else {}
     engine = Engine(target, drafters)
-    events = list(engine.stream(messages, drafter=drafter_role,
+    stream = list(engine.stream(messages, drafter=drafter_role,
                                 decode=DecodeSettings(max_new_tokens=MAX_NEW, draft_tokens=k, adaptive=adaptive,
                                                       stop_token_ids=frozenset({-1}))))
-    done = events[-1]
+    done = stream[-1]
     assert isinstance(done, Done)
-    assert sum(len(e.token_ids) for e in events[:-1]) == len(done.token_ids)
-    return done
+    assert sum(len(e.token_ids) for e in stream[:-1]) == len(done.token_ids)
+    return stream if events else done
 
 
 CASES = [(n, False) for n in (0, 1, 2, 4)] + [(2, True)]
@@ -57,28 +57,80 @@ def test_speculative_greedy_equals_plain_greedy(zoo, family, drafter_role):
         assert len(plain.token_ids) == MAX_NEW
 
 
+def teacher_forced_choices(target, prompt, answer_ids):
+    """The target's greedy choice at every answer position from ONE forward over prompt + answer
+    with no cache, positions computed by the model itself: the ground truth for plain greedy.
+    An answer token that is an image placeholder cannot be fed back without an image, so the
+    choices stop at the first one (random tiny models do emit them)."""
+    fed = next((i for i, t in enumerate(answer_ids) if t in target.placeholder_ids), len(answer_ids) - 1)
+    answer_ids = answer_ids[:fed]  # the choices cover positions 0..fed
+    inputs = dict(prompt.target_inputs)
+    answer = torch.tensor([answer_ids], dtype=torch.long)
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], answer], 1)
+    for name in ("attention_mask", "mm_token_type_ids", "token_type_ids"):
+        if name in inputs:
+            pad = torch.ones_like(answer) if name == "attention_mask" else torch.zeros_like(answer)
+            inputs[name] = torch.cat([inputs[name], pad.to(inputs[name].dtype)], 1)
+    if hasattr(target.model.model, "rope_deltas"):
+        target.model.model.rope_deltas = None  # the model's own stored state must not leak in
+    with torch.inference_mode():
+        logits = target.model(**inputs).logits[0]
+    start = prompt.target_inputs["input_ids"].shape[1] - 1
+    return logits[start:start + len(answer_ids) + 1].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_plain_greedy_equals_teacher_forced_forward(zoo, family):
+    target = zoo.target(family)
+    for num_images, two_turns in CASES:
+        messages = conversation(num_images, two_turns)
+        ids = run(zoo, family, None, messages).token_ids
+        truth = teacher_forced_choices(target, Engine(target).prepare(messages), ids)
+        assert ids[:len(truth)] == truth, (num_images, two_turns)
+
+
 @pytest.mark.parametrize("family", tiny.FAMILIES)
 def test_plain_greedy_equals_transformers_generate(zoo, family):
+    """Equal to generate() greedy; where they part, generate() is the one that left the
+    teacher-forced ground truth (seen with transformers 5.24 on Qwen2-VL and Gemma 3)."""
     target = zoo.target(family)
     messages = conversation(2)
-    engine = Engine(target)
-    prompt = engine.prepare(messages)
+    prompt = Engine(target).prepare(messages)
     with torch.inference_mode():
         out = target.model.generate(**prompt.target_inputs, max_new_tokens=MAX_NEW, do_sample=False,
                                     min_new_tokens=MAX_NEW)
     reference = out[0, prompt.target_inputs["input_ids"].shape[1]:].tolist()
-    assert run(zoo, family, None, messages).token_ids == reference
+    ours = run(zoo, family, None, messages).token_ids
+    if ours != reference:
+        first = next(i for i, (a, b) in enumerate(zip(ours, reference)) if a != b)
+        truth = teacher_forced_choices(target, prompt, reference[:first + 1])
+        assert truth[first] == ours[first] != reference[first]
+        pytest.xfail(f"transformers generate() leaves greedy at token {first} on {family}; the engine does not")
+
+
+def rounds(events):
+    """(drafted, accepted, tokens of the round) for each verify round of an answer."""
+    done = events[-1]
+    return [(k, chunk.origins.count("draft"), chunk.token_ids)
+            for k, chunk in zip(done.stats.draft_lengths, events[1:-1])]
+
+
+def assert_only_placeholder_rejections(events, placeholder_ids):
+    """Every drafted token was accepted, except where the target itself chose an image
+    placeholder id, which drafters never propose (random tiny models do emit them)."""
+    for drafted, accepted, tokens in rounds(events):
+        if accepted < drafted and accepted < len(tokens):
+            assert tokens[accepted] in placeholder_ids, (drafted, accepted, tokens)
+    assert events[-1].stats.acceptance > 0.5
 
 
 @pytest.mark.parametrize("family", tiny.FAMILIES)
 def test_same_weights_vlm_drafter_is_always_accepted_on_images(zoo, family):
-    done = run(zoo, family, "same_vlm", conversation(2), k=4)
-    assert done.stats.drafted > 0
-    assert done.stats.acceptance == 1.0, done.stats
-    assert done.stats.tokens_per_forward > 4
+    events = run(zoo, family, "same_vlm", conversation(2), k=4, events=True)
+    assert_only_placeholder_rejections(events, zoo.target(family).placeholder_ids)
 
 
 @pytest.mark.parametrize("family", tiny.FAMILIES)
 def test_text_drafter_with_target_weights_is_always_accepted_on_text(zoo, family):
-    done = run(zoo, family, "text_drafter", conversation(0), k=3)
-    assert done.stats.acceptance == 1.0, done.stats
+    events = run(zoo, family, "text_drafter", conversation(0), k=3, events=True)
+    assert_only_placeholder_rejections(events, zoo.target(family).placeholder_ids)

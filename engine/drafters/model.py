@@ -52,7 +52,7 @@ class ModelDrafter:
         for _ in range(k):
             logits = self.runner.extend(self.state, pending)[-1]  # (V,)
             self.cached_answer += pending
-            logits[self.blocked.to(logits.device)] = float("-inf")
+            logits = logits.index_fill(0, self.blocked.to(logits.device), float("-inf"))
             token, token_probs = sampler.next_token(logits)
             tokens.append(token)
             probs.append(token_probs)
