@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Installs everything the tests need on a fresh machine, then runs them.
+# Debian's chromium drives the browser test (Playwright uses it; it never downloads a browser).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
+python3 -m pip install -q -r requirements.txt
+python3 -m pytest -q "$@"
