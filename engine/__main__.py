@@ -50,9 +50,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
     from engine.engine import Engine, RequestError
     from models.loading import LoadError, LoadOptions, load_drafter, load_target
 
+    hf_logging.disable_progress_bar()  # stderr carries only our own one-line messages
+    hf_logging.set_verbosity_error()
     try:
         images = [load_image(path) for path in args.image]
         options = LoadOptions(args.dtype, args.device, args.quantization, args.trust_remote_code)

@@ -88,13 +88,20 @@ def _load_config(name: str, options: LoadOptions):
         raise LoadError(f"cannot read the config of {name!r}: {error}") from error
 
 
+def _family(config) -> Family:
+    try:
+        return family_for_config(config)
+    except ValueError as error:
+        raise LoadError(str(error)) from None
+
+
 def load_target(name: str, options: LoadOptions | None = None) -> Target:
     options = options or LoadOptions()
     config = _load_config(name, options)
     if not hasattr(config, "vision_config"):
         raise LoadError(f"{name!r} is a {config.model_type!r} model without a vision tower; --model needs a "
                         "vision-language model (a text-only model can be a --drafter)")
-    family = family_for_config(config)
+    family = _family(config)
     model = AutoModelForImageTextToText.from_pretrained(name, **_model_kwargs(options)).eval()
     processor = load_processor(name, trust_remote_code=options.trust_remote_code)
     runner = Runner(model, family)
@@ -111,7 +118,7 @@ def load_drafter(name: str | None, target: Target, options: LoadOptions | None =
     config = _load_config(name, options)
     kwargs = _model_kwargs(options)
     if hasattr(config, "vision_config"):
-        family = family_for_config(config)
+        family = _family(config)
         if family.name != target.family.name:
             raise LoadError(f"VLM drafter {name!r} is {family.name}, the target is {target.family.name}; a VLM "
                             "drafter must be of the target's family (or use a text-only LM or --drafter ngram)")

@@ -1,18 +1,12 @@
-"""Supported model families, looked up by `config.model_type`. Adding a family = adding one entry."""
+"""Supported model families, looked up by `config.model_type`. Adding a family = adding one
+file here that defines `FAMILIES`, and naming it below."""
 
 from __future__ import annotations
 
+from . import gemma3, idefics3, llava, qwen_vl
 from .base import Family, MRopeFamily
 
-VLM_FAMILIES: tuple[Family, ...] = (
-    MRopeFamily("qwen2_vl", ("qwen2_vl",)),
-    MRopeFamily("qwen2_5_vl", ("qwen2_5_vl",)),
-    MRopeFamily("qwen3_vl", ("qwen3_vl",)),
-    Family("idefics3", ("idefics3",)),
-    Family("smolvlm", ("smolvlm",)),
-    Family("llava", ("llava",)),
-    Family("gemma3", ("gemma3",)),
-)
+VLM_FAMILIES: tuple[Family, ...] = qwen_vl.FAMILIES + idefics3.FAMILIES + llava.FAMILIES + gemma3.FAMILIES
 
 # Any text-only causal LM (a drafter) numbers positions on one axis.
 TEXT_LM = Family("text_lm", ())

@@ -1,0 +1,9 @@
+"""Gemma 3: 1-axis RoPE with sliding-window layers. Image tokens attend bidirectionally at
+prefill (the processor's token_type_ids go to the prefill forward). Sliding-window cache
+layers only keep their window; the Runner turns on past recording so a rollback after a
+rejected draft can restore the entries that slid out (transformers' `crop` then trims)."""
+
+from .base import Family
+
+GEMMA3 = Family("gemma3", ("gemma3",))
+FAMILIES = (GEMMA3,)

@@ -1,0 +1,33 @@
+"""The n-gram drafter: the docstring's worked example, and never an image placeholder."""
+
+from __future__ import annotations
+
+import random
+
+from engine.drafters.ngram import NgramDrafter, lookup
+from engine.sampling import Sampler, SamplingSettings
+from tests.mocks import prompt_of
+
+
+def test_worked_example_from_the_docstring():
+    assert lookup([5, 6, 7, 8, 9, 5, 6, 7], k=3, min_ngram=1, max_ngram=3, blocked=frozenset()) == [8, 9, 5]
+    assert lookup([5, 6, 99, 99, 7, 5, 6], k=3, min_ngram=1, max_ngram=3, blocked=frozenset({99})) == []
+
+
+def test_latest_match_and_longest_ngram_win():
+    # [1, 2] occurs twice; the latest occurrence (followed by 4) is used
+    assert lookup([1, 2, 3, 1, 2, 4, 1, 2], k=1, min_ngram=1, max_ngram=2, blocked=frozenset()) == [4]
+    assert lookup([1, 2, 3], k=2, min_ngram=1, max_ngram=3, blocked=frozenset()) == []
+
+
+def test_never_proposes_a_placeholder_on_image_heavy_contexts():
+    rng = random.Random(0)
+    placeholders = frozenset({50, 51, 52})
+    sampler = Sampler(SamplingSettings())
+    for trial in range(300):
+        prompt = [rng.choice([1, 2, 3, 50, 51, 52, 4]) for _ in range(rng.randint(2, 60))]
+        drafter = NgramDrafter()
+        drafter.begin(prompt_of(prompt, placeholders))
+        answer = [rng.choice([1, 2, 3, 4]) for _ in range(rng.randint(1, 10))]
+        draft = drafter.propose(answer, rng.randint(1, 8), sampler).token_ids
+        assert not placeholders & set(draft), (prompt, answer, draft)
