@@ -1,0 +1,56 @@
+"""Requests on a real tiny model: sampling, abandoned streams, and request errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.engine import Engine, RequestError
+from engine.loop import DecodeSettings, Done
+from engine.sampling import SamplingSettings
+from tests.test_engine_exact import conversation
+
+DECODE = DecodeSettings(max_new_tokens=16, draft_tokens=3, stop_token_ids=frozenset({-1}))
+
+
+@pytest.fixture(scope="module")
+def engine(zoo):
+    return Engine(zoo.target("qwen2_vl"), {"text": zoo.drafter("qwen2_vl", "text_drafter"),
+                                           "vlm": zoo.drafter("qwen2_vl", "same_vlm"),
+                                           "ngram": zoo.drafter("qwen2_vl", "ngram")}, max_images=4)
+
+
+def final(events):
+    return [e for e in events if isinstance(e, Done)][0]
+
+
+@pytest.mark.parametrize("drafter", ["text", "vlm", "ngram"])
+def test_sampling_is_seeded_and_completes(engine, drafter):
+    sampling = SamplingSettings(temperature=0.9, top_p=0.9, top_k=50, seed=7)
+    first = final(engine.stream(conversation(2), drafter, sampling, DECODE))
+    again = final(engine.stream(conversation(2), drafter, sampling, DECODE))
+    assert first.token_ids == again.token_ids and len(first.token_ids) == 16
+    assert first.stats.fallback_reason is None and first.stats.drafted > 0
+
+
+def test_abandoned_and_stopped_streams_leave_the_engine_ready(engine):
+    fresh = final(engine.stream(conversation(1), "text", decode=DECODE)).token_ids
+    stream = engine.stream(conversation(1), "text", decode=DECODE)
+    next(stream), next(stream)
+    stream.close()  # the consumer walks away mid-answer
+    stop = threading.Event()
+    for i, event in enumerate(engine.stream(conversation(2), "vlm", decode=DECODE, stop=stop)):
+        if i == 1:
+            stop.set()
+    assert event.stats.finish_reason == "stopped"
+    assert final(engine.stream(conversation(1), "text", decode=DECODE)).token_ids == fresh
+    assert not engine.lock.locked()
+
+
+def test_too_many_images_and_unknown_drafter_are_refused_clearly(engine):
+    with pytest.raises(RequestError, match="5 images .* limit is 4"):
+        list(engine.stream(conversation(5), "text", decode=DECODE))
+    with pytest.raises(RequestError, match="unknown drafter 'eagle'"):
+        list(engine.stream(conversation(1), "eagle", decode=DECODE))
+    assert len(final(engine.stream(conversation(1), "text", decode=DECODE)).token_ids) == 16
