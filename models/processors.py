@@ -1,0 +1,173 @@
+"""Load a vision-language processor, also where torchvision is not installed.
+
+Without torchvision, transformers 5.24 has no video processors. Every image processor falls
+back to its `*Pil` class and works, but the processors whose constructor takes a
+`video_processor` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, SmolVLM) cannot be built at all: loading
+fails while fetching the video processor (`OSError` / `ImportError`), and passing
+`video_processor=None` fails the constructor's class check (`AttributeError: ...
+VIDEO_PROCESSOR_MAPPING ... _extra_content`). For those we build an *image-only* processor:
+a subclass of the same class whose constructor has no `video_processor` argument, holding the
+image processor, the tokenizer and the chat template. It renders prompts, expands image
+placeholders and saves exactly like the stock class; only `videos=` is unsupported.
+
+`image_token_ids` lists the multimodal placeholder ids a processor inserts for images (and
+videos), so that a text-only drafter can drop them and an n-gram drafter never proposes them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+
+from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
+from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, processor_class_from_name
+from transformers.processing_utils import ProcessorMixin
+
+logger = logging.getLogger(__name__)
+
+# Errors AutoProcessor raises when the class wants a video processor that cannot be loaded.
+_VIDEO_LOAD_ERRORS = (AttributeError, ImportError, OSError)
+
+# Attributes (of a processor or its tokenizer) that name a multimodal placeholder token,
+# e.g. image_token, video_token, boi_token, eoi_token, fake_image_token, global_image_tag,
+# vision_start_token. Counts such as num_image_tokens do not end in _token / _tag.
+_PLACEHOLDER_ATTRIBUTE = re.compile(r"\w*(image|img|video|vision|boi|eoi)\w*_(token|tag)")
+
+# Spellings of placeholder tokens that some families insert without naming them in an
+# attribute (Qwen2-VL's <|vision_start|>, Idefics3 / SmolVLM's <row_1_col_2>). Matched only
+# against the tokenizer's added tokens, never against ordinary vocabulary.
+_PLACEHOLDER_SPELLING = re.compile(
+    r"<\|?(image|video|vision)[\w-]*\|?>|<row_\d+_col_\d+>|<fake_token_around_image>|<global-img>"
+    r"|<(start|end)_of_image>"
+)
+
+
+def load_processor(path_or_id: str, trust_remote_code: bool = False) -> ProcessorMixin:
+    """The multimodal processor saved in `path_or_id` (a folder or a hub id).
+
+    Tries `AutoProcessor` first; when its class needs a video processor that cannot be
+    loaded here, returns an image-only processor of the same class instead. Raises
+    ValueError, saying what to do, when the folder holds no multimodal processor.
+    """
+    try:
+        processor = AutoProcessor.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
+    except _VIDEO_LOAD_ERRORS as err:
+        processor_class = _builtin_processor_class(path_or_id)
+        if processor_class is None or "video_processor" not in processor_class.get_attributes():
+            if isinstance(err, OSError):  # a file is missing
+                raise _no_processor_error(path_or_id, f"{type(err).__name__}: {err}") from err
+            raise
+        logger.info("%s: %s without a video processor (%s)", path_or_id, processor_class.__name__, err)
+        try:
+            processor = _load_image_only(processor_class, path_or_id)
+        except (OSError, ValueError) as image_only_err:
+            reason = f"{type(image_only_err).__name__}: {image_only_err}"
+            raise _no_processor_error(path_or_id, reason) from image_only_err
+    except ValueError as err:  # AutoProcessor: "Unrecognized processing class in ..."
+        raise _no_processor_error(path_or_id, str(err)) from err
+
+    if not isinstance(processor, ProcessorMixin) or not hasattr(processor, "image_processor"):
+        raise _no_processor_error(path_or_id, f"found only a {type(processor).__name__}")
+    return processor
+
+
+def build_image_only_processor(
+    processor_class: type[ProcessorMixin], image_processor, tokenizer, **kwargs
+) -> ProcessorMixin:
+    """An instance of `processor_class` built from an image processor and a tokenizer only.
+
+    For classes whose constructor wants a video processor (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+    SmolVLM); `kwargs` are the class's own options (chat_template, image_seq_len, ...).
+    The instance's class keeps the stock class name, so `save_pretrained` writes an ordinary
+    checkpoint that `load_processor` (and, with torchvision, `AutoProcessor`) reads back.
+    """
+    if "video_processor" not in processor_class.get_attributes():
+        return processor_class(image_processor=image_processor, tokenizer=tokenizer, **kwargs)
+
+    def __init__(self, image_processor, tokenizer, **kwargs):
+        # The stock constructor forwards (image_processor, tokenizer, video_processor)
+        # positionally to ProcessorMixin.__init__, which pairs them with this class's
+        # attributes -- read from this signature: image_processor and tokenizer only.
+        processor_class.__init__(
+            self, image_processor=image_processor, tokenizer=tokenizer, video_processor=None, **kwargs
+        )
+
+    # ProcessorMixin reads this signature to list the sub-processors and the options that
+    # save_pretrained writes (image_seq_len, ...): the stock one without video_processor.
+    stock = inspect.signature(processor_class.__init__)
+    parameters = [parameter for parameter in stock.parameters.values() if parameter.name != "video_processor"]
+    __init__.__signature__ = stock.replace(parameters=parameters)
+
+    def apply_chat_template(self, conversation, chat_template=None, **kwargs):
+        # SmolVLM's override only adds frame-sampling defaults read from its video processor;
+        # without videos the base method renders the same prompt.
+        return ProcessorMixin.apply_chat_template(self, conversation, chat_template, **kwargs)
+
+    image_only_class = type(
+        processor_class.__name__,
+        (processor_class,),
+        {
+            "__init__": __init__,
+            "apply_chat_template": apply_chat_template,
+            "__doc__": f"{processor_class.__name__} without a video processor.",
+        },
+    )
+    return image_only_class(image_processor=image_processor, tokenizer=tokenizer, **kwargs)
+
+
+def image_token_ids(processor: ProcessorMixin) -> set[int]:
+    """Ids of every multimodal placeholder or marker token the processor's family inserts.
+
+    Qwen: <|image_pad|>, <|vision_start|>, <|vision_end|>, <|video_pad|>; Idefics3 / SmolVLM:
+    <image>, <fake_token_around_image>, <global-img>, <row_i_col_j>; LLaVA: <image>;
+    Gemma 3: <image_soft_token>, <start_of_image>, <end_of_image>. Read from the
+    processor's and tokenizer's named tokens plus the tokenizer's added tokens; only tokens
+    present in the vocabulary are returned.
+    """
+    tokenizer = processor.tokenizer
+    vocab = tokenizer.get_vocab()
+    named = {**tokenizer.special_tokens_map, **vars(processor)}
+    tokens = {
+        str(value)
+        for name, value in named.items()
+        if _PLACEHOLDER_ATTRIBUTE.fullmatch(name) and isinstance(value, str)
+    }
+    tokens |= {token for token in tokenizer.get_added_vocab() if _PLACEHOLDER_SPELLING.fullmatch(token)}
+    return {vocab[token] for token in tokens if token in vocab}
+
+
+def _load_image_only(processor_class: type[ProcessorMixin], path_or_id: str) -> ProcessorMixin:
+    """`processor_class` loaded from `path_or_id` without its video processor."""
+    processor_dict, _ = processor_class.get_processor_dict(path_or_id)  # holds the chat template
+    parameters = inspect.signature(processor_class.__init__).parameters
+    attributes = processor_class.get_attributes()
+    options = {
+        key: value for key, value in processor_dict.items() if key in parameters and key not in attributes
+    }
+    return build_image_only_processor(
+        processor_class,
+        image_processor=AutoImageProcessor.from_pretrained(path_or_id),
+        tokenizer=AutoTokenizer.from_pretrained(path_or_id),
+        **options,
+    )
+
+
+def _builtin_processor_class(path_or_id: str) -> type[ProcessorMixin] | None:
+    """The transformers processor class saved for `path_or_id`, else its model type's; None if unknown."""
+    try:
+        name = ProcessorMixin.get_processor_dict(path_or_id)[0].get("processor_class")
+        if name is None:
+            name = PROCESSOR_MAPPING_NAMES.get(AutoConfig.from_pretrained(path_or_id).model_type)
+    except (OSError, ValueError):
+        return None
+    return processor_class_from_name(name) if isinstance(name, str) else None
+
+
+def _no_processor_error(path_or_id: str, reason: str) -> ValueError:
+    return ValueError(
+        f"No usable multimodal processor in {path_or_id!r} ({reason}). A vision-language model "
+        "needs its processor files next to the weights: preprocessor_config.json or "
+        "processor_config.json, the tokenizer files and a chat template. Copy them from the "
+        "original checkpoint, or save them with `processor.save_pretrained(folder)`."
+    )
