@@ -1,0 +1,244 @@
+"""Benchmark: how much faster is speculative decoding on image requests, with which drafter,
+and is the answer unchanged? Measured in one run on one machine, side by side with
+transformers' own `generate()`.
+
+    python -m engine.bench [--preset demo | --model ID --drafter ID ...] [--dtype bfloat16]
+                           [--quick] [--json FILE] [--plot FILE]
+
+Rows (all on the same requests, greedy, streamed): this engine plain; this engine with each
+drafter; transformers `generate()` plain; `generate(assistant_model=...)` with each model
+drafter; `generate(prompt_lookup_num_tokens=k)`. Rows are interleaved request by request
+(the order rotates) so machine drift hits all rows alike; one warm-up request per row is
+left out of the figures. `speedup_vs_plain` is the per-request ratio of decode tok/s to this
+engine's plain row. `limit` is the speedup the row's measured tokens per target forward
+would give if each round cost what the cost model says: k draft steps plus one target pass
+over k+1 tokens, against one target pass over 1 token (all measured here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.bench_rows import Measurement, cost_model, run_this, run_transformers
+from engine.loop import DecodeSettings
+
+
+@dataclass
+class Row:
+    engine: str  # "this" or "transformers"
+    mode: str  # "plain" or "speculative"
+    drafter: str | None  # a drafter name, "prompt_lookup", or None
+    runs: list[Measurement] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine} {self.mode}" + (f" ({short(self.drafter)})" if self.drafter else "")
+
+
+def short(name: str) -> str:
+    return name.rstrip("/").split("/")[-1]
+
+
+def demo_requests(count: int) -> list[dict]:
+    """Image requests from the bundled model's world with long answers, 1-4 images each."""
+    from models.demo.world import eval_questions
+
+    picked, by_images = [], {}
+    for q in eval_questions(seed=1234, n=400):
+        if len(q.reference.split()) >= 25 and by_images.get(len(q.images), 0) < (count + 3) // 4:
+            by_images[len(q.images)] = by_images.get(len(q.images), 0) + 1
+            picked.append({"kind": q.kind, "images": q.images, "prompt": q.prompt})
+    return picked[:count]
+
+
+def photo_requests(count: int) -> list[dict]:
+    """Generic image requests on the shared photographs, for hub models."""
+    from engine.images import load_image
+
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "examples")
+    files = sorted(f for f in os.listdir(folder) if f.endswith((".png", ".jpg")))
+    prompts = ["Describe this image in detail.", "Compare these images in detail.",
+               "Describe every image, one paragraph each."]
+    return [{"kind": "photo", "images": [load_image(os.path.join(folder, files[(i + j) % len(files)]))
+                                         for j in range(1 + i % 3)],
+             "prompt": prompts[min(i % 3, 2)]} for i in range(count)]
+
+
+def messages_of(request: dict) -> list[dict]:
+    content = [{"type": "image", "image": image} for image in request["images"]]
+    return [{"role": "user", "content": content + [{"type": "text", "text": request["prompt"]}]}]
+
+
+def summarize(row: Row, plain: Row, k: int, costs: dict) -> dict:
+    runs = [r for r in row.runs if r.error is None]
+    out = {"engine": row.engine, "mode": row.mode, "drafter": short(row.drafter) if row.drafter else None,
+           "requests": len(runs), "error": row.error or next((r.error for r in row.runs if r.error), None)}
+    if not runs:
+        return out | {"decode_tok_s": None, "first_token_s": None, "answer_s": None, "tokens_per_forward": None,
+                      "acceptance": None, "identical_to_plain": 0, "speedup_vs_plain": None, "limit": None}
+    by_request = {r.request: r for r in runs}
+    speedups = [by_request[p.request].decode_tok_s / p.decode_tok_s for p in plain.runs if p.request in by_request]
+    tpf = [r.tokens_per_forward for r in runs if r.tokens_per_forward is not None]
+    drafted = sum(r.drafted for r in runs)
+    out |= {
+        "decode_tok_s": statistics.median(r.decode_tok_s for r in runs),
+        "first_token_s": statistics.median(r.first_token_s for r in runs),
+        "answer_s": statistics.median(r.answer_s for r in runs),
+        "tokens_per_forward": statistics.mean(tpf) if tpf else None,
+        "acceptance": sum(r.accepted for r in runs) / drafted if drafted else None,
+        "accepted_by_position": _by_position(runs),
+        "identical_to_plain": sum(by_request[p.request].token_ids == p.token_ids
+                                  for p in plain.runs if p.request in by_request),
+        "differing": [{"request": p.request, "first_difference": _first_difference(by_request[p.request].token_ids,
+                                                                                    p.token_ids)}
+                      for p in plain.runs if p.request in by_request and by_request[p.request].token_ids != p.token_ids],
+        "speedup_vs_plain": {"min": min(speedups), "median": statistics.median(speedups), "max": max(speedups)},
+    }
+    if row.mode == "speculative" and tpf and row.drafter in costs.get("draft_step_s", {}):
+        round_cost = k * costs["draft_step_s"][row.drafter] + costs["verify_s"]
+        out["limit"] = out["tokens_per_forward"] * costs["forward_1_s"] / round_cost
+    else:
+        out["limit"] = None
+    return out
+
+
+def _by_position(runs: list[Measurement]) -> list[float] | None:
+    drafted = [sum(x) for x in zip(*[r.drafted_by_position for r in runs if r.drafted_by_position])]
+    accepted = [sum(x) for x in zip(*[r.accepted_by_position for r in runs if r.accepted_by_position])]
+    return [a / d for a, d in zip(accepted, drafted)] or None
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def machine_info(dtype: str) -> dict:
+    import transformers
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "dtype": dtype,
+            "device": "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def print_table(rows: list[dict], info: dict) -> None:
+    print(f"machine: {info['processor']}, {info['cpus']} CPUs, {info['torch_threads']} torch threads, "
+          f"{info['device']}; dtype {info['dtype']}; torch {info['torch']}, transformers {info['transformers']}")
+    print("| engine | first token | whole answer | decode tok/s | tokens per target forward | acceptance "
+          "| identical to plain | speedup vs plain (min-median-max) | limit |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        name = f"{r['engine']} {r['mode']}" + (f" ({r['drafter']})" if r["drafter"] else "")
+        if r["decode_tok_s"] is None:
+            print(f"| {name} | error: {r['error']} |||||||")
+            continue
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        s = r["speedup_vs_plain"]
+        print(f"| {name} | {r['first_token_s'] * 1000:.0f} ms | {r['answer_s']:.2f} s | {r['decode_tok_s']:.1f} "
+              f"| {fmt(r['tokens_per_forward'], '.2f')} | {fmt(r['acceptance'], '.2f')} "
+              f"| {r['identical_to_plain']}/{r['requests']} | {s['min']:.2f}x-{s['median']:.2f}x-{s['max']:.2f}x "
+              f"| {fmt(r['limit'], '.2f')}{'x' if r['limit'] else ''} |")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    good = [r for r in rows if r["decode_tok_s"]]
+    names = [f"{r['engine']}\n{r['mode']}" + (f"\n{r['drafter']}" if r["drafter"] else "") for r in good]
+    left.bar(range(len(good)), [r["decode_tok_s"] for r in good],
+             color=["tab:blue" if r["engine"] == "this" else "tab:gray" for r in good])
+    left.set_xticks(range(len(good)), names, fontsize=7)
+    left.set_ylabel("decode tokens/s (median)")
+    left.set_title("Decode speed per engine")
+    for r in good:
+        if r.get("accepted_by_position"):
+            right.plot(range(1, len(r["accepted_by_position"]) + 1), r["accepted_by_position"], marker="o",
+                       label=f"{r['engine']} {r['drafter']}")
+    right.set_xlabel("draft position")
+    right.set_ylabel("acceptance")
+    right.set_ylim(0, 1.05)
+    right.set_title("Acceptance by draft position")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from engine.eval import build_engine
+    from models.presets import PRESETS
+
+    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="demo", choices=sorted(PRESETS))
+    parser.add_argument("--model", help="target (overrides the preset)")
+    parser.add_argument("--drafter", action="append", help="a drafter (repeat); default: the preset's")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="6 requests instead of 12")
+    parser.add_argument("--requests", type=int, help="number of requests (default 12, 6 with --quick)")
+    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--requests-from", choices=["demo", "photos"],
+                        help="the demo world's questions (default for the demo preset) or the example photos")
+    parser.add_argument("--no-transformers", action="store_true", help="skip transformers' rows")
+    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    parser.add_argument("--plot", metavar="FILE", default="bench.png", help="PNG plot (default bench.png)")
+    args = parser.parse_args(argv)
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+    preset = PRESETS[args.preset]
+    model = args.model or preset.target
+    drafters = args.drafter or (list(preset.drafters) if not args.model else ["ngram"])
+    engine = build_engine(model, drafters, args.dtype, args.device)
+    count = args.requests or (6 if args.quick else 12)
+    source = args.requests_from or ("demo" if not args.model and args.preset == "demo" else "photos")
+    requests = demo_requests(count) if source == "demo" else photo_requests(count)
+    decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens)
+
+    rows = [Row("this", "plain", None)] + [Row("this", "speculative", d) for d in drafters]
+    if not args.no_transformers:
+        rows += [Row("transformers", "plain", None)]
+        rows += [Row("transformers", "speculative", d) for d in drafters if d != "ngram"]
+        rows += [Row("transformers", "speculative", "prompt_lookup")]
+    started = time.perf_counter()
+    for index, request in enumerate([requests[0]] + requests):  # the first pass is the warm-up
+        order = rows[index % len(rows):] + rows[:index % len(rows)]
+        for row in order:
+            runner = run_this if row.engine == "this" else run_transformers
+            measurement = runner(engine, row.drafter, messages_of(request), decode, request_id=index)
+            if index > 0:
+                row.runs.append(measurement)
+        print(f"request {index}/{len(requests)} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens)
+    info = machine_info(args.dtype)
+    table = [summarize(row, rows[0], args.draft_tokens, costs) for row in rows]
+    print_table(table, info)
+    print(f"cost model: target forward 1 token {costs['forward_1_s'] * 1000:.1f} ms, "
+          f"{args.draft_tokens + 1} tokens {costs['verify_s'] * 1000:.1f} ms; draft step "
+          + ", ".join(f"{short(d)} {t * 1000:.1f} ms" for d, t in costs["draft_step_s"].items()))
+    if args.plot:
+        plot(table, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"machine": info, "dtype": args.dtype, "costs": costs, "rows": table}, file, indent=1)
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""One benchmark measurement per (row, request): this engine's stream, or transformers' generate().
+
+Both are timed the same way: the clock starts before prompt processing, the first token's
+time is when it is available to the consumer (a streamer for generate()), and the device is
+synchronized before each reading.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.loop import DecodeSettings, Done
+from engine.sampling import Sampler, SamplingSettings
+from engine.stats import Clock
+
+
+@dataclass
+class Measurement:
+    request: int
+    token_ids: list[int] = field(default_factory=list)
+    first_token_s: float = 0.0
+    answer_s: float = 0.0
+    decode_tok_s: float = 0.0
+    tokens_per_forward: float | None = None
+    drafted: int = 0
+    accepted: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+def run_this(engine, drafter: str | None, messages, decode: DecodeSettings, request_id: int) -> Measurement:
+    done = [e for e in engine.stream(messages, drafter=drafter, decode=decode) if isinstance(e, Done)][0]
+    s = done.stats
+    return Measurement(request_id, done.token_ids, s.ttft_s, s.total_s, s.decode_tok_s,
+                       s.tokens_per_forward if drafter else None, s.drafted, s.accepted,
+                       s.drafted_by_position, s.accepted_by_position)
+
+
+class _TimingStreamer:
+    """generate() calls put() with the prompt first, then with each new token."""
+
+    def __init__(self, clock: Clock):
+        self.clock, self.calls, self.first_token_at = clock, 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2:
+            self.first_token_at = self.clock.now()
+
+    def end(self):
+        pass
+
+
+def run_transformers(engine, drafter: str | None, messages, decode: DecodeSettings, request_id: int) -> Measurement:
+    target = engine.target
+    clock = Clock(target.runner.device)
+    started = clock.now()
+    streamer = _TimingStreamer(clock)
+    kwargs = {"max_new_tokens": decode.max_new_tokens, "do_sample": False, "streamer": streamer,
+              "eos_token_id": sorted(engine.stop_token_ids()), "pad_token_id": target.tokenizer.pad_token_id}
+    if drafter == "prompt_lookup":
+        kwargs["prompt_lookup_num_tokens"] = decode.draft_tokens
+    elif drafter is not None:
+        assistant = engine.drafters[drafter].runner.model
+        assistant.generation_config.num_assistant_tokens = decode.draft_tokens
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        kwargs["assistant_model"] = assistant
+    try:
+        inputs = {k: v.to(target.runner.device) for k, v in engine.prepare(messages).target_inputs.items()}
+        with torch.inference_mode():
+            out = target.model.generate(**inputs, **kwargs)
+    except Exception as error:  # a crash is a result: the row reports it
+        return Measurement(request_id, error=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
+    finished = clock.now()
+    token_ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+    first = streamer.first_token_at or finished
+    decode_tokens = len(token_ids) - 1
+    return Measurement(request_id, token_ids, first - started, finished - started,
+                       decode_tokens / (finished - first) if finished > first else 0.0)
+
+
+def cost_model(engine, messages, k: int, repeats: int = 7) -> dict:
+    """Median cost of one target forward over 1 and k+1 tokens after this prompt, and of
+    one draft step of each drafter (an n-gram lookup for 'ngram')."""
+    target = engine.target.runner
+    prompt = engine.prepare(messages)
+    clock = Clock(target.device)
+    _, state = target.prefill(prompt.target_inputs)
+    token = prompt.input_ids[-1]
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = clock.now()
+            fn()
+            times.append(clock.now() - t0)
+        return statistics.median(times[1:])
+
+    def extend_and_undo(runner, runner_state, n):
+        runner.extend(runner_state, [token] * n)
+        runner.rollback(runner_state, n)
+
+    costs = {"forward_1_s": timed(lambda: extend_and_undo(target, state, 1)),
+             "verify_s": timed(lambda: extend_and_undo(target, state, k + 1)), "draft_step_s": {}}
+    sampler = Sampler(SamplingSettings())
+    for name, drafter in engine.drafters.items():
+        drafter.begin(prompt)
+        if hasattr(drafter, "runner"):
+            costs["draft_step_s"][name] = timed(lambda: extend_and_undo(drafter.runner, drafter.state, 1))
+        else:
+            costs["draft_step_s"][name] = timed(lambda: drafter.propose([token], k, sampler)) / k
+        drafter.end()
+    return costs

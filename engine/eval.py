@@ -1,0 +1,100 @@
+"""Evaluate the bundled demo model through the engine: accuracy, identical answers, acceptance.
+
+    python -m engine.eval [--seed S] [--limit N] [--dtype D] [--draft-tokens K] [--json]
+
+Questions come from `models.demo.world.eval_questions(seed, n)`: a namespace of seeds and a
+share of picture contents that training never uses (see the world's docstring). Every
+question is answered plainly and with each bundled drafter (text LM, small VLM, n-gram),
+greedy. Accuracy is the share of answers that contain the expected answer as whole words,
+case-insensitively (`world.answer_matches`). `identical_to_plain` compares token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+
+from engine.loop import DecodeSettings, Done
+
+
+def build_engine(model: str, drafters: list[str], dtype: str, device: str):
+    from engine.engine import Engine
+    from models.loading import LoadOptions, load_drafter, load_target
+
+    options = LoadOptions(dtype=dtype, device=device)
+    target = load_target(model, options)
+    return Engine(target, {name: load_drafter(name, target, options) for name in drafters})
+
+
+def drafter_label(name: str) -> str:
+    """Short names for the table: the folder's last part, or 'ngram'."""
+    return name.rstrip("/").split("/")[-1]
+
+
+def answer(engine, question, drafter, decode: DecodeSettings) -> Done:
+    content = [{"type": "image", "image": image} for image in question.images]
+    messages = [{"role": "user", "content": content + [{"type": "text", "text": question.prompt}]}]
+    return [e for e in engine.stream(messages, drafter=drafter, decode=decode) if isinstance(e, Done)][0]
+
+
+def evaluate(engine, questions, decode: DecodeSettings) -> list[dict]:
+    from models.demo.world import answer_matches
+
+    plain = [answer(engine, q, None, decode) for q in questions]
+    rows = [{"mode": "plain", "drafter": None,
+             "accuracy": sum(answer_matches(d.text, q.answer) for d, q in zip(plain, questions)) / len(questions),
+             "identical_to_plain": 1.0, "acceptance": None}]
+    for name in engine.drafters:
+        done = [answer(engine, q, name, decode) for q in questions]
+        drafted = sum(d.stats.drafted for d in done)
+        rows.append({
+            "mode": "speculative", "drafter": drafter_label(name),
+            "accuracy": sum(answer_matches(d.text, q.answer) for d, q in zip(done, questions)) / len(questions),
+            "identical_to_plain": sum(d.token_ids == p.token_ids for d, p in zip(done, plain)) / len(questions),
+            "acceptance": sum(d.stats.accepted for d in done) / drafted if drafted else None,
+            "tokens_per_forward": sum(d.stats.decode_tokens for d in done) / max(1, sum(d.stats.target_forwards for d in done)),
+        })
+    return rows
+
+
+def main(argv=None) -> int:
+    from models.demo.world import eval_questions
+    from models.presets import PRESETS
+
+    demo = PRESETS["demo"]
+    parser = argparse.ArgumentParser(prog="python -m engine.eval", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--limit", type=int, default=200, help="number of questions")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    started = time.perf_counter()
+    engine = build_engine(demo.target, list(demo.drafters), args.dtype, args.device)
+    questions = eval_questions(args.seed, args.limit)
+    decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens)
+    rows = evaluate(engine, questions, decode)
+    result = {"questions": len(questions), "seed": args.seed, "dtype": args.dtype,
+              "questions_sha256": hashlib.sha256("\n".join(q.prompt for q in questions).encode()).hexdigest(),
+              "rows": rows}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{len(questions)} questions, seed {args.seed}, {args.dtype}, k={args.draft_tokens} "
+          f"({time.perf_counter() - started:.0f} s)")
+    print(f"{'mode':<12} {'drafter':<14} {'accuracy':>8} {'identical':>9} {'acceptance':>10} {'tok/fwd':>7}")
+    for row in rows:
+        acceptance = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
+        print(f"{row['mode']:<12} {row['drafter'] or '-':<14} {row['accuracy']:>8.1%} "
+              f"{row['identical_to_plain']:>9.1%} {acceptance:>10} {row.get('tokens_per_forward', 1.0):>7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
