@@ -1,0 +1,380 @@
+"""Train the bundled demo models from scratch, reproducibly, on a CPU.
+
+    python -m models.demo.train --out assets/demo
+
+writes three Hugging Face folders:
+    target/        Qwen2VLForConditionalGeneration + processor (tokenizer, chat template)
+    vlm_drafter/   a smaller Qwen2VLForConditionalGeneration + the same processor
+    text_drafter/  Qwen2ForCausalLM + the same tokenizer; it never sees pictures
+and training.json (settings, parameter counts, time, held-out accuracy).
+
+The three models learn from the same batches in one loop: the two vision-language models on
+the full conversations, the text drafter on their text-only view (the
+<|vision_start|><|image_pad|>...<|vision_end|> runs removed, positions consecutive). The loss
+covers assistant tokens only, each answer's <|im_end|> included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    GenerationConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+)
+
+from models.demo import world
+from models.demo.processor import ImageOnlyQwen2VLProcessor, build_processor, build_tokenizer
+
+VOCAB_SIZE = 640
+TOKENIZER_EXAMPLES = 4000  # training conversations whose text the BPE is trained on
+
+# Sizes. The target must be right; the drafters must be cheap per token (1-2 layers).
+TARGET = dict(hidden=192, layers=6, heads=4, kv_heads=2, mlp=576, vision_dim=128, vision_depth=2, vision_heads=4)
+VLM_DRAFTER = dict(hidden=128, layers=2, heads=4, kv_heads=2, mlp=384, vision_dim=96, vision_depth=2, vision_heads=4)
+TEXT_DRAFTER = dict(hidden=128, layers=2, heads=4, kv_heads=2, mlp=384)
+
+
+# ---------------------------------------------------------------- models
+
+
+def _text_settings(size: dict, tokenizer) -> dict:
+    return dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=size["hidden"],
+        intermediate_size=size["mlp"],
+        num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"],
+        num_key_value_heads=size["kv_heads"],
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def vlm_config(size: dict, tokenizer) -> Qwen2VLConfig:
+    """A Qwen2-VL config of the given size, patch 14 and merge 2 like the image processor."""
+    head_dim = size["hidden"] // size["heads"]
+    # M-RoPE splits head_dim / 2 rotary frequencies into (time, height, width) sections.
+    t = head_dim // 2 // 4
+    mrope_section = [t, (head_dim // 2 - t) // 2, head_dim // 2 - t - (head_dim // 2 - t) // 2]
+    text = _text_settings(size, tokenizer) | dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section},
+    )
+    vision = dict(
+        depth=size["vision_depth"],
+        embed_dim=size["vision_dim"],
+        hidden_size=size["hidden"],
+        num_heads=size["vision_heads"],
+        mlp_ratio=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+    )}
+    return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+
+
+def text_config(size: dict, tokenizer) -> Qwen2Config:
+    return Qwen2Config(**_text_settings(size, tokenizer), rope_theta=10000.0, tie_word_embeddings=True)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- batches
+
+
+@dataclass
+class Batch:
+    """One padded batch (right padding). `labels` is -100 outside assistant answers."""
+
+    input_ids: torch.Tensor  # (B, S)
+    attention_mask: torch.Tensor  # (B, S)
+    mm_token_type_ids: torch.Tensor  # (B, S): 1 on image tokens
+    pixel_values: torch.Tensor  # (num_patches, 1176)
+    image_grid_thw: torch.Tensor  # (num_images, 3)
+    labels: torch.Tensor  # (B, S)
+
+    def vlm_inputs(self) -> dict:
+        return dict(
+            input_ids=self.input_ids, attention_mask=self.attention_mask, mm_token_type_ids=self.mm_token_type_ids,
+            pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw, labels=self.labels,
+        )
+
+
+def assistant_labels(input_ids: torch.Tensor, tokenizer) -> torch.Tensor:
+    """Copy of `input_ids` (B, S) with -100 everywhere but the assistant answers (each from the
+    token after "<|im_start|>assistant\\n" up to and including its <|im_end|>)."""
+    prefix = [tokenizer.convert_tokens_to_ids("<|im_start|>")] + tokenizer.encode("assistant\n")
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    labels = torch.full_like(input_ids, -100)
+    for row, ids in enumerate(input_ids.tolist()):
+        inside = False
+        for pos in range(len(ids)):
+            if ids[pos : pos + len(prefix)] == prefix:
+                start = pos + len(prefix)
+                inside = True
+            if inside and pos >= start:
+                labels[row, pos] = ids[pos]
+                inside = ids[pos] != im_end
+    return labels
+
+
+def encode(processor: ImageOnlyQwen2VLProcessor, examples: list[world.Example]) -> Batch:
+    texts = [processor.apply_chat_template(e.messages) for e in examples]
+    images = [image for e in examples for image in e.images]
+    encoded = processor(text=texts, images=images, padding=True, return_tensors="pt")
+    return Batch(
+        input_ids=encoded["input_ids"],
+        attention_mask=encoded["attention_mask"],
+        mm_token_type_ids=encoded["mm_token_type_ids"],
+        pixel_values=encoded["pixel_values"],
+        image_grid_thw=encoded["image_grid_thw"],
+        labels=assistant_labels(encoded["input_ids"], processor.tokenizer),
+    )
+
+
+def text_only(batch: Batch, tokenizer) -> dict:
+    """The text drafter's view of `batch`: vision tokens dropped, rows re-padded on the right."""
+    vision = torch.tensor([tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")])
+    keep = (batch.attention_mask == 1) & ~torch.isin(batch.input_ids, vision)
+    rows = [(ids[k], labels[k]) for ids, labels, k in zip(batch.input_ids, batch.labels, keep)]
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, (ids, row_labels) in enumerate(rows):
+        input_ids[row, : len(ids)] = ids
+        labels[row, : len(ids)] = row_labels
+        attention_mask[row, : len(ids)] = 1
+    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def batches(processor, steps: int, batch_size: int, seed: int, pool: int = 8):
+    """`steps` batches of training conversations 0, 1, 2, ... Each group of `pool` batches is
+    sorted by length (less padding) and then shuffled with `seed`."""
+    rng = random.Random(seed)
+    next_example = 0
+    for _ in range(0, steps, pool):
+        group = list(world.train_examples(next_example, pool * batch_size))
+        next_example += len(group)
+        group.sort(key=lambda e: len(e.images) * 20 + sum(len(str(m["content"])) for m in e.messages) // 4)
+        chunks = [group[i : i + batch_size] for i in range(0, len(group), batch_size)]
+        rng.shuffle(chunks)
+        for chunk in chunks:
+            yield encode(processor, chunk)
+
+
+# ---------------------------------------------------------------- training
+
+
+@dataclass
+class Trainee:
+    name: str
+    model: PreTrainedModel
+    optimizer: torch.optim.Optimizer
+    sees_images: bool
+    loss_sum: float = 0.0
+
+
+def learning_rate(step: int, steps: int, peak: float, warmup: int = 60) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(progress * torch.pi)).item()))
+
+
+def train_step(trainee: Trainee, batch: Batch, tokenizer, lr: float, bf16: bool) -> float:
+    inputs = batch.vlm_inputs() if trainee.sees_images else text_only(batch, tokenizer)
+    for group in trainee.optimizer.param_groups:
+        group["lr"] = lr
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = trainee.model(**inputs).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(trainee.model.parameters(), 1.0)
+    trainee.optimizer.step()
+    trainee.optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def make_trainee(name: str, model: PreTrainedModel, sees_images: bool, lr: float) -> Trainee:
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+    return Trainee(name, model, torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98)), sees_images)
+
+
+def build_models(tokenizer, seed: int) -> list[Trainee]:
+    torch.manual_seed(seed)
+    target = Qwen2VLForConditionalGeneration(vlm_config(TARGET, tokenizer))
+    torch.manual_seed(seed + 1)
+    vlm_drafter = Qwen2VLForConditionalGeneration(vlm_config(VLM_DRAFTER, tokenizer))
+    torch.manual_seed(seed + 2)
+    text_drafter = Qwen2ForCausalLM(text_config(TEXT_DRAFTER, tokenizer))
+    return [
+        make_trainee("target", target, True, 0.0),
+        make_trainee("vlm_drafter", vlm_drafter, True, 0.0),
+        make_trainee("text_drafter", text_drafter, False, 0.0),
+    ]
+
+
+def world_tokenizer():
+    """The BPE, trained on the text of the first TOKENIZER_EXAMPLES training conversations."""
+    texts = ["user\n", "assistant\n", "system\n"] * 100 + [f"Picture {i}: " for i in range(1, 9)] * 100
+    texts += list(world.WORDS) + list(world.SYSTEM_PROMPTS) * 10
+    for example in world.train_examples(0, TOKENIZER_EXAMPLES):
+        texts += [c["text"] for m in example.messages for c in m["content"] if c["type"] == "text"]
+    return build_tokenizer(texts, VOCAB_SIZE)
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def answer(model, processor, question: world.Question, max_new_tokens: int = 120) -> str:
+    """Plain greedy `generate` on one held-out question; returns the decoded answer."""
+    content = [{"type": "image"} for _ in question.images] + [{"type": "text", "text": question.prompt}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    inputs = processor(text=[text], images=question.images, return_tensors="pt")
+    output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return processor.tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def accuracy(model, processor, questions: list[world.Question]) -> tuple[float, dict]:
+    """Share of `questions` whose greedy answer matches (`world.answer_matches`), and per kind."""
+    per_kind: dict[str, list[int]] = {}
+    model.eval()
+    for question in questions:
+        right = world.answer_matches(answer(model, processor, question), question.answer)
+        per_kind.setdefault(question.kind, []).append(int(right))
+    total = sum(sum(v) for v in per_kind.values()) / len(questions)
+    return total, {kind: sum(v) / len(v) for kind, v in sorted(per_kind.items())}
+
+
+@torch.no_grad()
+def ms_per_token(model, inputs: dict, new_tokens: int = 48, repeats: int = 3) -> float:
+    """Milliseconds per token of plain greedy decoding with a KV cache, prefill excluded: the
+    time of `new_tokens` tokens less the time of one, over `new_tokens - 1` (best of `repeats`)."""
+
+    def seconds(n: int) -> float:
+        start = time.perf_counter()
+        model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - start
+
+    seconds(2)  # warm-up
+    return min(1000 * (seconds(new_tokens) - seconds(1)) / (new_tokens - 1) for _ in range(repeats))
+
+
+def decoding_costs(trainees: list[Trainee], processor, question: world.Question) -> dict[str, float]:
+    """`ms_per_token` of each model on one held-out question (the text drafter without its images)."""
+    content = [{"type": "image"} for _ in question.images] + [{"type": "text", "text": question.prompt}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    vlm_inputs = processor(text=[text], images=question.images, return_tensors="pt")
+    plain = processor.apply_chat_template([{"role": "user", "content": content[-1:]}], add_generation_prompt=True)
+    text_inputs = processor.tokenizer([plain], return_tensors="pt")
+    return {
+        t.name: round(ms_per_token(t.model.eval(), vlm_inputs if t.sees_images else text_inputs), 2) for t in trainees
+    }
+
+
+# ---------------------------------------------------------------- saving
+
+
+def save(trainee: Trainee, processor, out: Path) -> None:
+    folder = out / trainee.name
+    model = trainee.model
+    model.generation_config = GenerationConfig(
+        eos_token_id=processor.tokenizer.eos_token_id, pad_token_id=processor.tokenizer.pad_token_id,
+        do_sample=False, max_new_tokens=120,
+    )
+    model.save_pretrained(folder)
+    if trainee.sees_images:
+        processor.save_pretrained(folder)
+        # The folder should name the stock class, so that standard loaders recognise it.
+        config_path = folder / "processor_config.json"
+        config = json.loads(config_path.read_text())
+        config["processor_class"] = "Qwen2VLProcessor"
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+    else:
+        processor.tokenizer.save_pretrained(folder)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("assets/demo"))
+    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--fp32", action="store_true", help="train in float32 instead of bfloat16 autocast")
+    parser.add_argument("--eval-questions", type=int, default=100, help="held-out questions to score at the end")
+    parser.add_argument("--eval-seed", type=int, default=0)
+    args = parser.parse_args()
+
+    # 1. Seeds, threads, tokenizer and processor.
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    started = time.time()
+    tokenizer = world_tokenizer()
+    processor = build_processor(tokenizer)
+
+    # 2. Three fresh models.
+    trainees = build_models(tokenizer, args.seed)
+    for t in trainees:
+        print(f"{t.name}: {count_parameters(t.model):,} parameters", flush=True)
+
+    # 3. One loop: every model takes a step on every batch.
+    for step, batch in enumerate(batches(processor, args.steps, args.batch_size, args.seed)):
+        if step == args.steps:
+            break
+        lr = learning_rate(step, args.steps, args.lr)
+        for t in trainees:
+            t.loss_sum += train_step(t, batch, tokenizer, lr, not args.fp32)
+        if (step + 1) % 25 == 0:
+            losses = "  ".join(f"{t.name} {t.loss_sum / 25:.3f}" for t in trainees)
+            print(f"step {step + 1}/{args.steps}  {time.time() - started:.0f}s  lr {lr:.2e}  {losses}", flush=True)
+            for t in trainees:
+                t.loss_sum = 0.0
+    train_seconds = time.time() - started
+
+    # 4. Save, then score the two vision-language models on held-out questions.
+    args.out.mkdir(parents=True, exist_ok=True)
+    for t in trainees:
+        save(t, processor, args.out)
+    questions = world.eval_questions(args.eval_seed, args.eval_questions)
+    report = {
+        "command": f"python -m models.demo.train --out {args.out} --steps {args.steps}",
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "train_seconds": round(train_seconds),
+        "parameters": {t.name: count_parameters(t.model) for t in trainees},
+    }
+    for t in trainees[:2]:
+        total, per_kind = accuracy(t.model, processor, questions)
+        report[f"{t.name}_accuracy"] = {"eval_seed": args.eval_seed, "questions": len(questions), "overall": total, "per_kind": per_kind}
+        print(f"{t.name} held-out accuracy: {total:.3f}", flush=True)
+    report["ms_per_token_float32"] = decoding_costs(trainees, processor, questions[0])
+    print(f"ms per token: {report['ms_per_token_float32']}", flush=True)
+    (args.out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"done in {time.time() - started:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
