@@ -1,6 +1,6 @@
 """Command line: answer one prompt about zero or more images, plainly or speculatively.
 
-    python -m engine [--model ID_OR_DIR] [--drafter ID_OR_DIR|ngram|none] [--mode plain|speculative]
+    python -m engine [--preset NAME] [--model ID_OR_DIR] [--drafter ID_OR_DIR|ngram|none] [--mode plain|speculative]
                      [--image PATH]... [--max-new-tokens N] [--dtype D] [--device D]
                      [--temperature T] [--top-p P] [--top-k K] [--seed S] [--draft-tokens K]
                      [--adaptive] [--json] PROMPT
@@ -21,11 +21,12 @@ from engine.sampling import SamplingSettings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from models.presets import DEFAULT_DRAFTER, DEFAULT_MODEL
+    from models.presets import PRESETS, resolve
 
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("prompt")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="hub id or local folder of the target VLM")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="a named target/drafter pair (default: demo)")
+    parser.add_argument("--model", help="hub id or local folder of the target VLM (default: the preset's)")
     parser.add_argument("--drafter", default=None,
                         help="hub id or folder of a drafter, 'ngram', or 'none' (default: the model's default drafter)")
     parser.add_argument("--mode", choices=["plain", "speculative"], default="speculative")
@@ -43,8 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--adaptive", action="store_true", help="adapt the draft length to acceptance")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     args = parser.parse_args(argv)
-    if args.drafter is None:
-        args.drafter = DEFAULT_DRAFTER if args.model == DEFAULT_MODEL else "ngram"
+    args.model, drafters = resolve(args.preset, args.model, [args.drafter] if args.drafter else None)
+    args.drafter = drafters[0]
     return args
 
 

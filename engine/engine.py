@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
+import torch
+
 from engine.drafters.base import Drafter
 from engine.loop import Chunk, DecodeSettings, Done, generate
 from engine.prompt import Prompt, encode_vlm, images_of, normalize
@@ -70,5 +72,11 @@ class Engine:
         if not decode.stop_token_ids:
             decode = DecodeSettings(**{**decode.__dict__, "stop_token_ids": self.stop_token_ids()})
         with self.lock:
-            yield from generate(self.target.runner, self.target.tokenizer, prompt,
-                                self.drafters.get(drafter) if drafter else None, sampling, decode, stop)
+            try:
+                yield from generate(self.target.runner, self.target.tokenizer, prompt,
+                                    self.drafters.get(drafter) if drafter else None, sampling, decode, stop)
+            except torch.OutOfMemoryError:
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # this request's caches are gone; the next one starts clean
+                raise RequestError("out of memory while answering; try fewer or smaller images, a shorter "
+                                   "conversation or fewer new tokens") from None

@@ -1,7 +1,9 @@
 """Named target/drafter pairs, and the bundled demo model that is the default.
 
 Presets other than `demo` need the Hugging Face hub (or a local copy of the weights); their
-loading code is the same `from_pretrained` path as the bundled model's.
+loading code is the same `from_pretrained` path as the bundled model's, and the vocabulary
+check in `models.loading.check_vocabularies` runs on them at load time. What we could check
+offline, from the published configs, is in the `note` of each preset (and in the README).
 """
 
 from __future__ import annotations
@@ -24,4 +26,28 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "demo": Preset(DEFAULT_MODEL, (DEFAULT_DRAFTER, os.path.join(ASSETS, "vlm_drafter"), "ngram"),
                    "bundled Qwen2-VL-family model trained on a synthetic world; runs offline on a CPU"),
+    "smolvlm-256m": Preset("HuggingFaceTB/SmolVLM-256M-Instruct", ("HuggingFaceTB/SmolLM2-135M-Instruct", "ngram"),
+                           "CPU-sized, 1-axis RoPE. SmolVLM's tokenizer is SmolLM2's (49152 ids) plus image tokens "
+                           "appended after them (49280 rows), so the shared ids agree."),
+    "qwen2.5-vl-3b": Preset("Qwen/Qwen2.5-VL-3B-Instruct", ("Qwen/Qwen2.5-0.5B-Instruct", "ngram"),
+                            "M-RoPE. Same Qwen2 tokenizer (151643 BPE ids + the same special tokens, vision "
+                            "tokens included); embedding rows 151936 in both."),
+    "qwen2.5-vl-7b": Preset("Qwen/Qwen2.5-VL-7B-Instruct", ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct",
+                                                           "ngram"),
+                            "M-RoPE. 152064 embedding rows vs 151936 for the 0.5B drafter: only padding rows differ; "
+                            "the 3B VLM drafter sees the images through its own vision tower."),
+    "qwen3-vl-2b": Preset("Qwen/Qwen3-VL-2B-Instruct", ("Qwen/Qwen3-0.6B", "ngram"),
+                          "M-RoPE (interleaved). Qwen3 and Qwen3-VL share the Qwen tokenizer; 151936 rows."),
 }
+
+
+def resolve(preset: str | None, model: str | None, drafters: list[str] | None) -> tuple[str, list[str]]:
+    """The target and drafters to load: explicit flags win over the preset; a target given
+    without drafters gets the n-gram drafter, which works with any model."""
+    if preset and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    chosen = PRESETS[preset or "demo"]
+    target = model or chosen.target
+    if drafters:
+        return target, drafters
+    return target, list(chosen.drafters) if not model else ["ngram"]

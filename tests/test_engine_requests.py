@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from engine.engine import Engine, RequestError
 from engine.loop import DecodeSettings, Done
@@ -54,3 +55,23 @@ def test_too_many_images_and_unknown_drafter_are_refused_clearly(engine):
     with pytest.raises(RequestError, match="unknown drafter 'eagle'"):
         list(engine.stream(conversation(1), "eagle", decode=DECODE))
     assert len(final(engine.stream(conversation(1), "text", decode=DECODE)).token_ids) == 16
+
+
+def test_out_of_memory_in_the_target_ends_the_request_and_the_engine_recovers(engine, monkeypatch):
+    fresh = final(engine.stream(conversation(1), "text", decode=DECODE)).token_ids
+    runner = engine.target.runner
+    calls = {"n": 0}
+    real_extend = runner.extend
+
+    def failing_extend(state, token_ids):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return real_extend(state, token_ids)
+
+    monkeypatch.setattr(runner, "extend", failing_extend)
+    with pytest.raises(RequestError, match="out of memory"):
+        list(engine.stream(conversation(1), "text", decode=DECODE))
+    monkeypatch.undo()
+    assert not engine.lock.locked()
+    assert final(engine.stream(conversation(1), "text", decode=DECODE)).token_ids == fresh
