@@ -21,11 +21,17 @@ class CacheState:
 
     cache_len: tokens held in the KV cache (the KV index of the next token).
     rope_pos:  rotary position of the next token; cache_len + rope_delta.
+    hidden_layers: hidden states each pass also returns, for a drafter that reads the target
+               (index as in `output_hidden_states`: 0 = the merged input embeddings, i = output
+               of layer i, -1 = the last, normed); empty = none are computed.
+    hidden:    {layer: (n, H)} those hidden states for the n positions the last pass ran.
     """
 
     cache: DynamicCache
     cache_len: int
     rope_pos: int
+    hidden_layers: tuple[int, ...] = ()
+    hidden: dict[int, torch.Tensor] | None = None
 
 
 class Runner:
@@ -38,19 +44,23 @@ class Runner:
         self.device = model.device
 
     @torch.inference_mode()
-    def prefill(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, CacheState]:
+    def prefill(self, inputs: dict[str, torch.Tensor],
+                hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, CacheState]:
         """Run the prompt. inputs: processor outputs (input_ids (1, S), pixel_values, ...).
 
-        Returns the float32 logits of the last prompt position, (V,), and the new cache state.
+        Returns the float32 logits of the last prompt position, (V,), and the new cache state
+        (with `hidden` of all S prompt positions when `hidden_layers` asks for any).
         """
         inputs = {name: value.to(self.device) for name, value in inputs.items()}
         position_ids, rope_delta = self.family.prefill_positions(self.model, inputs)
         cache = DynamicCache(config=self.model.config)
         cache.activate_past_recording()  # sliding-window layers keep what a rollback may need
-        out = self.model(**inputs, position_ids=position_ids, cache=cache,
-                         use_cache=True, logits_to_keep=1)
         seq_len = inputs["input_ids"].shape[1]
-        state = CacheState(cache=cache, cache_len=seq_len, rope_pos=seq_len + rope_delta)
+        state = CacheState(cache=cache, cache_len=seq_len, rope_pos=seq_len + rope_delta,
+                           hidden_layers=tuple(hidden_layers))
+        out = self.model(**inputs, position_ids=position_ids, cache=cache,
+                         use_cache=True, logits_to_keep=1, **self._hidden_request(state))
+        self._keep_hidden(state, out, seq_len)
         self.rollback(state, 0)  # trims sliding-window layers back to their window
         return self._vocab(out.logits[0, -1]), state
 
@@ -60,8 +70,9 @@ class Runner:
         num_tokens = len(token_ids)
         input_ids = torch.tensor([token_ids], device=self.device)
         position_ids = self.family.positions(state.rope_pos, num_tokens, self.device)
-        out = self.model(input_ids=input_ids, position_ids=position_ids,
-                         cache=state.cache, use_cache=True, logits_to_keep=num_tokens)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, cache=state.cache,
+                         use_cache=True, logits_to_keep=num_tokens, **self._hidden_request(state))
+        self._keep_hidden(state, out, num_tokens)
         state.cache_len += num_tokens
         state.rope_pos += num_tokens
         return self._vocab(out.logits[0, -num_tokens:])
@@ -71,6 +82,17 @@ class Runner:
         state.cache.crop(-num_tokens)
         state.cache_len -= num_tokens
         state.rope_pos -= num_tokens
+
+    @staticmethod
+    def _hidden_request(state: CacheState) -> dict:
+        return {"output_hidden_states": list(state.hidden_layers)} if state.hidden_layers else {}
+
+    @staticmethod
+    def _keep_hidden(state: CacheState, out, num_tokens: int) -> None:
+        """state.hidden = {layer: (num_tokens, H)} of the pass `out`, when the state asks for any."""
+        if state.hidden_layers:
+            states = out.hidden_states
+            state.hidden = {layer: states[layer][0, -num_tokens:] for layer in state.hidden_layers}
 
     def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Float32 logits over exactly `vocab_size` ids (the target's): extra rows of a drafter's

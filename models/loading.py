@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from engine.drafters.model import ModelDrafter
 from engine.drafters.ngram import NgramDrafter
+from engine.hybrid import HybridRunner, has_linear_attention
 from engine.runner import Runner
 from models.families import TEXT_LM, Family, family_for_config
 from models.processors import image_token_ids, load_processor
@@ -104,7 +105,7 @@ def load_target(name: str, options: LoadOptions | None = None) -> Target:
     family = _family(config)
     model = AutoModelForImageTextToText.from_pretrained(name, **_model_kwargs(options)).eval()
     processor = load_processor(name, trust_remote_code=options.trust_remote_code)
-    runner = Runner(model, family)
+    runner = (HybridRunner if has_linear_attention(config) else Runner)(model, family)
     return Target(name, model, processor, family, runner, frozenset(image_token_ids(processor)))
 
 
@@ -117,6 +118,9 @@ def load_drafter(name: str | None, target: Target, options: LoadOptions | None =
     options = options or LoadOptions()
     config = _load_config(name, options)
     kwargs = _model_kwargs(options)
+    if has_linear_attention(config):
+        raise LoadError(f"drafter {name!r} has linear-attention layers, whose recurrent state a drafter's rollback "
+                        "cannot rewind; use a drafter with attention layers only, or --drafter ngram")
     if hasattr(config, "vision_config"):
         family = _family(config)
         if family.name != target.family.name:
