@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from engine.drafters.model import ModelDrafter
+from engine.drafters.mtp import MtpDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.hybrid import HybridRunner, has_linear_attention
 from engine.runner import Runner
@@ -77,6 +78,19 @@ def _model_kwargs(options: LoadOptions) -> dict:
     return kwargs
 
 
+def _from_pretrained(model_class, name: str, kwargs: dict):
+    try:
+        return model_class.from_pretrained(name, **kwargs).eval()
+    except ImportError as error:  # bitsandbytes / accelerate missing
+        raise LoadError(f"cannot load {name!r}: {str(error).splitlines()[0]} (for --quantization: "
+                        "pip install bitsandbytes)") from error
+    except OSError as error:
+        if "safetensors" in str(error) or ".bin" in str(error):
+            raise LoadError(f"{name!r} has no safetensors weights; this app loads safetensors only "
+                            "(convert the checkpoint with save_pretrained(safe_serialization=True))") from error
+        raise LoadError(f"cannot load the weights of {name!r}: {str(error).splitlines()[0]}") from error
+
+
 def _load_config(name: str, options: LoadOptions):
     try:
         return AutoConfig.from_pretrained(name, trust_remote_code=options.trust_remote_code)
@@ -96,6 +110,13 @@ def _family(config) -> Family:
         raise LoadError(str(error)) from None
 
 
+def _load_processor(name: str, options: LoadOptions):
+    try:
+        return load_processor(name, trust_remote_code=options.trust_remote_code)
+    except ValueError as error:
+        raise LoadError(str(error)) from None
+
+
 def load_target(name: str, options: LoadOptions | None = None) -> Target:
     options = options or LoadOptions()
     config = _load_config(name, options)
@@ -103,18 +124,21 @@ def load_target(name: str, options: LoadOptions | None = None) -> Target:
         raise LoadError(f"{name!r} is a {config.model_type!r} model without a vision tower; --model needs a "
                         "vision-language model (a text-only model can be a --drafter)")
     family = _family(config)
-    model = AutoModelForImageTextToText.from_pretrained(name, **_model_kwargs(options)).eval()
-    processor = load_processor(name, trust_remote_code=options.trust_remote_code)
+    model = _from_pretrained(AutoModelForImageTextToText, name, _model_kwargs(options))
+    processor = _load_processor(name, options)
     runner = (HybridRunner if has_linear_attention(config) else Runner)(model, family)
     return Target(name, model, processor, family, runner, frozenset(image_token_ids(processor)))
 
 
 def load_drafter(name: str | None, target: Target, options: LoadOptions | None = None):
-    """`ngram`, a text-only causal LM, or a VLM of the target's family; None for plain decoding."""
+    """`ngram`, `mtp` (the target's own MTP layers), a text-only causal LM, or a VLM of the target's
+    family; None for plain decoding."""
     if name in (None, "", "none"):
         return None
     if name == "ngram":
         return NgramDrafter()
+    if name == "mtp":
+        return load_mtp_drafter(target)
     options = options or LoadOptions()
     config = _load_config(name, options)
     kwargs = _model_kwargs(options)
@@ -126,11 +150,11 @@ def load_drafter(name: str | None, target: Target, options: LoadOptions | None =
         if family.name != target.family.name:
             raise LoadError(f"VLM drafter {name!r} is {family.name}, the target is {target.family.name}; a VLM "
                             "drafter must be of the target's family (or use a text-only LM or --drafter ngram)")
-        model = AutoModelForImageTextToText.from_pretrained(name, **kwargs).eval()
-        encoder = load_processor(name, trust_remote_code=options.trust_remote_code)
+        model = _from_pretrained(AutoModelForImageTextToText, name, kwargs)
+        encoder = _load_processor(name, options)
         tokenizer, kind = encoder.tokenizer, "vlm"
     else:
-        model = AutoModelForCausalLM.from_pretrained(name, **kwargs).eval()
+        model = _from_pretrained(AutoModelForCausalLM, name, kwargs)
         encoder = tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=options.trust_remote_code)
         family, kind = TEXT_LM, "text_lm"
     check_vocabularies(target.tokenizer, tokenizer, name)
@@ -138,6 +162,21 @@ def load_drafter(name: str | None, target: Target, options: LoadOptions | None =
     max_positions = getattr(text_config, "max_position_embeddings", None)
     runner = Runner(model, family, vocab_size=target.vocab_size)
     return ModelDrafter(name, kind, runner, encoder, max_positions)
+
+
+def load_mtp_drafter(target: Target) -> MtpDrafter:
+    """The MTP layers of the target's own checkpoint (read again from its folder or hub id)."""
+    from transformers.modeling_layers import MtpModel
+
+    text_config = target.model.config.get_text_config()
+    if not getattr(text_config, "num_mtp_layers", None):
+        raise LoadError(f"--drafter mtp: {target.name!r} ({text_config.model_type}) declares no MTP layers "
+                        "(num_mtp_layers / num_nextn_predict_layers); pick another drafter")
+    try:
+        mtp = MtpModel.from_pretrained(target.model, device_map={"": target.model.device}).eval()
+    except (OSError, RuntimeError, ValueError) as error:
+        raise LoadError(f"--drafter mtp: cannot read the MTP layers of {target.name!r}: {error}") from error
+    return MtpDrafter("mtp", mtp, target.model, target.family)
 
 
 def check_vocabularies(target_tokenizer, drafter_tokenizer, drafter_name: str) -> None:
