@@ -61,8 +61,8 @@ def generate(
     text = TextStream(tokenizer)
     try:
         # 1. Prefill the target (its logits give the first token) and the drafter.
-        logits, state = target.prefill(prompt.target_inputs)
-        drafter = _begin(drafter, prompt, stats)
+        logits, state = target.prefill(prompt.target_inputs, **_hidden_request(drafter))
+        drafter = _begin(drafter, prompt, stats, state)
         first_token, _ = sampler.next_token(logits)
         first_token_at = clock.now()
         stats.prefill_s = stats.ttft_s = first_token_at - started
@@ -75,7 +75,7 @@ def generate(
             # 2. Draft up to k tokens (none when plain or after a fallback).
             draft = _propose(drafter, generated, min(k, remaining - 1), sampler, stats)
             if draft is None:
-                drafter = None
+                drafter = _stop_reading(state)
                 draft = Draft([])
             # 3. Verify: one target pass over the last committed token and the draft, (k+1, V).
             target_logits = target.extend(state, [generated[-1]] + draft.token_ids)
@@ -101,16 +101,32 @@ def generate(
             drafter.end()
 
 
-def _begin(drafter: Drafter | None, prompt: Prompt, stats: Stats) -> Drafter | None:
+def _hidden_request(drafter: Drafter | None) -> dict:
+    """A drafter that reads the target names the hidden states each target pass keeps for it."""
+    layers = getattr(drafter, "target_layers", ())
+    return {"hidden_layers": layers} if layers else {}
+
+
+def _begin(drafter: Drafter | None, prompt: Prompt, stats: Stats, target_state) -> Drafter | None:
     if drafter is None:
         return None
     try:
-        drafter.begin(prompt)
+        if getattr(drafter, "target_layers", ()):
+            drafter.begin(prompt, target_state)
+        else:
+            drafter.begin(prompt)
         return drafter
     except Exception as error:  # any drafter failure falls back to plain decoding
         stats.fallback_reason = _reason(error, "at prefill")
         drafter.end()
-        return None
+        return _stop_reading(target_state)
+
+
+def _stop_reading(target_state) -> None:
+    """After a fallback the target computes no hidden states any more; there is no drafter."""
+    if getattr(target_state, "hidden_layers", ()):
+        target_state.hidden_layers, target_state.hidden = (), None
+    return None
 
 
 def _propose(drafter, generated, k, sampler, stats) -> Draft | None:

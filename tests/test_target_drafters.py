@@ -18,11 +18,10 @@ import torch
 from engine.engine import Engine
 from engine.loop import DecodeSettings, Done
 from engine.runner import Runner
-from models.loading import LoadOptions, load_target
+from models.loading import load_drafter
 from tests import tiny, tiny_next
 from tests.mocks import ScriptedDrafter
 
-FLOAT32 = LoadOptions(dtype="float32", device="cpu")
 MAX_NEW = 24
 IMAGE_COUNTS = (0, 1, 2)
 
@@ -37,13 +36,18 @@ def one_thread():
 
 class Zoo:
     def __init__(self, root):
-        self.root, self.targets = root, {}
+        self.root, self.targets, self.drafters = root, {}, {}
 
     def target(self, family: str):
         if family not in self.targets:
             folder = tiny_next.build_target(family, self.root / family)
-            self.targets[family] = load_target(str(folder), FLOAT32)
+            self.targets[family] = tiny_next.load(family, folder)
         return self.targets[family]
+
+    def drafter(self, family: str, name: str):
+        if (family, name) not in self.drafters:
+            self.drafters[family, name] = load_drafter(name, self.target(family))
+        return self.drafters[family, name]
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +69,16 @@ def answer(target, num_images, drafter=None, k=4, adaptive=False) -> Done:
     return done
 
 
-def corrupt(truth: list[int], every: int = 7, first: int = 3) -> list[int]:
-    """The true answer with token first, first + every, ... replaced by another id."""
+# Answer positions whose token a forced drafter gets wrong. Chosen so that drafts of 2 and of 4
+# tokens meet rejections at every offset (0 .. k-1 accepted) as well as full acceptances.
+CORRUPTED = (3, 4, 9, 13, 15, 16, 21)
+
+
+def corrupt(truth: list[int], positions=CORRUPTED) -> list[int]:
+    """The true answer with the tokens at `positions` replaced by another id."""
     corrupted = list(truth)
-    for i in range(first, len(corrupted), every):
-        corrupted[i] = corrupted[i] + 1 if corrupted[i] + 1 != truth[i] else corrupted[i] + 2
+    for i in positions:
+        corrupted[i] = truth[i] + 1
     return corrupted
 
 
@@ -90,7 +99,75 @@ def expected_accepts(truth: list[int], proposed: list[int], draft_lengths: list[
 def assert_forced_acceptance(done: Done, truth: list[int], proposed: list[int], accepted: list[int]):
     assert done.token_ids == truth
     assert accepted == expected_accepts(truth, proposed, done.stats.draft_lengths)
-    assert 0 < done.stats.accepted < done.stats.drafted  # both full and partial acceptances happened
+    rounds = list(zip(done.stats.draft_lengths, accepted))
+    assert any(a == 0 < k for k, a in rounds), rounds  # a rejection of the first draft token,
+    assert any(0 < a < k for k, a in rounds), rounds  # one after an accepted prefix,
+    assert any(a == k > 1 for k, a in rounds), rounds  # and a whole draft accepted
+
+
+class ForcedSampler:
+    """Stands in for the request's sampler inside one `propose`: the drafter computes its logits
+    as always, but its i-th draw returns continuation[first + i]. The logits are kept."""
+
+    def __init__(self, settings, continuation: list[int], first: int):
+        self.settings, self.continuation, self.first = settings, continuation, first
+        self.logits: list[torch.Tensor] = []
+
+    def next_token(self, logits: torch.Tensor):
+        token = self.continuation[self.first + len(self.logits)]
+        self.logits.append(logits.clone())
+        return token, None
+
+
+class ForcedDrafter:
+    """A real drafter whose token choices are forced to `continuation`; records every round's
+    (answer length, drafter logits) and the accepted counts."""
+
+    def __init__(self, inner, continuation: list[int]):
+        self.inner, self.continuation = inner, continuation
+        self.name, self.kind = inner.name, inner.kind
+        self.target_layers = getattr(inner, "target_layers", ())
+        self.rounds: list[tuple[int, list[torch.Tensor]]] = []
+        self.accepted: list[int] = []
+
+    def begin(self, prompt, *target_state):
+        self.inner.begin(prompt, *target_state)
+
+    def propose(self, generated, k, sampler):
+        forced = ForcedSampler(sampler.settings, self.continuation, len(generated))
+        draft = self.inner.propose(generated, k, forced)
+        assert draft.token_ids == self.continuation[len(generated):len(generated) + len(draft.token_ids)]
+        self.rounds.append((len(generated), forced.logits))
+        return draft
+
+    def accept(self, num_accepted):
+        self.accepted.append(num_accepted)
+        self.inner.accept(num_accepted)
+
+    def end(self):
+        self.inner.end()
+
+
+def uncached_forward(target, prompt, answer_ids: list[int], **kwargs):
+    """ONE forward of the target over prompt + answer_ids, without a cache, positions computed
+    by the model itself: the ground truth for the cached, rolled-back passes."""
+    inputs = dict(prompt.target_inputs)
+    answer = torch.tensor([answer_ids], dtype=torch.long)
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], answer], 1)
+    for name in ("attention_mask", "mm_token_type_ids", "token_type_ids"):
+        if name in inputs:
+            pad = torch.ones_like(answer) if name == "attention_mask" else torch.zeros_like(answer)
+            inputs[name] = torch.cat([inputs[name], pad.to(inputs[name].dtype)], 1)
+    if hasattr(target.model.model, "rope_deltas"):
+        target.model.model.rope_deltas = None  # the model's own stored state must not leak in
+    with torch.inference_mode():
+        return target.model(**inputs, **kwargs)
+
+
+def uncached_target_hidden(target, prompt, answer_ids: list[int], layers: tuple[int, ...]):
+    """{layer: (S + n, H)} hidden states of `uncached_forward`."""
+    states = uncached_forward(target, prompt, answer_ids, output_hidden_states=list(layers)).hidden_states
+    return {layer: states[layer][0] for layer in layers}
 
 
 # Hybrid target (Qwen3.5): rollback of the recurrent state, with drafters that do not read the target.
@@ -101,14 +178,7 @@ def test_hybrid_plain_greedy_equals_one_uncached_forward(zoo, num_images):
     target = zoo.target("qwen3_5")
     ids = answer(target, num_images).token_ids
     prompt = Engine(target).prepare(messages(num_images))
-    inputs = dict(prompt.target_inputs)
-    tail = torch.tensor([ids[:-1]])
-    inputs["input_ids"] = torch.cat([inputs["input_ids"], tail], 1)
-    inputs["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(tail)], 1)
-    inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(tail)], 1)
-    target.model.model.rope_deltas = None
-    with torch.inference_mode():
-        logits = target.model(**inputs).logits[0]
+    logits = uncached_forward(target, prompt, ids[:-1]).logits[0]
     start = prompt.target_inputs["input_ids"].shape[1] - 1
     assert logits[start:].argmax(-1).tolist() == ids
 
@@ -146,3 +216,58 @@ def test_hybrid_rollback_is_needed(zoo):
     finally:
         target.runner = hybrid_runner
     assert done.token_ids != truth
+
+
+# MTP drafter (Step3p7): layers read from the saved checkpoint, embeddings and positions of the target.
+
+
+def mtp_reference_logits(target, mtp, prompt, tokens: list[int], draft: list[int]) -> list[torch.Tensor]:
+    """The MTP logits of layers 0 .. len(draft), drafting after `tokens` (layer i embeds draft[i - 1]),
+    from scratch: one uncached target forward for h and the merged input embeddings, then each
+    MTP layer over all entries without a cache. 1-D RoPE: token i sits at position i."""
+    num_prompt = len(prompt.input_ids)
+    hidden = uncached_target_hidden(target, prompt, tokens[num_prompt:], (0, -1))
+    with torch.inference_mode():
+        embeds = torch.cat([hidden[0], mtp.embed_tokens(torch.tensor(draft, dtype=torch.long))])
+        last = len(tokens) - 1  # entries 0 .. last - 1
+        below, logits = hidden[-1][:last], []
+        for level in range(len(draft) + 1):
+            positions = torch.arange(level + 1, last + level + 1)[None]
+            out = mtp.forward_layer(level, below[None], positions, None,
+                                    inputs_embeds=embeds[level + 1:last + level + 1][None])[0]
+            logits.append(mtp._project_to_logits(out[-1:][None])[0, 0].float())
+            below = out
+    return logits
+
+
+@pytest.mark.parametrize("num_images", IMAGE_COUNTS)
+def test_mtp_speculation_equals_plain(zoo, num_images):
+    target, drafter = zoo.target("step3p7"), zoo.drafter("step3p7", "mtp")
+    plain = answer(target, num_images)
+    speculative = answer(target, num_images, drafter)
+    assert speculative.token_ids == plain.token_ids
+    assert speculative.stats.fallback_reason is None
+    assert speculative.stats.drafter_kind == "mtp"
+    assert max(speculative.stats.draft_lengths) == tiny_next.STEP3P7_MTP_LAYERS  # one token per MTP layer
+
+
+@pytest.mark.parametrize("num_images", IMAGE_COUNTS)
+@pytest.mark.parametrize("k, adaptive", [(4, False), (1, True)])  # adaptive: drafts of 1-3, upper layers lag
+def test_mtp_forced_acceptance_keeps_every_layer_exact(zoo, num_images, k, adaptive):
+    """Forced drafts through the real MTP layers: accepted exactly up to each corruption, and
+    every round's MTP logits equal a from-scratch computation (target forward without cache,
+    merged image embeddings, MTP layers without cache), whatever was accepted before."""
+    target, mtp_drafter = zoo.target("step3p7"), zoo.drafter("step3p7", "mtp")
+    truth = answer(target, num_images).token_ids
+    proposed = corrupt(truth)
+    drafter = ForcedDrafter(mtp_drafter, proposed)
+    done = answer(target, num_images, drafter, k=k, adaptive=adaptive)
+    assert_forced_acceptance(done, truth, proposed, drafter.accepted)
+    prompt = Engine(target).prepare(messages(num_images))
+    for answer_len, logits in drafter.rounds:
+        tokens = prompt.input_ids + truth[:answer_len]
+        draft = proposed[answer_len:answer_len + len(logits) - 1]
+        reference = mtp_reference_logits(target, mtp_drafter.mtp, prompt, tokens, draft)
+        assert len(reference) == len(logits)
+        for got, want in zip(logits, reference):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -3,31 +3,53 @@
 Families (the configs that build with transformers 5.24, vocabulary about 430):
 - qwen3_5:       Qwen3.5, text layers [linear_attention, full_attention] (a recurrent state to
                  roll back), M-RoPE with mrope_section [2, 1, 1] interleaved, partial rotary 0.25.
+- step3p7:       Step-3.7 with `num_nextn_predict_layers` MTP layers written into the saved
+                 checkpoint (as hub checkpoints carry them: `model.layers.<N + k>.*`), 1-D RoPE;
+                 one image = 16 <im_patch> tokens between <im_start> and <im_end>.
 
-Each builder writes a folder that `models.loading.load_target` reads; tokenizers and processors
-come from tests/tiny.py (a byte-level BPE trained in-process, image-only processors).
+Each builder writes a folder; `load(family, folder)` loads it as the engine's target.
+Tokenizers and chat templates come from tests/tiny.py (a byte-level BPE trained in-process).
+Step3p7's own image processor needs torchvision, which is not installed here, so its tiny
+processor uses `Step3p7GlobalViewImageProcessor` below (the global view only, no local crops),
+handed to `load_target` in place of `load_processor`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
 import torch
-from transformers import AutoModelForImageTextToText, Qwen3_5Config
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForImageTextToText, Qwen3_5Config, Step3p7Config, Step3p7Processor
+from transformers.image_processing_backends import PilBackend
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
+from transformers.modeling_layers import MtpModel
 
+from models import loading
 from tests import tiny
 
-FAMILIES: tuple[str, ...] = ("qwen3_5",)
+FAMILIES: tuple[str, ...] = ("qwen3_5", "step3p7")
+STEP3P7_MTP_LAYERS = 3
 
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048)
 
 
 def build_target(family: str, out_dir: Path, seed: int = 0) -> Path:
-    builders = {"qwen3_5": _qwen3_5}
+    builders = {"qwen3_5": _qwen3_5, "step3p7": _step3p7}
     if family not in builders:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     return builders[family](Path(out_dir), seed)
+
+
+def load(family: str, folder: Path):
+    """The engine's Target for a folder written by `build_target` (float32, CPU)."""
+    options = loading.LoadOptions(dtype="float32", device="cpu")
+    if family != "step3p7":
+        return loading.load_target(str(folder), options)
+    with mock.patch.object(loading, "load_processor", lambda name, **kwargs: _step3p7_processor()):
+        return loading.load_target(str(folder), options)
 
 
 def _qwen3_5(out_dir: Path, seed: int) -> Path:
@@ -62,3 +84,74 @@ def _qwen3_5(out_dir: Path, seed: int) -> Path:
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
     return out_dir
+
+
+class Step3p7GlobalViewImageProcessor(PilBackend):
+    """Step3p7's image inputs without torchvision: each image's global view, no local crops."""
+
+    resample = PILImageResampling.BILINEAR
+    size = {"height": 64, "width": 64}
+    do_resize = do_rescale = do_normalize = do_convert_rgb = True
+    image_mean, image_std = OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+    model_input_names = ["pixel_values", "num_local_patches"]
+    vision_patch_size = 4  # Step3p7Processor: 64 / (4 * 4) = 4 x 4 = 16 image tokens
+    downsampler_stride = 4
+    patch_size = 32
+
+    def _preprocess(self, images, **kwargs):
+        out = super()._preprocess(images, **kwargs)
+        out["num_local_patches"] = torch.zeros(len(images), dtype=torch.long)
+        return out
+
+
+_STEP3P7_TOKENS = tiny._Tokens(
+    bos="<|begin|>", eos="<|im_end|>", pad="<|pad|>", named={"image_token": "<im_patch>"},
+    other=("<|im_start|>", "<im_start>", "<im_end>", "<patch_start>", "<patch_end>", "<patch_newline>"),
+)
+
+
+def _step3p7_processor() -> Step3p7Processor:
+    template = tiny._QWEN_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<im_patch>")
+    return Step3p7Processor(Step3p7GlobalViewImageProcessor(), tiny._tokenizer(_STEP3P7_TOKENS),
+                            chat_template=template)
+
+
+def _step3p7(out_dir: Path, seed: int) -> Path:
+    processor = _step3p7_processor()
+    tokenizer = processor.tokenizer
+    num_layers, num_mtp = _TEXT["num_hidden_layers"], STEP3P7_MTP_LAYERS
+    text = dict(
+        _TEXT, initializer_range=tiny.INIT_STD, head_dim=16, vocab_size=len(tokenizer),
+        sliding_window=512,  # required by the config even with full attention only
+        num_nextn_predict_layers=num_mtp, mlp_layer_types=["dense"] * (num_layers + num_mtp),
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=64,
+                  patch_size=4, max_position_embeddings=256, initializer_range=tiny.INIT_STD,
+                  rope_parameters={"rope_type": "axial", "rope_theta": 1e4})
+    config = Step3p7Config(text_config=text, vision_config=vision,
+                           image_token_id=tokenizer.convert_tokens_to_ids("<im_patch>"))
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    processor.tokenizer.save_pretrained(out_dir)
+    _write_mtp_layers(model, out_dir / "model.safetensors", num_layers, num_mtp)
+    return out_dir
+
+
+def _write_mtp_layers(model, checkpoint: Path, num_layers: int, num_mtp: int) -> None:
+    """Random MTP layers appended to a saved checkpoint under the hub's names:
+    `model.layers.<num_layers + k>.{enorm, hnorm, eh_proj, shared_head.norm, <decoder layer>}`."""
+    mtp = MtpModel(model, num_mtp)
+    with torch.no_grad():
+        for name, weight in mtp.named_parameters():
+            if name.endswith("norm.weight"):
+                weight.normal_(1.0, 0.1)  # norms away from 1, so that a wrong norm would show
+    tensors = load_file(checkpoint)
+    for name, weight in mtp.state_dict().items():
+        if not name.startswith("layers."):
+            continue  # embed_tokens and shared_head are the target's
+        _, k, rest = name.split(".", 2)
+        rest = rest.removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
+        tensors[f"model.layers.{num_layers + int(k)}.{rest}"] = weight.detach().clone().contiguous()
+    save_file(tensors, checkpoint, metadata={"format": "pt"})

@@ -12,6 +12,15 @@ Lifecycle of one request:
 answer: the loop then decodes one token plainly. A drafter that cannot serve a request raises
 `DrafterUnavailable(reason)` from `begin`; any exception from a drafter hands the rest of the
 request to plain decoding, with the reason recorded in the statistics.
+
+Drafters that read the target (MTP heads, DFlash block drafters, shared-cache assistants) name
+the target's hidden states they need in `target_layers` (as `output_hidden_states` indexes
+them: 0 = the merged input embeddings, image features included; -1 = the last, normed). The
+target then keeps those states of every pass in its CacheState (`hidden`, one (n, H) per
+layer, for the n positions the pass ran), and the loop calls `begin(prompt, target_state)`:
+after prefill `target_state.hidden` covers the prompt; in `accept(num_accepted)` it covers the
+verify pass, whose first num_accepted + 1 rows are committed (the last committed token and the
+accepted draft tokens). Other drafters never make the target compute hidden states.
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ class Draft:
 
 class Drafter(Protocol):
     name: str  # what the user picked: a model id or folder, or "ngram"
-    kind: str  # "text_lm", "vlm", "ngram", ...
+    kind: str  # "text_lm", "vlm", "ngram", "mtp", "dflash", "shared_cache"
+    # optional: target_layers: tuple[int, ...]  -- hidden states read from the target (see above)
 
     def begin(self, prompt: Prompt) -> None: ...
 

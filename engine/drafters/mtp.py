@@ -1,0 +1,178 @@
+"""MTP drafter: the multi-token-prediction layers a checkpoint carries (Step-3.7, DeepSeek-V3 style).
+
+MTP layer k (0-based) at entry j reads two things and predicts token j + k + 2:
+    the embedding of token j + k + 1   and   the hidden state of entry j one level down
+(level -1 is the target's last hidden state h_j; level k-1 the output of MTP layer k-1).
+With the committed sequence x_0 .. x_T (x_T is the newest token, which the target has not
+run yet), the target's hidden states h_0 .. h_{T-1} are known, and each round drafts
+    layer 0 at entry T-1  ->  d_1 = x_{T+1}
+    layer 1 at entry T-1  ->  d_2 (it embeds d_1), ...
+one token per layer: a draft is at most `num_mtp_layers` long.
+
+What differs from transformers' `generate(use_mtp=True)`:
+- embeddings: at prompt positions the MTP layers embed the target's *merged* input embeddings
+  (image features at image positions, read from the target's prefill as hidden state 0), not
+  the embedding of the image placeholder id;
+- positions: entry j of layer k sits at the target's rotary position of token j + k + 1, sliced
+  on the sequence axis (all M-RoPE rows), so they follow the target after an image;
+- the cache covers the whole prompt from the first round.
+
+Bookkeeping. Each layer has its own KV cache over entries 0 .. n_k - 1 and remembers which
+token ids it embedded. Layer 0 only ever embeds committed tokens (x_{j+1} with j <= T-1), so
+it never rolls back. Layer k's last k entries embed draft tokens; before drafting, each layer
+keeps the longest prefix of entries whose embedded tokens are the committed ones (and whose
+input from the layer below was kept), crops the rest and recomputes from there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.drafters.base import Draft
+from engine.prompt import Prompt
+from engine.runner import CacheState
+from engine.sampling import Sampler
+
+
+class MtpDrafter:
+    kind = "mtp"
+    target_layers = (0, -1)  # merged input embeddings, last hidden state
+
+    def __init__(self, name: str, mtp_model, target_model, family):
+        """mtp_model: transformers' MtpModel (weights read from the target's checkpoint)."""
+        self.name = name
+        self.mtp = mtp_model
+        self.target_model = target_model
+        self.family = family
+        self.num_layers = len(mtp_model.layers)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.target: CacheState | None = None
+        self.prompt_ids: list[int] = []
+        self.prompt_embeds: torch.Tensor | None = None  # (S, H) the target's merged input embeddings
+        self.prompt_positions: torch.Tensor | None = None  # (R, 1, S) or (1, S), the target's positions
+        self.rope_delta = 0
+        self.new_hidden: torch.Tensor | None = None  # (m, H) target h_j that layer 0 has not read yet
+        self.cache = None
+        self.fed: list[list[int]] = []  # per layer: the token id embedded at each cached entry
+        self.outs: list[torch.Tensor] = []  # per layer: output rows of the last entries (a tail)
+        self.outs_start: list[int] = []  # entry index of outs[k][0]
+
+    @torch.inference_mode()
+    def begin(self, prompt: Prompt, target_state: CacheState) -> None:
+        from transformers.cache_utils import MtpCache
+
+        self._reset()
+        self.target = target_state
+        self.prompt_ids = prompt.input_ids
+        self.prompt_embeds = target_state.hidden[0]
+        self.new_hidden = target_state.hidden[-1]  # h_0 .. h_{S-1}
+        inputs = {name: value.to(self.target_model.device) for name, value in prompt.target_inputs.items()}
+        self.prompt_positions, self.rope_delta = self.family.prefill_positions(self.target_model, inputs)
+        self.cache = MtpCache(config=self.target_model.config.get_mtp_config())
+        self.cache.activate_past_recording()
+        self.fed = [[] for _ in range(self.num_layers)]
+        hidden = self.prompt_embeds.shape[-1]
+        self.outs = [self.prompt_embeds.new_zeros(0, hidden) for _ in range(self.num_layers)]
+        self.outs_start = [0] * self.num_layers
+
+    @torch.inference_mode()
+    def propose(self, generated: list[int], k: int, sampler: Sampler) -> Draft:
+        tokens = self.prompt_ids + generated  # x_0 .. x_T
+        last_entry = len(tokens) - 2  # T - 1: the newest entry every layer drafts from
+        draft, probs = [], []
+        kept = None  # entries the layer below kept (its later entries were recomputed)
+        for level in range(min(k, self.num_layers)):
+            kept = self._keep_valid(level, tokens + draft, limit=kept)
+            rows = self._run(level, kept, last_entry, tokens + draft)  # (n, H)
+            token, token_probs = sampler.next_token(self._logits(rows[-1]))
+            draft.append(token)
+            probs.append(token_probs)
+        for level in range(self.num_layers - 1):  # keep the rows the layer above may read again
+            self._trim_outs(level, keep_from=len(self.fed[level + 1]) - self.num_layers)
+        return Draft(draft, None if sampler.settings.greedy else torch.stack(probs))
+
+    def accept(self, num_accepted: int) -> None:
+        """The verify pass's rows for the last committed token and the accepted drafts are
+        committed target hidden states: h_j for the entries layer 0 reads next."""
+        rows = self.target.hidden[-1][: num_accepted + 1]
+        self.new_hidden = rows if self.new_hidden is None else torch.cat([self.new_hidden, rows])
+
+    def end(self) -> None:
+        self._reset()
+
+    # Steps of one layer
+
+    def _keep_valid(self, level: int, tokens: list[int], limit: int | None) -> int:
+        """Crop the layer to its leading entries that embedded the tokens now known (committed
+        ones, or this round's draft below this level) and read rows the layer below kept;
+        returns how many it kept."""
+        fed = self.fed[level]
+        limit = len(fed) if limit is None else min(len(fed), limit)
+        valid = 0
+        while valid < limit and valid + level + 1 < len(tokens) and fed[valid] == tokens[valid + level + 1]:
+            valid += 1
+        self.cache.layers[level].crop(valid - len(fed))
+        del fed[valid:]
+        return valid
+
+    def _run(self, level: int, start: int, last_entry: int, tokens: list[int]) -> torch.Tensor:
+        """Run entries start .. last_entry of layer `level`; returns their output rows (n, H)."""
+        if level == 0:
+            below = self.new_hidden  # h_start .. h_last_entry
+            self.new_hidden = None
+        else:
+            below = self._rows(level - 1, start, last_entry + 1)
+        token_ids = tokens[start + level + 1: last_entry + level + 2]
+        embeds = self._embeds(start + level + 1, token_ids)
+        positions = self._positions(start + level + 1, last_entry + level + 2)
+        out = self.mtp.forward_layer(level, below[None].to(embeds.dtype), positions, self.cache,
+                                     inputs_embeds=embeds[None])[0]
+        self.fed[level] += token_ids
+        self._append_outs(level, start, out)
+        return out
+
+    def _embeds(self, first: int, token_ids: list[int]) -> torch.Tensor:
+        """(n, H) input embeddings of tokens first .. first + n - 1: the target's merged ones in
+        the prompt, the embedding table after it."""
+        num_prompt = max(0, min(len(self.prompt_ids) - first, len(token_ids)))
+        parts = [self.prompt_embeds[first:first + num_prompt]]
+        if num_prompt < len(token_ids):
+            ids = torch.tensor(token_ids[num_prompt:], device=self.prompt_embeds.device)
+            parts.append(self.mtp.embed_tokens(ids).to(self.prompt_embeds.dtype))
+        return torch.cat(parts)
+
+    def _positions(self, first: int, stop: int) -> torch.Tensor:
+        """The target's rotary positions of tokens first .. stop - 1, on every row."""
+        num_prompt = self.prompt_positions.shape[-1]
+        parts = [self.prompt_positions[..., first:min(stop, num_prompt)]]
+        if stop > num_prompt:
+            after = self.family.positions(max(first, num_prompt) + self.rope_delta, stop - max(first, num_prompt),
+                                          self.prompt_positions.device)
+            parts.append(after)
+        return torch.cat(parts, dim=-1)
+
+    def _logits(self, row: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (V,) of one MTP output row, through the target's head."""
+        vocab_size = self.target_model.get_output_embeddings().weight.shape[0]
+        return self.mtp._project_to_logits(row[None, None])[0, 0, :vocab_size].float()
+
+    # Output rows of each layer: the input of the layer above
+
+    def _append_outs(self, level: int, start: int, rows: torch.Tensor) -> None:
+        if level == self.num_layers - 1:
+            return  # no layer above reads the top layer's rows
+        keep = start - self.outs_start[level]
+        self.outs[level] = torch.cat([self.outs[level][:keep], rows])
+
+    def _rows(self, level: int, start: int, stop: int) -> torch.Tensor:
+        offset = self.outs_start[level]
+        if start < offset or stop - offset > len(self.outs[level]):
+            raise RuntimeError(f"MTP layer {level} rows {start}..{stop} are not kept (kept from {offset})")
+        return self.outs[level][start - offset: stop - offset]
+
+    def _trim_outs(self, level: int, keep_from: int) -> None:
+        drop = max(0, min(keep_from - self.outs_start[level], len(self.outs[level])))
+        self.outs[level] = self.outs[level][drop:]
+        self.outs_start[level] += drop
