@@ -1,0 +1,135 @@
+"""Configuration from flags and environment variables, and the engine built from it.
+
+Every flag has an environment variable (for Hugging Face Spaces, where there are no flags);
+a flag wins over its variable:
+
+    --preset   VLM_PRESET    named target + drafters (default: demo, the bundled model)
+    --model    VLM_MODEL     target VLM: hub id or folder (overrides the preset's)
+    --drafter  VLM_DRAFTER   drafter: hub id, folder, "ngram" or "none"; repeat the flag, or
+                             separate with commas (default: the preset's, or ngram with --model)
+    --dtype    VLM_DTYPE     float32 (default, exact A/B), bfloat16, float16, auto
+    --device   VLM_DEVICE    auto (default), cpu, cuda
+    --host     VLM_HOST      default 127.0.0.1 (0.0.0.0 on a Space)
+    --port     VLM_PORT      default 7860, or the next free port
+    --share    VLM_SHARE=1   a public gradio.live link
+    --no-browser  VLM_NO_BROWSER=1   do not open the browser (never opened on a Space)
+    --max-images  VLM_MAX_IMAGES     images per conversation (default 8)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+from PIL import Image
+
+from models.presets import PRESETS
+
+TRUE = ("1", "true", "yes", "on")
+
+
+class SetupError(Exception):
+    """The app cannot start; the message (one line) says why and what to do."""
+
+
+@dataclass
+class Config:
+    model: str
+    drafters: list[str]
+    dtype: str = "float32"
+    device: str = "auto"
+    host: str = "127.0.0.1"
+    port: int | None = None
+    share: bool = False
+    open_browser: bool = True
+    max_images: int = 8
+    preset: str | None = None
+
+
+def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
+    on_space = bool(environ.get("SPACE_ID"))
+
+    def env(name: str, default=None):
+        return environ.get(f"VLM_{name}") or default
+
+    parser = argparse.ArgumentParser(prog="python app.py", description="Chat with a VLM; speculative decoding.")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=env("PRESET"))
+    parser.add_argument("--model", default=env("MODEL"))
+    parser.add_argument("--drafter", action="append", default=None)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default=env("DTYPE", "float32"))
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=env("DEVICE", "auto"))
+    parser.add_argument("--host", default=env("HOST", environ.get("GRADIO_SERVER_NAME")
+                                             or ("0.0.0.0" if on_space else "127.0.0.1")))
+    parser.add_argument("--port", type=int, default=int(env("PORT", environ.get("GRADIO_SERVER_PORT") or 0)) or None)
+    parser.add_argument("--share", action="store_true", default=env("SHARE", "").lower() in TRUE)
+    parser.add_argument("--no-browser", action="store_true", default=on_space or env("NO_BROWSER", "").lower() in TRUE)
+    parser.add_argument("--max-images", type=int, default=int(env("MAX_IMAGES", 8)))
+    args = parser.parse_args(argv)
+
+    drafters = [name.strip() for value in (args.drafter or [env("DRAFTER", "")]) for name in value.split(",")]
+    drafters = [name for name in drafters if name]
+    if args.model:
+        model, drafters = args.model, drafters or ["ngram"]
+    else:
+        preset = PRESETS[args.preset or "demo"]
+        model, drafters = preset.target, drafters or list(preset.drafters)
+    if "none" in drafters:
+        drafters = []
+    elif "ngram" not in drafters:
+        drafters.append("ngram")  # costs nothing and works with any target
+    return Config(model, drafters, args.dtype, args.device, args.host, args.port, args.share,
+                  not args.no_browser, args.max_images, None if args.model else (args.preset or "demo"))
+
+
+def load_engine(config: Config):
+    """The engine with every drafter of the config, keyed by short names ("text", "vlm",
+    "ngram"); a preset's drafter that is missing on disk is skipped with a warning."""
+    from engine.engine import Engine
+    from models.loading import LoadError, LoadOptions, load_drafter, load_target
+
+    if config.preset and not os.path.isdir(config.model):
+        raise SetupError(f"the {config.preset!r} preset's model is not in {config.model} yet (the bundled demo "
+                         "model is trained by `python -m models.demo.train --out assets/demo`); "
+                         "or pass --model DIR_OR_HUB_ID")
+    if _looks_local(config.model) and not os.path.isdir(config.model):
+        raise SetupError(f"--model {config.model}: no such folder")
+    options = LoadOptions(dtype=config.dtype, device=config.device)
+    try:
+        target = load_target(config.model, options)
+        drafters = {}
+        for name in config.drafters:
+            if config.preset and name != "ngram" and not os.path.isdir(name):
+                print(f"warning: skipping the preset's drafter {name}: not on disk", file=sys.stderr)
+                continue
+            drafter = load_drafter(name, target, options)
+            drafters[_drafter_key(drafter, drafters)] = drafter
+    except LoadError as error:
+        raise SetupError(str(error)) from None
+    return Engine(target, drafters, max_images=config.max_images)
+
+
+def _looks_local(name: str) -> bool:
+    """A path rather than a hub id ("owner/name")."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def _drafter_key(drafter, taken: dict) -> str:
+    key = {"text_lm": "text", "vlm": "vlm"}.get(drafter.kind, drafter.kind)
+    suffix = 2
+    while key in taken:
+        key, suffix = f"{key.rstrip('0123456789')}{suffix}", suffix + 1
+    return key
+
+
+def warm_up(engine) -> None:
+    """One short answer per decoding mode before serving, so that one-time costs (first
+    kernels, allocator growth) stay out of the first visitor's statistics."""
+    picture = Image.new("RGB", (84, 84), (200, 120, 40))
+    messages = [{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "Hi"}]}]
+    from engine.loop import DecodeSettings
+
+    for drafter in [None, *engine.drafters]:
+        for _ in engine.stream(messages, drafter=drafter, decode=DecodeSettings(max_new_tokens=4)):
+            pass

@@ -1,0 +1,206 @@
+"""The Gradio app, launched in-process on a free port with tiny models and driven with
+gradio_client like any API user; answers are checked against the engine's own answers for
+the same conversation (float32, greedy: exactly equal)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
+from gradio_client.utils import Status
+
+import app
+from app_ui import views
+from app_ui.setup import read_config
+from engine.ab import Side, compare, first_difference_index
+from engine.engine import Engine
+from engine.images import load_image
+from engine.loop import DecodeSettings, Done
+from engine.stats import Stats
+from tests.conftest import ROOT
+
+IMAGES = [f"{ROOT}/assets/examples/two_scenes_a.png", f"{ROOT}/assets/examples/chart.png"]
+STATS_KEYS = {"decode_tok_s", "ttft_s", "prefill_s", "acceptance", "tokens_per_forward", "drafted", "accepted",
+              "fallback_reason", "finish_reason", "summary"}
+SHORT = 24  # max_new_tokens for most turns: enough to stream, quick on a shared CPU
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def url(zoo):
+    argv = ["--model", str(zoo.dir("qwen2_vl")), "--drafter", str(zoo.dir("qwen2_vl", "text_drafter")),
+            "--port", str(free_port()), "--host", "127.0.0.1", "--no-browser"]
+    demo = app.main(argv, block=False)
+    yield demo.local_url
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def engine(zoo):
+    """The reference: the same weights, loaded apart from the app."""
+    return Engine(zoo.target("qwen2_vl"), {"text": zoo.drafter("qwen2_vl", "text_drafter")})
+
+
+def reference(engine, turns: list[tuple[str, list[str], str | None]], drafter="text", max_new_tokens=SHORT) -> Done:
+    """The engine's answer to the last of `turns` = [(text, image paths, earlier answer or None)]."""
+    messages = []
+    for text, paths, answer in turns:
+        content = [{"type": "image", "image": load_image(p)} for p in paths] + [{"type": "text", "text": text}]
+        messages.append({"role": "user", "content": content})
+        if answer is not None:
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+    *_, done = engine.stream(messages, drafter=drafter, decode=DecodeSettings(max_new_tokens=max_new_tokens))
+    return done
+
+
+def wait_for_output(job, timeout: float = 60) -> None:
+    """Until the answer is streaming."""
+    deadline = time.monotonic() + timeout
+    while not job.outputs() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert job.outputs(), "no output"
+
+
+def message(text: str, paths: list[str] = ()) -> dict:
+    return {"text": text, "files": [handle_file(p) for p in paths]}
+
+
+def test_chat_streams_answer_and_statistics_and_keeps_images_in_history(url, engine):
+    client = Client(url, verbose=False)
+    job = client.submit(message("Describe each image.", IMAGES), max_new_tokens=SHORT, api_name="/chat")
+    answer, stats = job.result(timeout=120)
+    expected = reference(engine, [("Describe each image.", IMAGES, None)])
+    assert answer == expected.text
+    assert len(job.outputs()) >= 2  # streamed: partial answers, then the whole
+    assert all(expected.text.startswith(partial) for partial, _ in job.outputs())
+    assert STATS_KEYS <= stats.keys()
+    assert stats["mode"] == "speculative" and stats["drafter_kind"] == "text_lm"
+    assert stats["new_tokens"] == len(expected.token_ids) and stats["prefill_image_tokens"] > 0
+    assert stats["drafted"] >= stats["accepted"] and stats["decode_tok_s"] > 0
+
+    # The second turn sees the first, images included (history per client session).
+    follow_up, stats = client.predict(message("And the chart?"), mode="plain", max_new_tokens=SHORT,
+                                      api_name="/chat")
+    expected = reference(engine, [("Describe each image.", IMAGES, answer), ("And the chart?", [], None)], drafter=None)
+    assert follow_up == expected.text
+    assert stats["mode"] == "plain" and stats["prefill_image_tokens"] > 0 and stats["acceptance"] is None
+
+    # Another client has its own, empty history.
+    other, _ = Client(url, verbose=False).predict(message("And the chart?"), max_new_tokens=SHORT, api_name="/chat")
+    assert other == reference(engine, [("And the chart?", [], None)]).text
+
+
+def test_ab_greedy_answers_are_identical(url, engine):
+    client = Client(url, verbose=False)
+    plain, speculative, speedup, identical, difference = client.predict(
+        message("What does this chart show?", IMAGES[1:]), max_new_tokens=SHORT, api_name="/ab")
+    assert plain == speculative == reference(engine, [("What does this chart show?", IMAGES[1:], None)]).text
+    assert identical is True and difference is None
+    assert speedup > 0
+
+
+def test_stop_mid_answer_then_next_turn_is_answered_as_by_a_fresh_engine(url, engine):
+    long = 400
+    assert len(reference(engine, [("Describe the image.", [], None)], None, long).token_ids) == long  # no early end
+    client = Client(url, verbose=False)
+    job = client.submit(message("Describe the image."), mode="plain", max_new_tokens=long, api_name="/chat")
+    wait_for_output(job)
+    client.predict(api_name="/stop")
+    partial, stats = job.result(timeout=60)
+    assert stats["finish_reason"] == "stopped" and 0 < stats["new_tokens"] < long
+
+    answer, stats = client.predict(message("Describe each image.", IMAGES), max_new_tokens=SHORT, api_name="/chat")
+    expected = reference(engine, [("Describe the image.", [], partial), ("Describe each image.", IMAGES, None)])
+    assert answer == expected.text and stats["finish_reason"] != "stopped"
+
+    # A cancelled request (the client went away) also leaves the engine ready.
+    job = client.submit(message("Describe the image."), mode="plain", max_new_tokens=long, api_name="/chat")
+    wait_for_output(job)
+    job.cancel()
+    client.predict(api_name="/clear")
+    answer, _ = client.predict(message("Describe each image.", IMAGES), max_new_tokens=SHORT, api_name="/chat")
+    assert answer == reference(engine, [("Describe each image.", IMAGES, None)]).text
+
+
+def test_one_generation_at_a_time_and_a_waiting_client_sees_its_place(url, engine):
+    first, second = Client(url, verbose=False), Client(url, verbose=False)
+    running = first.submit(message("Describe the image."), mode="plain", max_new_tokens=400, api_name="/chat")
+    wait_for_output(running)
+    waiting = second.submit(message("And the chart?"), max_new_tokens=SHORT, api_name="/chat")
+    deadline = time.monotonic() + 30
+    while waiting.status().code != Status.IN_QUEUE and time.monotonic() < deadline:
+        time.sleep(0.02)
+    status = waiting.status()
+    assert status.code == Status.IN_QUEUE and status.rank == 0 and status.queue_size >= 1
+    first.predict(api_name="/stop")  # stops the first client's answer only
+    assert running.result(timeout=60)[1]["finish_reason"] == "stopped"
+    answer, stats = waiting.result(timeout=60)
+    assert stats["finish_reason"] != "stopped"
+    assert answer == reference(engine, [("And the chart?", [], None)]).text  # nothing of the first conversation
+
+
+def test_bad_requests_are_explained_and_the_conversation_goes_on(url, engine, tmp_path):
+    client = Client(url, verbose=False)
+    first, _ = client.predict(message("Describe each image.", IMAGES), max_new_tokens=SHORT, api_name="/chat")
+
+    bad = tmp_path / "holiday.png"
+    bad.write_text("not a picture")
+    with pytest.raises(AppError, match=r"holiday\.png: not an image file"):
+        client.predict(message("What is this?", [str(bad)]), api_name="/chat")
+    with pytest.raises(AppError, match=r"limit is 8 images per conversation"):
+        client.predict(message("So many.", IMAGES * 4), api_name="/chat")  # 8 new + 2 earlier
+    with pytest.raises(AppError, match="the message is empty"):
+        client.predict(message("  "), api_name="/chat")
+    with pytest.raises(AppError, match="nope is not in the list of choices"):  # Gradio checks the dropdown
+        client.predict(message("Hi"), drafter="nope", api_name="/chat")
+
+    # None of them joined the history: the next turn follows the first directly.
+    answer, _ = client.predict(message("And the chart?"), max_new_tokens=SHORT, api_name="/chat")
+    expected = reference(engine, [("Describe each image.", IMAGES, first), ("And the chart?", [], None)])
+    assert answer == expected.text
+
+
+def test_missing_model_is_one_line_not_a_traceback(tmp_path):
+    with pytest.raises(SystemExit) as stopped:
+        app.main(["--model", str(tmp_path / "nowhere"), "--no-browser"])
+    assert str(stopped.value) == f"error: --model {tmp_path / 'nowhere'}: no such folder"
+
+
+def test_flags_win_over_environment_variables():
+    environ = {"VLM_MODEL": "env-model", "VLM_DRAFTER": "a,b", "VLM_PORT": "9000", "VLM_NO_BROWSER": "1"}
+    config = read_config([], environ)
+    assert (config.model, config.drafters, config.port, config.open_browser) == ("env-model", ["a", "b", "ngram"],
+                                                                                   9000, False)
+    config = read_config(["--model", "m", "--drafter", "none", "--port", "7000"], environ)
+    assert (config.model, config.drafters, config.port, config.host) == ("m", [], 7000, "127.0.0.1")
+    assert read_config([], {"SPACE_ID": "me/app"}).host == "0.0.0.0"
+
+
+def test_compare_reports_where_answers_first_differ(engine):
+    tokenizer = engine.target.tokenizer
+    ids = tokenizer("The sky is blue and the grass is green.")["input_ids"]
+    other = ids[:5] + tokenizer(" red")["input_ids"] + ids[6:]
+    plain = Side("plain", token_ids=ids, done=True, stats=Stats(mode="plain", decode_tok_s=10.0, total_s=2.0))
+    speculative = Side("speculative", token_ids=other, done=True, stats=Stats(decode_tok_s=20.0, total_s=1.0))
+    result = compare(tokenizer, plain, speculative)
+    assert not result.identical and result.first_difference.index == 5
+    assert result.first_difference.char_index == len(tokenizer.decode(ids[:5]))
+    assert result.decode_speedup == 2.0 and result.time_ratio == 2.0
+    assert first_difference_index([1, 2], [1, 2, 3]) == 2 and first_difference_index([1], [1]) is None
+
+
+def test_highlighted_spans_follow_token_origins(engine):
+    tokenizer = engine.target.tokenizer
+    ids = tokenizer("The sky is blue.")["input_ids"]
+    origins = ["target"] + ["draft"] * (len(ids) - 2) + ["target"]
+    spans = views.highlighted(tokenizer, Side("speculative", token_ids=ids, origins=origins))
+    assert "".join(text for text, _ in spans) == tokenizer.decode(ids)
+    assert [label for _, label in spans] == [None, "draft", None]
