@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
+from engine.drafters.dflash import DFlashDrafter
 from engine.drafters.model import ModelDrafter
 from engine.drafters.mtp import MtpDrafter
 from engine.drafters.ngram import NgramDrafter
@@ -131,8 +132,8 @@ def load_target(name: str, options: LoadOptions | None = None) -> Target:
 
 
 def load_drafter(name: str | None, target: Target, options: LoadOptions | None = None):
-    """`ngram`, `mtp` (the target's own MTP layers), a text-only causal LM, or a VLM of the target's
-    family; None for plain decoding."""
+    """`ngram`, `mtp` (the target's own MTP layers), a DFlash assistant folder (recognized by its
+    config), a text-only causal LM, or a VLM of the target's family; None for plain decoding."""
     if name in (None, "", "none"):
         return None
     if name == "ngram":
@@ -145,6 +146,8 @@ def load_drafter(name: str | None, target: Target, options: LoadOptions | None =
     if has_linear_attention(config):
         raise LoadError(f"drafter {name!r} has linear-attention layers, whose recurrent state a drafter's rollback "
                         "cannot rewind; use a drafter with attention layers only, or --drafter ngram")
+    if is_dflash_assistant(config):
+        return load_dflash_drafter(name, config, target, kwargs)
     if hasattr(config, "vision_config"):
         family = _family(config)
         if family.name != target.family.name:
@@ -177,6 +180,31 @@ def load_mtp_drafter(target: Target) -> MtpDrafter:
     except (OSError, RuntimeError, ValueError) as error:
         raise LoadError(f"--drafter mtp: cannot read the MTP layers of {target.name!r}: {error}") from error
     return MtpDrafter("mtp", mtp, target.model, target.family)
+
+
+def is_dflash_assistant(config) -> bool:
+    """A DFlash block drafter's config names the target layers it reads and its block size."""
+    return getattr(config, "target_layer_ids", None) is not None and getattr(config, "block_size", None) is not None
+
+
+def load_dflash_drafter(name: str, config, target: Target, kwargs: dict) -> DFlashDrafter:
+    text_config = target.model.config.get_text_config()
+    problems = []
+    if max(config.target_layer_ids) >= text_config.num_hidden_layers:
+        problems.append(f"it reads target layers {config.target_layer_ids}, the target has {text_config.num_hidden_layers}")
+    if config.hidden_size != text_config.hidden_size:
+        problems.append(f"its hidden size is {config.hidden_size}, the target's {text_config.hidden_size}")
+    if config.mask_token_id >= target.vocab_size:
+        problems.append(f"its mask token {config.mask_token_id} is outside the target's vocabulary of {target.vocab_size}")
+    if target.family.positions(0, 1, "cpu").dim() != 2:
+        problems.append(f"its rotary embedding is 1-axis, the target ({target.family.name}) numbers positions "
+                        "on three M-RoPE rows")
+    if problems:
+        raise LoadError(f"DFlash drafter {name!r} ({config.model_type}) does not fit the target {target.name!r}: "
+                        + "; ".join(problems) + ". Use the assistant trained for this target.")
+    from transformers import AutoModel
+
+    return DFlashDrafter(name, _from_pretrained(AutoModel, name, kwargs), target.model, target.family)
 
 
 def check_vocabularies(target_tokenizer, drafter_tokenizer, drafter_name: str) -> None:

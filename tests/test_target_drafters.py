@@ -45,8 +45,12 @@ class Zoo:
         return self.targets[family]
 
     def drafter(self, family: str, name: str):
+        """name: "mtp", or "assistant" (the family's assistant checkpoint, built here)."""
         if (family, name) not in self.drafters:
-            self.drafters[family, name] = load_drafter(name, self.target(family))
+            folder = name
+            if name == "assistant":
+                folder = str(tiny_next.build_assistant(family, self.root / f"{family}-assistant"))
+            self.drafters[family, name] = load_drafter(folder, self.target(family))
         return self.drafters[family, name]
 
 
@@ -218,14 +222,34 @@ def test_hybrid_rollback_is_needed(zoo):
     assert done.token_ids != truth
 
 
-# MTP drafter (Step3p7): layers read from the saved checkpoint, embeddings and positions of the target.
+def test_target_positions_follow_mrope_after_images(zoo):
+    """What MTP and DFlash drafters are given: the target's own M-RoPE positions, three rows,
+    sliced on the sequence axis, the answer at i + rope_delta; equal to the model's rope index
+    over prompt + answer."""
+    from engine.drafters.target_positions import TargetPositions
+
+    target = zoo.target("qwen3_5")
+    prompt = Engine(target).prepare(messages(2))
+    positions = TargetPositions(target.family, target.model, prompt)
+    num_prompt, answer_len = len(prompt.input_ids), 6
+    ids = torch.tensor([prompt.input_ids + [5] * answer_len])
+    types = torch.cat([prompt.target_inputs["mm_token_type_ids"], torch.zeros(1, answer_len, dtype=torch.int)], 1)
+    truth, _ = target.model.model.get_rope_index(ids, types, prompt.target_inputs["image_grid_thw"])
+    assert positions.rope_delta < 0
+    for first, stop in [(0, num_prompt), (num_prompt - 20, num_prompt + 3), (num_prompt + 2, num_prompt + 6)]:
+        assert torch.equal(positions(first, stop), truth[..., first:stop])
 
 
-def mtp_reference_logits(target, mtp, prompt, tokens: list[int], draft: list[int]) -> list[torch.Tensor]:
-    """The MTP logits of layers 0 .. len(draft), drafting after `tokens` (layer i embeds draft[i - 1]),
-    from scratch: one uncached target forward for h and the merged input embeddings, then each
+# Drafters that read the target: the MTP layers of Step3p7's checkpoint, MuseGlimmer's DFlash
+# assistant. Each has a from-scratch reference for its logits, given the committed tokens and
+# (MTP) the forced draft tokens its upper layers embed: (n, V) for the first n draft tokens.
+
+
+def mtp_reference_logits(target, drafter, prompt, tokens: list[int], draft: list[int]) -> torch.Tensor:
+    """Layers 0 .. len(draft) drafting after `tokens` (layer i embeds draft[i - 1]): one uncached
+    target forward for h and the merged input embeddings (image features included), then each
     MTP layer over all entries without a cache. 1-D RoPE: token i sits at position i."""
-    num_prompt = len(prompt.input_ids)
+    mtp, num_prompt = drafter.mtp, len(prompt.input_ids)
     hidden = uncached_target_hidden(target, prompt, tokens[num_prompt:], (0, -1))
     with torch.inference_mode():
         embeds = torch.cat([hidden[0], mtp.embed_tokens(torch.tensor(draft, dtype=torch.long))])
@@ -237,37 +261,72 @@ def mtp_reference_logits(target, mtp, prompt, tokens: list[int], draft: list[int
                                     inputs_embeds=embeds[level + 1:last + level + 1][None])[0]
             logits.append(mtp._project_to_logits(out[-1:][None])[0, 0].float())
             below = out
-    return logits
+    return torch.stack(logits)
 
 
+def dflash_reference_logits(target, drafter, prompt, tokens: list[int], draft: list[int]) -> torch.Tensor:
+    """The block after `tokens` (the draft does not feed back): one uncached target forward for
+    the context rows, then the assistant with all context in one fresh cache."""
+    from transformers.cache_utils import DFlashCache
+
+    num_prompt, anchor = len(prompt.input_ids), len(tokens) - 1
+    hidden = uncached_target_hidden(target, prompt, tokens[num_prompt:anchor], drafter.target_layers)
+    context = torch.cat([hidden[layer] for layer in drafter.target_layers], dim=-1)
+    cache = DFlashCache(config=drafter.assistant.config)
+    cache.set_previous_accepted_tokens(anchor)
+    block = torch.tensor([tokens[-1]] + [drafter.mask_token_id] * (drafter.block_size - 1))
+    with torch.inference_mode():
+        out = drafter.assistant(noise_embeds=drafter._embed(block)[None], context_hidden_states=context[None],
+                                position_ids=torch.arange(anchor + drafter.block_size)[None], cache=cache)
+        return target.model.get_output_embeddings()(out.last_hidden_state[0, 1:]).float()
+
+
+# (family, drafter, kind, longest draft, reference)
+READERS = [
+    pytest.param("step3p7", "mtp", "mtp", tiny_next.STEP3P7_MTP_LAYERS, mtp_reference_logits, id="mtp"),
+    pytest.param("muse_glimmer", "assistant", "dflash", 3, dflash_reference_logits, id="dflash"),
+]
+
+
+@pytest.mark.parametrize("family, name, kind, longest, reference", READERS)
 @pytest.mark.parametrize("num_images", IMAGE_COUNTS)
-def test_mtp_speculation_equals_plain(zoo, num_images):
-    target, drafter = zoo.target("step3p7"), zoo.drafter("step3p7", "mtp")
+def test_reading_drafter_speculation_equals_plain(zoo, family, name, kind, longest, reference, num_images):
+    target, drafter = zoo.target(family), zoo.drafter(family, name)
     plain = answer(target, num_images)
     speculative = answer(target, num_images, drafter)
     assert speculative.token_ids == plain.token_ids
     assert speculative.stats.fallback_reason is None
-    assert speculative.stats.drafter_kind == "mtp"
-    assert max(speculative.stats.draft_lengths) == tiny_next.STEP3P7_MTP_LAYERS  # one token per MTP layer
+    assert speculative.stats.drafter_kind == kind
+    assert max(speculative.stats.draft_lengths) == longest  # MTP: one per layer; DFlash: one block
 
 
+@pytest.mark.parametrize("family, name, kind, longest, reference", READERS)
 @pytest.mark.parametrize("num_images", IMAGE_COUNTS)
-@pytest.mark.parametrize("k, adaptive", [(4, False), (1, True)])  # adaptive: drafts of 1-3, upper layers lag
-def test_mtp_forced_acceptance_keeps_every_layer_exact(zoo, num_images, k, adaptive):
-    """Forced drafts through the real MTP layers: accepted exactly up to each corruption, and
-    every round's MTP logits equal a from-scratch computation (target forward without cache,
-    merged image embeddings, MTP layers without cache), whatever was accepted before."""
-    target, mtp_drafter = zoo.target("step3p7"), zoo.drafter("step3p7", "mtp")
+@pytest.mark.parametrize("k, adaptive", [(4, False), (1, True)])  # adaptive: drafts of 1-3 (MTP's upper layers lag)
+def test_reading_drafter_forced_acceptance_stays_exact(zoo, family, name, kind, longest, reference,
+                                                       num_images, k, adaptive):
+    """Forced drafts through the real drafter: accepted exactly up to each corruption, and every
+    round's drafter logits equal its from-scratch reference, whatever was accepted before."""
+    target, inner = zoo.target(family), zoo.drafter(family, name)
     truth = answer(target, num_images).token_ids
     proposed = corrupt(truth)
-    drafter = ForcedDrafter(mtp_drafter, proposed)
+    drafter = ForcedDrafter(inner, proposed)
     done = answer(target, num_images, drafter, k=k, adaptive=adaptive)
     assert_forced_acceptance(done, truth, proposed, drafter.accepted)
     prompt = Engine(target).prepare(messages(num_images))
     for answer_len, logits in drafter.rounds:
         tokens = prompt.input_ids + truth[:answer_len]
         draft = proposed[answer_len:answer_len + len(logits) - 1]
-        reference = mtp_reference_logits(target, mtp_drafter.mtp, prompt, tokens, draft)
-        assert len(reference) == len(logits)
-        for got, want in zip(logits, reference):
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        expected = reference(target, inner, prompt, tokens, draft)
+        torch.testing.assert_close(torch.stack(logits), expected[:len(logits)], atol=1e-4, rtol=1e-4)
+
+
+def test_loading_refuses_drafters_that_do_not_fit_the_target(zoo):
+    from models.loading import LoadError
+
+    qwen3_5 = zoo.target("qwen3_5")
+    with pytest.raises(LoadError, match="declares no MTP layers"):
+        load_drafter("mtp", qwen3_5)
+    dflash_folder = str(tiny_next.build_assistant("muse_glimmer", zoo.root / "refused-assistant"))
+    with pytest.raises(LoadError, match="reads target layers .* M-RoPE rows"):
+        load_drafter(dflash_folder, qwen3_5)

@@ -6,12 +6,16 @@ Families (the configs that build with transformers 5.24, vocabulary about 430):
 - step3p7:       Step-3.7 with `num_nextn_predict_layers` MTP layers written into the saved
                  checkpoint (as hub checkpoints carry them: `model.layers.<N + k>.*`), 1-D RoPE;
                  one image = 16 <im_patch> tokens between <im_start> and <im_end>.
+- muse_glimmer:  MuseGlimmer, 4 text layers (3 sliding with a 16-token window, 1 full NoPE), 1-D
+                 RoPE; `build_dflash_assistant` writes its DFlash assistant (hidden 64, 1 layer,
+                 block_size 4, target_layer_ids [0, 2]).
 
 Each builder writes a folder; `load(family, folder)` loads it as the engine's target.
 Tokenizers and chat templates come from tests/tiny.py (a byte-level BPE trained in-process).
-Step3p7's own image processor needs torchvision, which is not installed here, so its tiny
-processor uses `Step3p7GlobalViewImageProcessor` below (the global view only, no local crops),
-handed to `load_target` in place of `load_processor`.
+Step3p7's and MuseGlimmer's own image processors need torchvision, which is not installed here:
+their tiny processors are built below (Step3p7: the global view only, no local crops; MuseGlimmer:
+Qwen2-VL's PIL patchifier, same pixel layout) and handed to `load_target` in place of
+`load_processor`.
 """
 
 from __future__ import annotations
@@ -21,15 +25,26 @@ from unittest import mock
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForImageTextToText, Qwen3_5Config, Step3p7Config, Step3p7Processor
+from transformers import (
+    AutoModelForImageTextToText,
+    MuseGlimmerAssistantConfig,
+    MuseGlimmerAssistantModel,
+    MuseGlimmerConfig,
+    MuseGlimmerProcessor,
+    Qwen2VLImageProcessorPil,
+    Qwen3_5Config,
+    Step3p7Config,
+    Step3p7Processor,
+)
 from transformers.image_processing_backends import PilBackend
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 from transformers.modeling_layers import MtpModel
+from transformers.processing_utils import ProcessorMixin
 
 from models import loading
 from tests import tiny
 
-FAMILIES: tuple[str, ...] = ("qwen3_5", "step3p7")
+FAMILIES: tuple[str, ...] = ("qwen3_5", "step3p7", "muse_glimmer")
 STEP3P7_MTP_LAYERS = 3
 
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -37,7 +52,7 @@ _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 
 
 def build_target(family: str, out_dir: Path, seed: int = 0) -> Path:
-    builders = {"qwen3_5": _qwen3_5, "step3p7": _step3p7}
+    builders = {"qwen3_5": _qwen3_5, "step3p7": _step3p7, "muse_glimmer": _muse_glimmer}
     if family not in builders:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     return builders[family](Path(out_dir), seed)
@@ -46,9 +61,10 @@ def build_target(family: str, out_dir: Path, seed: int = 0) -> Path:
 def load(family: str, folder: Path):
     """The engine's Target for a folder written by `build_target` (float32, CPU)."""
     options = loading.LoadOptions(dtype="float32", device="cpu")
-    if family != "step3p7":
+    processors = {"step3p7": _step3p7_processor, "muse_glimmer": _muse_glimmer_processor}
+    if family not in processors:
         return loading.load_target(str(folder), options)
-    with mock.patch.object(loading, "load_processor", lambda name, **kwargs: _step3p7_processor()):
+    with mock.patch.object(loading, "load_processor", lambda name, **kwargs: processors[family]()):
         return loading.load_target(str(folder), options)
 
 
@@ -155,3 +171,68 @@ def _write_mtp_layers(model, checkpoint: Path, num_layers: int, num_mtp: int) ->
         rest = rest.removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
         tensors[f"model.layers.{num_layers + int(k)}.{rest}"] = weight.detach().clone().contiguous()
     save_file(tensors, checkpoint, metadata={"format": "pt"})
+
+
+class MuseGlimmerImageOnlyProcessor(MuseGlimmerProcessor):
+    """MuseGlimmerProcessor without a video processor (its constructor insists on passing one)."""
+
+    def __init__(self, image_processor, tokenizer, chat_template=None, **kwargs):
+        self.image_token, self.image_start_token, self.image_end_token = "<|patch|>", "<|image_start|>", "<|image_end|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        ProcessorMixin.__init__(self, image_processor=image_processor, tokenizer=tokenizer,
+                                chat_template=chat_template, **kwargs)
+
+
+_MUSE_GLIMMER_TOKENS = tiny._Tokens(
+    bos="<|begin_of_text|>", eos="<|im_end|>", pad="<|pad|>", named={"image_token": "<|patch|>"},
+    other=("<|im_start|>", "<|image_start|>", "<|image_end|>", "<|video|>", "<|mask|>"),
+)
+
+
+def _muse_glimmer_processor() -> MuseGlimmerProcessor:
+    # 14-pixel patches merged 2 x 2: 2x2 to 3x3 image tokens for tiny_images
+    image_processor = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
+                                               size={"shortest_edge": 56 ** 2, "longest_edge": 84 ** 2})
+    template = tiny._QWEN_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<|patch|>")
+    return MuseGlimmerImageOnlyProcessor(image_processor, tiny._tokenizer(_MUSE_GLIMMER_TOKENS),
+                                         chat_template=template)
+
+
+def _muse_glimmer(out_dir: Path, seed: int) -> Path:
+    tokenizer = _muse_glimmer_processor().tokenizer
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(
+        _TEXT, num_hidden_layers=4, initializer_range=tiny.INIT_STD, head_dim=16, vocab_size=len(tokenizer),
+        sliding_window=16, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=14,
+                  pos_emb_height=8, pos_emb_width=8, max_position_embeddings=64, initializer_range=tiny.INIT_STD)
+    config = MuseGlimmerConfig(text_config=text, vision_config=vision, image_token_id=ids("<|patch|>"),
+                               video_token_id=ids("<|video|>"), out_hidden_size=4 * 32, projector_hidden_size=64)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_assistant(family: str, out_dir: Path) -> Path:
+    """The family's assistant checkpoint: MuseGlimmer's DFlash block drafter."""
+    builders = {"muse_glimmer": build_dflash_assistant}
+    if family not in builders:
+        raise ValueError(f"no assistant for {family!r}; families with one: {sorted(builders)}")
+    return builders[family](Path(out_dir))
+
+
+def build_dflash_assistant(out_dir: Path, seed: int = 2) -> Path:
+    """MuseGlimmer's DFlash assistant: reads target layers 0 and 2, drafts blocks of 4 (3 tokens)."""
+    tokenizer = _muse_glimmer_processor().tokenizer
+    config = MuseGlimmerAssistantConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, block_size=4, target_layer_ids=[0, 2], mask_token_id=tokenizer.convert_tokens_to_ids("<|mask|>"),
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        initializer_range=tiny.INIT_STD,
+    )
+    torch.manual_seed(seed)
+    MuseGlimmerAssistantModel(config).save_pretrained(out_dir)
+    return Path(out_dir)

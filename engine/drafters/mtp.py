@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from engine.drafters.base import Draft
+from engine.drafters.target_positions import TargetPositions
 from engine.prompt import Prompt
 from engine.runner import CacheState
 from engine.sampling import Sampler
@@ -51,8 +52,7 @@ class MtpDrafter:
         self.target: CacheState | None = None
         self.prompt_ids: list[int] = []
         self.prompt_embeds: torch.Tensor | None = None  # (S, H) the target's merged input embeddings
-        self.prompt_positions: torch.Tensor | None = None  # (R, 1, S) or (1, S), the target's positions
-        self.rope_delta = 0
+        self.positions: TargetPositions | None = None
         self.new_hidden: torch.Tensor | None = None  # (m, H) target h_j that layer 0 has not read yet
         self.cache = None
         self.fed: list[list[int]] = []  # per layer: the token id embedded at each cached entry
@@ -68,8 +68,7 @@ class MtpDrafter:
         self.prompt_ids = prompt.input_ids
         self.prompt_embeds = target_state.hidden[0]
         self.new_hidden = target_state.hidden[-1]  # h_0 .. h_{S-1}
-        inputs = {name: value.to(self.target_model.device) for name, value in prompt.target_inputs.items()}
-        self.prompt_positions, self.rope_delta = self.family.prefill_positions(self.target_model, inputs)
+        self.positions = TargetPositions(self.family, self.target_model, prompt)
         self.cache = MtpCache(config=self.target_model.config.get_mtp_config())
         self.cache.activate_past_recording()
         self.fed = [[] for _ in range(self.num_layers)]
@@ -126,7 +125,7 @@ class MtpDrafter:
             below = self._rows(level - 1, start, last_entry + 1)
         token_ids = tokens[start + level + 1: last_entry + level + 2]
         embeds = self._embeds(start + level + 1, token_ids)
-        positions = self._positions(start + level + 1, last_entry + level + 2)
+        positions = self.positions(start + level + 1, last_entry + level + 2)
         out = self.mtp.forward_layer(level, below[None].to(embeds.dtype), positions, self.cache,
                                      inputs_embeds=embeds[None])[0]
         self.fed[level] += token_ids
@@ -142,16 +141,6 @@ class MtpDrafter:
             ids = torch.tensor(token_ids[num_prompt:], device=self.prompt_embeds.device)
             parts.append(self.mtp.embed_tokens(ids).to(self.prompt_embeds.dtype))
         return torch.cat(parts)
-
-    def _positions(self, first: int, stop: int) -> torch.Tensor:
-        """The target's rotary positions of tokens first .. stop - 1, on every row."""
-        num_prompt = self.prompt_positions.shape[-1]
-        parts = [self.prompt_positions[..., first:min(stop, num_prompt)]]
-        if stop > num_prompt:
-            after = self.family.positions(max(first, num_prompt) + self.rope_delta, stop - max(first, num_prompt),
-                                          self.prompt_positions.device)
-            parts.append(after)
-        return torch.cat(parts, dim=-1)
 
     def _logits(self, row: torch.Tensor) -> torch.Tensor:
         """Float32 logits (V,) of one MTP output row, through the target's head."""
