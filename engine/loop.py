@@ -102,9 +102,13 @@ def generate(
 
 
 def _hidden_request(drafter: Drafter | None) -> dict:
-    """A drafter that reads the target names the hidden states each target pass keeps for it."""
+    """A drafter that reads the target names the hidden states (and shared K/V) each target pass
+    keeps for it."""
     layers = getattr(drafter, "target_layers", ())
-    return {"hidden_layers": layers} if layers else {}
+    request = {"hidden_layers": layers} if layers else {}
+    if getattr(drafter, "shares_kv", False):
+        request["share_kv"] = True
+    return request
 
 
 def _begin(drafter: Drafter | None, prompt: Prompt, stats: Stats, target_state) -> Drafter | None:
@@ -126,6 +130,7 @@ def _stop_reading(target_state) -> None:
     """After a fallback the target computes no hidden states any more; there is no drafter."""
     if getattr(target_state, "hidden_layers", ()):
         target_state.hidden_layers, target_state.hidden = (), None
+        target_state.share_kv, target_state.shared_kv = False, None
     return None
 
 

@@ -25,6 +25,9 @@ class CacheState:
                (index as in `output_hidden_states`: 0 = the merged input embeddings, i = output
                of layer i, -1 = the last, normed); empty = none are computed.
     hidden:    {layer: (n, H)} those hidden states for the n positions the last pass ran.
+    share_kv:  each pass also returns the K/V its KV-sharing layers store (Gemma 4, for an
+               assistant that attends to them): `shared_kv` = {layer type: (K, V)}, as the
+               model returns them (the cache's entries before the pass, then the pass's own).
     """
 
     cache: DynamicCache
@@ -32,6 +35,8 @@ class CacheState:
     rope_pos: int
     hidden_layers: tuple[int, ...] = ()
     hidden: dict[int, torch.Tensor] | None = None
+    share_kv: bool = False
+    shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class Runner:
@@ -44,12 +49,13 @@ class Runner:
         self.device = model.device
 
     @torch.inference_mode()
-    def prefill(self, inputs: dict[str, torch.Tensor],
-                hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, CacheState]:
+    def prefill(self, inputs: dict[str, torch.Tensor], hidden_layers: tuple[int, ...] = (),
+                share_kv: bool = False) -> tuple[torch.Tensor, CacheState]:
         """Run the prompt. inputs: processor outputs (input_ids (1, S), pixel_values, ...).
 
         Returns the float32 logits of the last prompt position, (V,), and the new cache state
-        (with `hidden` of all S prompt positions when `hidden_layers` asks for any).
+        (with `hidden` of all S prompt positions when `hidden_layers` asks for any, and
+        `shared_kv` when `share_kv`).
         """
         inputs = {name: value.to(self.device) for name, value in inputs.items()}
         position_ids, rope_delta = self.family.prefill_positions(self.model, inputs)
@@ -57,7 +63,7 @@ class Runner:
         cache.activate_past_recording()  # sliding-window layers keep what a rollback may need
         seq_len = inputs["input_ids"].shape[1]
         state = CacheState(cache=cache, cache_len=seq_len, rope_pos=seq_len + rope_delta,
-                           hidden_layers=tuple(hidden_layers))
+                           hidden_layers=tuple(hidden_layers), share_kv=share_kv)
         out = self.model(**inputs, position_ids=position_ids, cache=cache,
                          use_cache=True, logits_to_keep=1, **self._hidden_request(state))
         self._keep_hidden(state, out, seq_len)
@@ -85,14 +91,18 @@ class Runner:
 
     @staticmethod
     def _hidden_request(state: CacheState) -> dict:
-        return {"output_hidden_states": list(state.hidden_layers)} if state.hidden_layers else {}
+        request = {"output_hidden_states": list(state.hidden_layers)} if state.hidden_layers else {}
+        return {**request, "return_shared_kv_states": True} if state.share_kv else request
 
     @staticmethod
     def _keep_hidden(state: CacheState, out, num_tokens: int) -> None:
-        """state.hidden = {layer: (num_tokens, H)} of the pass `out`, when the state asks for any."""
+        """state.hidden = {layer: (num_tokens, H)} of the pass `out`, when the state asks for any
+        (and state.shared_kv, when it asks for those)."""
         if state.hidden_layers:
             states = out.hidden_states
             state.hidden = {layer: states[layer][0, -num_tokens:] for layer in state.hidden_layers}
+        if state.share_kv:
+            state.shared_kv = dict(out.shared_kv_states)
 
     def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Float32 logits over exactly `vocab_size` ids (the target's): extra rows of a drafter's

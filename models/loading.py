@@ -17,6 +17,7 @@ from engine.drafters.dflash import DFlashDrafter
 from engine.drafters.model import ModelDrafter
 from engine.drafters.mtp import MtpDrafter
 from engine.drafters.ngram import NgramDrafter
+from engine.drafters.shared_cache import SharedCacheDrafter
 from engine.hybrid import HybridRunner, has_linear_attention
 from engine.runner import Runner
 from models.families import TEXT_LM, Family, family_for_config
@@ -132,8 +133,9 @@ def load_target(name: str, options: LoadOptions | None = None) -> Target:
 
 
 def load_drafter(name: str | None, target: Target, options: LoadOptions | None = None):
-    """`ngram`, `mtp` (the target's own MTP layers), a DFlash assistant folder (recognized by its
-    config), a text-only causal LM, or a VLM of the target's family; None for plain decoding."""
+    """`ngram`, `mtp` (the target's own MTP layers), a DFlash or shared-cache assistant folder
+    (recognized by its config), a text-only causal LM, or a VLM of the target's family; None for
+    plain decoding."""
     if name in (None, "", "none"):
         return None
     if name == "ngram":
@@ -148,6 +150,8 @@ def load_drafter(name: str | None, target: Target, options: LoadOptions | None =
                         "cannot rewind; use a drafter with attention layers only, or --drafter ngram")
     if is_dflash_assistant(config):
         return load_dflash_drafter(name, config, target, kwargs)
+    if is_shared_cache_assistant(config):
+        return load_shared_cache_drafter(name, config, target, kwargs)
     if hasattr(config, "vision_config"):
         family = _family(config)
         if family.name != target.family.name:
@@ -205,6 +209,29 @@ def load_dflash_drafter(name: str, config, target: Target, kwargs: dict) -> DFla
     from transformers import AutoModel
 
     return DFlashDrafter(name, _from_pretrained(AutoModel, name, kwargs), target.model, target.family)
+
+
+def is_shared_cache_assistant(config) -> bool:
+    """An assistant that attends to the target's shared K/V names the target's hidden size."""
+    return getattr(config, "backbone_hidden_size", None) is not None
+
+
+def load_shared_cache_drafter(name: str, config, target: Target, kwargs: dict) -> SharedCacheDrafter:
+    text_config = target.model.config.get_text_config()
+    stores = set(getattr(text_config, "kv_sharing_modes", None) or ())
+    problems = []
+    if "store" not in stores:
+        problems.append(f"the target ({target.family.name}) shares no K/V between layers")
+    if config.backbone_hidden_size != text_config.hidden_size:
+        problems.append(f"it was trained on a target of hidden size {config.backbone_hidden_size}, "
+                        f"the target's is {text_config.hidden_size}")
+    if config.get_text_config().vocab_size < target.vocab_size:
+        problems.append(f"its vocabulary ({config.get_text_config().vocab_size}) is smaller than the target's")
+    if problems:
+        raise LoadError(f"assistant {name!r} ({config.model_type}) does not fit the target {target.name!r}: "
+                        + "; ".join(problems) + ". Use the assistant released with this target.")
+    assistant = _from_pretrained(AutoModelForCausalLM, name, kwargs)
+    return SharedCacheDrafter(name, assistant, target.model, target.family)
 
 
 def check_vocabularies(target_tokenizer, drafter_tokenizer, drafter_name: str) -> None:

@@ -102,6 +102,7 @@ def expected_accepts(truth: list[int], proposed: list[int], draft_lengths: list[
 
 def assert_forced_acceptance(done: Done, truth: list[int], proposed: list[int], accepted: list[int]):
     assert done.token_ids == truth
+    assert done.stats.fallback_reason is None
     assert accepted == expected_accepts(truth, proposed, done.stats.draft_lengths)
     rounds = list(zip(done.stats.draft_lengths, accepted))
     assert any(a == 0 < k for k, a in rounds), rounds  # a rejection of the first draft token,
@@ -131,6 +132,7 @@ class ForcedDrafter:
         self.inner, self.continuation = inner, continuation
         self.name, self.kind = inner.name, inner.kind
         self.target_layers = getattr(inner, "target_layers", ())
+        self.shares_kv = getattr(inner, "shares_kv", False)
         self.rounds: list[tuple[int, list[torch.Tensor]]] = []
         self.accepted: list[int] = []
 
@@ -281,10 +283,29 @@ def dflash_reference_logits(target, drafter, prompt, tokens: list[int], draft: l
         return target.model.get_output_embeddings()(out.last_hidden_state[0, 1:]).float()
 
 
+def shared_cache_reference_logits(target, drafter, prompt, tokens: list[int], draft: list[int]) -> torch.Tensor:
+    """Steps 0 .. len(draft) drafting after `tokens` (step i feeds draft[i - 1]): one uncached target
+    forward over tokens[:-1] gives the K/V of every position (sliding layers too, none rejected)
+    and the last hidden state; the assistant attends to them all, at the position of tokens[-1]."""
+    out = uncached_forward(target, prompt, tokens[len(prompt.input_ids):-1], output_hidden_states=[-1],
+                           return_shared_kv_states=True)
+    kv = dict(out.shared_kv_states)
+    hidden, position = out.hidden_states[-1][0, -1], torch.tensor([[len(tokens) - 1]])
+    embedding, logits = target.model.get_input_embeddings(), []
+    with torch.inference_mode():
+        for token in [tokens[-1]] + draft:
+            inputs_embeds = torch.cat([embedding(torch.tensor([token]))[0], hidden])[None, None]
+            step = drafter.assistant(inputs_embeds=inputs_embeds, position_ids=position, shared_kv_states=kv)
+            logits.append(step.logits[0, -1, :target.vocab_size].float())
+            hidden = step.last_hidden_state[0, -1]
+    return torch.stack(logits)
+
+
 # (family, drafter, kind, longest draft, reference)
 READERS = [
     pytest.param("step3p7", "mtp", "mtp", tiny_next.STEP3P7_MTP_LAYERS, mtp_reference_logits, id="mtp"),
     pytest.param("muse_glimmer", "assistant", "dflash", 3, dflash_reference_logits, id="dflash"),
+    pytest.param("gemma4", "assistant", "shared_cache", 4, shared_cache_reference_logits, id="shared_cache"),
 ]
 
 
@@ -297,7 +318,7 @@ def test_reading_drafter_speculation_equals_plain(zoo, family, name, kind, longe
     assert speculative.token_ids == plain.token_ids
     assert speculative.stats.fallback_reason is None
     assert speculative.stats.drafter_kind == kind
-    assert max(speculative.stats.draft_lengths) == longest  # MTP: one per layer; DFlash: one block
+    assert max(speculative.stats.draft_lengths) == longest  # MTP: one per layer; DFlash: one block; else k
 
 
 @pytest.mark.parametrize("family, name, kind, longest, reference", READERS)
@@ -330,3 +351,6 @@ def test_loading_refuses_drafters_that_do_not_fit_the_target(zoo):
     dflash_folder = str(tiny_next.build_assistant("muse_glimmer", zoo.root / "refused-assistant"))
     with pytest.raises(LoadError, match="reads target layers .* M-RoPE rows"):
         load_drafter(dflash_folder, qwen3_5)
+    gemma4_assistant = str(tiny_next.build_assistant("gemma4", zoo.root / "refused-gemma4-assistant"))
+    with pytest.raises(LoadError, match="shares no K/V"):
+        load_drafter(gemma4_assistant, zoo.target("muse_glimmer"))

@@ -9,13 +9,17 @@ Families (the configs that build with transformers 5.24, vocabulary about 430):
 - muse_glimmer:  MuseGlimmer, 4 text layers (3 sliding with a 16-token window, 1 full NoPE), 1-D
                  RoPE; `build_dflash_assistant` writes its DFlash assistant (hidden 64, 1 layer,
                  block_size 4, target_layer_ids [0, 2]).
+- gemma4:        Gemma 4, text layers [sliding (16-token window), full], per-layer inputs of size 8,
+                 init std 0.05; one image = 70 soft tokens; `build_shared_cache_assistant` writes
+                 its `gemma4_assistant` (hidden 32, 2 layers sharing all K/V with the target).
 
 Each builder writes a folder; `load(family, folder)` loads it as the engine's target.
 Tokenizers and chat templates come from tests/tiny.py (a byte-level BPE trained in-process).
-Step3p7's and MuseGlimmer's own image processors need torchvision, which is not installed here:
-their tiny processors are built below (Step3p7: the global view only, no local crops; MuseGlimmer:
-Qwen2-VL's PIL patchifier, same pixel layout) and handed to `load_target` in place of
-`load_processor`.
+Step3p7's and MuseGlimmer's own image processors need torchvision, which is not installed here,
+and Gemma 4's and MuseGlimmer's processor classes insist on video (and audio) processors: their
+tiny processors are built below (Step3p7: the global view only, no local crops; MuseGlimmer:
+Qwen2-VL's PIL patchifier, same pixel layout; Gemma 4: its own PIL image processor, image-only)
+and handed to `load_target` in place of `load_processor`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForImageTextToText,
+    Gemma4AssistantConfig,
+    Gemma4AssistantForCausalLM,
+    Gemma4Config,
+    Gemma4Processor,
     MuseGlimmerAssistantConfig,
     MuseGlimmerAssistantModel,
     MuseGlimmerConfig,
@@ -39,12 +47,13 @@ from transformers import (
 from transformers.image_processing_backends import PilBackend
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 from transformers.modeling_layers import MtpModel
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
 from models import loading
 from tests import tiny
 
-FAMILIES: tuple[str, ...] = ("qwen3_5", "step3p7", "muse_glimmer")
+FAMILIES: tuple[str, ...] = ("qwen3_5", "step3p7", "muse_glimmer", "gemma4")
 STEP3P7_MTP_LAYERS = 3
 
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -52,7 +61,7 @@ _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 
 
 def build_target(family: str, out_dir: Path, seed: int = 0) -> Path:
-    builders = {"qwen3_5": _qwen3_5, "step3p7": _step3p7, "muse_glimmer": _muse_glimmer}
+    builders = {"qwen3_5": _qwen3_5, "step3p7": _step3p7, "muse_glimmer": _muse_glimmer, "gemma4": _gemma4}
     if family not in builders:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     return builders[family](Path(out_dir), seed)
@@ -61,7 +70,8 @@ def build_target(family: str, out_dir: Path, seed: int = 0) -> Path:
 def load(family: str, folder: Path):
     """The engine's Target for a folder written by `build_target` (float32, CPU)."""
     options = loading.LoadOptions(dtype="float32", device="cpu")
-    processors = {"step3p7": _step3p7_processor, "muse_glimmer": _muse_glimmer_processor}
+    processors = {"step3p7": _step3p7_processor, "muse_glimmer": _muse_glimmer_processor,
+                  "gemma4": _gemma4_processor}
     if family not in processors:
         return loading.load_target(str(folder), options)
     with mock.patch.object(loading, "load_processor", lambda name, **kwargs: processors[family]()):
@@ -217,8 +227,8 @@ def _muse_glimmer(out_dir: Path, seed: int) -> Path:
 
 
 def build_assistant(family: str, out_dir: Path) -> Path:
-    """The family's assistant checkpoint: MuseGlimmer's DFlash block drafter."""
-    builders = {"muse_glimmer": build_dflash_assistant}
+    """The family's assistant checkpoint: MuseGlimmer's DFlash block drafter, Gemma 4's assistant."""
+    builders = {"muse_glimmer": build_dflash_assistant, "gemma4": build_shared_cache_assistant}
     if family not in builders:
         raise ValueError(f"no assistant for {family!r}; families with one: {sorted(builders)}")
     return builders[family](Path(out_dir))
@@ -235,4 +245,72 @@ def build_dflash_assistant(out_dir: Path, seed: int = 2) -> Path:
     )
     torch.manual_seed(seed)
     MuseGlimmerAssistantModel(config).save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+class Gemma4ImageOnlyProcessor(Gemma4Processor):
+    """Gemma4Processor without its audio feature extractor and video processor."""
+
+    def __init__(self, image_processor, tokenizer, chat_template=None, image_seq_length=70, **kwargs):
+        self.image_seq_length = image_seq_length
+        self.image_token, self.boi_token, self.eoi_token = tokenizer.image_token, tokenizer.boi_token, tokenizer.eoi_token
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        # validate_inputs refuses any input while boa / eoa tokens are unset, audio or not
+        self.video_token, self.audio_token, self.boa_token, self.eoa_token = None, "<|audio|>", "<|audio>", "<audio|>"
+        ProcessorMixin.__init__(self, image_processor=image_processor, tokenizer=tokenizer,
+                                chat_template=chat_template, **kwargs)
+
+
+_GEMMA4_TOKENS = tiny._Tokens(
+    bos="<bos>", eos="<|im_end|>", pad="<pad>",
+    named={"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>"},
+    other=("<|im_start|>", "<|video|>"),
+)
+
+
+def _gemma4_processor() -> Gemma4Processor:
+    # 4-pixel patches pooled 3 x 3; 70 soft tokens is the smallest budget Gemma 4 supports
+    image_processor = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=3)
+    template = tiny._QWEN_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<|image|>")
+    return Gemma4ImageOnlyProcessor(image_processor, tiny._tokenizer(_GEMMA4_TOKENS), chat_template=template)
+
+
+_GEMMA4_STD = 0.05  # 0.2 collapses greedy output
+
+
+def _gemma4(out_dir: Path, seed: int) -> Path:
+    tokenizer = _gemma4_processor().tokenizer
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(
+        _TEXT, initializer_range=_GEMMA4_STD, head_dim=16, global_head_dim=16, vocab_size=len(tokenizer),
+        vocab_size_per_layer_input=len(tokenizer), hidden_size_per_layer_input=8, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3,
+                  position_embedding_size=1024, initializer_range=_GEMMA4_STD)
+    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=ids("<|image|>"),
+                          boi_token_id=ids("<|image>"), eoi_token_id=ids("<image|>"), video_token_id=ids("<|video|>"),
+                          initializer_range=_GEMMA4_STD)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_shared_cache_assistant(out_dir: Path, seed: int = 3) -> Path:
+    """Gemma 4's assistant: hidden 32, two layers that attend to the target's shared K/V."""
+    tokenizer = _gemma4_processor().tokenizer
+    text = dict(
+        model_type="gemma4_text", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16, global_head_dim=16, vocab_size=len(tokenizer),
+        vocab_size_per_layer_input=0, hidden_size_per_layer_input=0, num_kv_shared_layers=2, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], initializer_range=_GEMMA4_STD,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    assistant = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=text, backbone_hidden_size=64))
+    assistant.generation_config.num_assistant_tokens = 4  # what transformers' own assisted generation drafts
+    assistant.save_pretrained(out_dir)
     return Path(out_dir)

@@ -20,7 +20,9 @@ target then keeps those states of every pass in its CacheState (`hidden`, one (n
 layer, for the n positions the pass ran), and the loop calls `begin(prompt, target_state)`:
 after prefill `target_state.hidden` covers the prompt; in `accept(num_accepted)` it covers the
 verify pass, whose first num_accepted + 1 rows are committed (the last committed token and the
-accepted draft tokens). Other drafters never make the target compute hidden states.
+accepted draft tokens). A drafter that also attends to the target's K/V (Gemma 4's assistant)
+sets `shares_kv = True`: each pass then also keeps `target_state.shared_kv`. Other drafters
+never make the target compute any of this.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Drafter(Protocol):
     name: str  # what the user picked: a model id or folder, or "ngram"
     kind: str  # "text_lm", "vlm", "ngram", "mtp", "dflash", "shared_cache"
     # optional: target_layers: tuple[int, ...]  -- hidden states read from the target (see above)
+    # optional: shares_kv: bool  -- also reads the K/V of the target's KV-sharing layers
 
     def begin(self, prompt: Prompt) -> None: ...
 

@@ -3,11 +3,11 @@ file here that defines `FAMILIES`, and naming it below."""
 
 from __future__ import annotations
 
-from . import gemma3, idefics3, llava, muse_glimmer, qwen3_5, qwen_vl, step3p7
+from . import gemma3, gemma4, idefics3, llava, muse_glimmer, qwen3_5, qwen_vl, step3p7
 from .base import Family, MRopeFamily
 
 VLM_FAMILIES: tuple[Family, ...] = (qwen_vl.FAMILIES + idefics3.FAMILIES + llava.FAMILIES + gemma3.FAMILIES
-                                     + qwen3_5.FAMILIES + step3p7.FAMILIES + muse_glimmer.FAMILIES)
+                                     + qwen3_5.FAMILIES + step3p7.FAMILIES + muse_glimmer.FAMILIES + gemma4.FAMILIES)
 
 # Any text-only causal LM (a drafter) numbers positions on one axis.
 TEXT_LM = Family("text_lm", ())
