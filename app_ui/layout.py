@@ -34,13 +34,21 @@ EXAMPLES = [  # (text, files): the demo model's synthetic pictures first, then p
     ("How many purple shapes are there in all the images? Answer in a sentence.", ["count_a.png", "count_b.png"]),
     ("What is in each picture?", ["chelsea.png", "rocket.jpg"]),
 ]
+DRAFT_COLOUR = "#86efac"  # accepted draft tokens
 GENERATE = {"concurrency_id": "generate", "concurrency_limit": 1}
 INSTANT = {"concurrency_limit": None, "api_visibility": "private", "show_progress": "hidden"}  # quick, not limited
+# .tokens: a HighlightedText shown as running text. Gradio puts whitespace nodes and padding
+# between the spans; font-size 0 hides the whitespace, so the tint moves to the text itself.
 CSS = """
 .stats table { width: 100%; font-size: 0.9em; }
 .stats td:first-child { white-space: nowrap; }
 #tokens { max-height: 360px; overflow-y: auto; }
-"""
+.tokens .textfield, .tokens .token-container, .tokens .token {
+  font-size: 0; margin: 0 !important; padding: 0 !important;
+}
+.tokens .text { font-size: var(--text-md); line-height: 1.7; white-space: pre-wrap; padding: 0 !important; }
+.tokens .token.highlighted .text { background: DRAFT_COLOUR; border-radius: 3px; }
+""".replace("DRAFT_COLOUR", DRAFT_COLOUR)
 
 
 def build_demo(engine: Engine, gpu: Callable = lambda fn: fn) -> gr.Blocks:
@@ -75,8 +83,9 @@ def _chat_tab(examples: list[dict]) -> SimpleNamespace:
             gr.Examples(examples, inputs=[message], label="Examples (click, then send)")
         with gr.Column(scale=2):
             stats = gr.Markdown(views.stats_markdown(None), elem_id="stats", elem_classes=["stats"], container=True)
-            tokens = gr.HighlightedText(label="Latest answer · green = accepted draft tokens", elem_id="tokens",
-                                        color_map={"draft": "#86efac"}, show_legend=True)
+            tokens = gr.HighlightedText(label="Latest answer, by where each token came from", elem_id="tokens",
+                                        elem_classes=["tokens"],
+                                        color_map={views.DRAFT_LABEL: DRAFT_COLOUR}, show_legend=True)
             acceptance_plot = gr.BarPlot(views.acceptance_frame(None), x="draft position", y="acceptance",
                                          y_lim=[0, 1], title="Acceptance by draft position", height=220)
             speed_plot = gr.LinePlot(views.speed_frame([]), x="tokens", y="tok/s",
@@ -95,8 +104,8 @@ def _ab_tab(examples: list[dict]) -> SimpleNamespace:
         stop = gr.Button("Stop", variant="stop", size="sm", elem_id="ab-stop", scale=0, min_width=120)
     with gr.Row(equal_height=False):
         plain = gr.Textbox(label="Plain", lines=6, max_lines=16, interactive=False)
-        speculative = gr.HighlightedText(label="Speculative · green = accepted draft tokens",
-                                         color_map={"draft": "#86efac"}, show_legend=True)
+        speculative = gr.HighlightedText(label="Speculative", elem_classes=["tokens"],
+                                         color_map={views.DRAFT_LABEL: DRAFT_COLOUR}, show_legend=True)
     table = gr.Markdown(elem_id="ab-table", elem_classes=["stats"])
     gr.Examples(examples, inputs=[message], label="Examples (click, then send)")
     return SimpleNamespace(message=message, stop=stop, panels=[verdict, plain, speculative, table])

@@ -13,6 +13,7 @@ from engine.stats import Stats
 
 UPDATES_PER_SECOND = 15  # text and statistics; the plots refresh less often
 PLOT_UPDATES_PER_SECOND = 2
+DRAFT_LABEL = "accepted draft tokens"  # the HighlightedText category of tokens the drafter proposed
 FINISH_REASONS = {"stop_token": "end of answer", "max_new_tokens": "max new tokens reached", "stopped": "stopped"}
 
 
@@ -90,8 +91,8 @@ def _cell(text: str) -> str:
 
 
 def highlighted(tokenizer, side: Side) -> list[tuple[str, str | None]]:
-    """The answer split where the token origin changes: ("text", "draft") for accepted draft
-    tokens, ("text", None) for the target's own. Runs are cut by decoding prefixes, so a
+    """The answer split where the token origin changes: ("text", DRAFT_LABEL) for accepted
+    draft tokens, ("text", None) for the target's own. Runs are cut by decoding prefixes, so a
     character made of several byte tokens is never split."""
     ids, origins = side.token_ids, side.origins
     spans, start, previous = [], 0, ""
@@ -99,7 +100,7 @@ def highlighted(tokenizer, side: Side) -> list[tuple[str, str | None]]:
         if end == len(ids) or origins[end] != origins[start]:
             text = tokenizer.decode(ids[:end], skip_special_tokens=True).rstrip("\ufffd")
             if len(text) > len(previous):
-                spans.append((text[len(previous):], "draft" if origins[start] == "draft" else None))
+                spans.append((text[len(previous):], DRAFT_LABEL if origins[start] == "draft" else None))
                 previous = text
             start = end
     return spans

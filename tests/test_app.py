@@ -203,4 +203,4 @@ def test_highlighted_spans_follow_token_origins(engine):
     origins = ["target"] + ["draft"] * (len(ids) - 2) + ["target"]
     spans = views.highlighted(tokenizer, Side("speculative", token_ids=ids, origins=origins))
     assert "".join(text for text, _ in spans) == tokenizer.decode(ids)
-    assert [label for _, label in spans] == [None, "draft", None]
+    assert [label for _, label in spans] == [None, views.DRAFT_LABEL, None]
