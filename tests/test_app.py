@@ -13,7 +13,8 @@ from gradio_client.exceptions import AppError
 from gradio_client.utils import Status
 
 import app
-from app_ui import views
+from app_ui import layout, views
+from app_ui.session import Options, Session, new_turn
 from app_ui.setup import read_config
 from engine.ab import Side, compare, first_difference_index
 from engine.engine import Engine
@@ -157,6 +158,8 @@ def test_bad_requests_are_explained_and_the_conversation_goes_on(url, engine, tm
         client.predict(message("What is this?", [str(bad)]), api_name="/chat")
     with pytest.raises(AppError, match=r"limit is 8 images per conversation"):
         client.predict(message("So many.", IMAGES * 4), api_name="/chat")  # 8 new + 2 earlier
+    with pytest.raises(AppError, match=r"the prompt is \d+ tokens .*the model's context is 2048"):
+        client.predict(message("word " * 2100), api_name="/chat")
     with pytest.raises(AppError, match="the message is empty"):
         client.predict(message("  "), api_name="/chat")
     with pytest.raises(AppError, match="nope is not in the list of choices"):  # Gradio checks the dropdown
@@ -166,6 +169,14 @@ def test_bad_requests_are_explained_and_the_conversation_goes_on(url, engine, tm
     answer, _ = client.predict(message("And the chart?"), max_new_tokens=SHORT, api_name="/chat")
     expected = reference(engine, [("Describe each image.", IMAGES, first), ("And the chart?", [], None)])
     assert answer == expected.text
+
+
+def test_in_the_ui_a_turn_that_cannot_be_answered_says_why_in_the_chat(engine):
+    session = Session()
+    session.pending = new_turn({"text": "word " * 2100, "files": []}, engine, session)
+    *_, (chatbot, *_) = layout._respond(engine, session, Options(max_new_tokens=4))
+    assert "Cannot answer" in chatbot[-1]["content"] and "the model's context is 2048" in chatbot[-1]["content"]
+    assert session.pending is None and session.answered() == []  # shown, but never sent to the model
 
 
 def test_missing_model_is_one_line_not_a_traceback(tmp_path):
