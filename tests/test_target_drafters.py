@@ -1,13 +1,19 @@
-"""Drafters that read the target, and hybrid targets, on tiny random-weight models (float32, greedy).
+"""Drafters that read the target, and hybrid targets, on tiny random-weight models (float32).
 
-For every family of tests/tiny_next.py, with 0, 1 and 2 images:
+Families (tests/tiny_next.py) and what drafts for them:
+    qwen3_5       hybrid target (recurrent layers + M-RoPE): n-gram and scripted drafters
+    step3p7       MTP layers of its own checkpoint (`--drafter mtp`)
+    muse_glimmer  DFlash block assistant (`--drafter DIR`)
+    gemma4        shared-cache assistant (`--drafter DIR`)
+With 0, 1 and 2 images:
 - exactness: speculative greedy == plain greedy, token for token;
 - forced acceptance: random drafters accept almost nothing, so a drafter is made to propose
-  the true greedy continuation with one token corrupted every few positions; each round must
+  the true greedy continuation with tokens corrupted at fixed positions; each round must
   accept exactly the draft's prefix up to the corruption, round after round, and the answer
   must stay the plain one. For drafters with their own state (MTP, DFlash, assistants) the
   real drafter runs and only its token choice is forced (`ForcedSampler`), so its caches and
-  positions go through every acceptance length.
+  positions go through every acceptance length; every round its logits must also equal a
+  from-scratch reference (an uncached target forward, then the drafter without a cache).
 """
 
 from __future__ import annotations
@@ -354,3 +360,33 @@ def test_loading_refuses_drafters_that_do_not_fit_the_target(zoo):
     gemma4_assistant = str(tiny_next.build_assistant("gemma4", zoo.root / "refused-gemma4-assistant"))
     with pytest.raises(LoadError, match="shares no K/V"):
         load_drafter(gemma4_assistant, zoo.target("muse_glimmer"))
+
+
+@pytest.mark.parametrize("family, name, kind, longest, reference", READERS)
+def test_reading_drafter_samples_without_falling_back(zoo, family, name, kind, longest, reference):
+    """Sampling (rejection sampling against the drafter's own distributions) runs through every
+    reading drafter; equal seeds give equal answers."""
+    from engine.sampling import SamplingSettings
+
+    target, drafter = zoo.target(family), zoo.drafter(family, name)
+    engine = Engine(target, {"drafter": drafter})
+    decode = DecodeSettings(max_new_tokens=12, draft_tokens=3, stop_token_ids=frozenset({-1}))
+    runs = [list(engine.stream(messages(1), drafter="drafter", decode=decode,
+                               sampling=SamplingSettings(temperature=1.0, seed=7)))[-1] for _ in range(2)]
+    assert runs[0].stats.fallback_reason is None and runs[0].stats.drafted > 0
+    assert runs[0].token_ids == runs[1].token_ids
+
+
+def test_unavailable_reading_drafter_decodes_plainly(zoo):
+    from engine.drafters.base import DrafterUnavailable
+
+    class Unavailable(ForcedDrafter):
+        def begin(self, prompt, *target_state):
+            raise DrafterUnavailable("no MTP context for this request")
+
+    target = zoo.target("step3p7")
+    plain = answer(target, 1)
+    done = answer(target, 1, Unavailable(zoo.drafter("step3p7", "mtp"), plain.token_ids))
+    assert done.token_ids == plain.token_ids
+    assert done.stats.fallback_reason == "no MTP context for this request"
+    assert done.stats.drafted == 0
