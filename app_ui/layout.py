@@ -212,11 +212,11 @@ def _header(engine: Engine) -> str:
 
 def _settings(engine: Engine) -> list:
     """The request settings, in the order of `Options`' fields (the API's parameters too)."""
-    choices = [(f"{key} · {drafter.kind}", key) for key, drafter in engine.drafters.items()]
+    choices = [(f"{key} · {drafter.kind}", key) for key, drafter in engine.drafters.items()] or [("none", "none")]
     defaults = Options()
     return [
         gr.Radio(["speculative", "plain"], value="speculative" if engine.drafters else "plain", label="Decoding"),
-        gr.Dropdown(choices, value=engine.default_drafter, label="Drafter"),
+        gr.Dropdown(choices, value=choices[0][1], label="Drafter"),
         gr.Slider(1, 8, value=defaults.draft_tokens, step=1, label="Draft length (tokens per draft)"),
         gr.Checkbox(defaults.adaptive, label="Adaptive draft length"),
         gr.Slider(0, 1.5, value=defaults.temperature, step=0.05, label="Temperature (0 = greedy)"),
@@ -310,7 +310,8 @@ def _ab_events(engine: Engine, message_value, session: Session, options: Options
     turn = new_turn(message_value, engine)
     session.stop.clear()
     messages = messages_for(Session(), turn, options.system_prompt)
-    for event in run_ab(engine, messages, options.drafter, options.sampling(), options.decode(), session.stop):
+    drafter = options.drafter_for(engine) if engine.drafters else None  # run_ab says why None cannot do
+    for event in run_ab(engine, messages, drafter, options.sampling(), options.decode(), session.stop):
         if not isinstance(event, ABProgress) and not event.stopped:
             session.plain_tok_s = event.plain.stats.decode_tok_s
         yield event

@@ -67,7 +67,7 @@ class Options:
     """The settings a request carries; the defaults are the API's (greedy, so deterministic)."""
 
     mode: str = "speculative"  # or "plain"
-    drafter: str | None = None  # a key of engine.drafters; None: the engine's default
+    drafter: str | None = None  # a key of engine.drafters; None or "none": the engine's default
     draft_tokens: int = 4
     adaptive: bool = False
     temperature: float = 0.0
@@ -89,7 +89,7 @@ class Options:
             return None
         if self.mode != "speculative":
             raise RequestError(f"unknown mode {self.mode!r}; use 'speculative' or 'plain'")
-        drafter = self.drafter or engine.default_drafter
+        drafter = self.drafter if self.drafter not in (None, "", "none") else engine.default_drafter
         if drafter is None:
             raise RequestError("speculative decoding needs a drafter and none is loaded; choose the plain mode")
         return drafter
