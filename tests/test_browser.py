@@ -2,8 +2,9 @@
 browser). Uploads two images, asks, waits for the streamed answer and the statistics, runs an
 A/B turn, and saves screenshots to artifacts/screenshots/ (chat.png, ab.png).
 
-Uses the bundled demo model when assets/demo holds it (real answers in the screenshots),
-otherwise tiny random models (the text is gibberish, the mechanics the same)."""
+Uses the model named by VLM_MODEL (and VLM_DRAFTER) if set, else the bundled demo model when
+assets/demo holds it (real answers in the screenshots), else tiny random models (the text is
+gibberish, the mechanics the same)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
 
 @pytest.fixture(scope="module")
 def url(zoo):
-    if os.path.isdir(DEFAULT_MODEL):
+    if os.environ.get("VLM_MODEL"):
+        argv = []  # the model the environment names (VLM_MODEL, VLM_DRAFTER: see app_ui/setup.py)
+    elif os.path.isdir(DEFAULT_MODEL):
         argv = ["--preset", "demo"]
     else:
         argv = ["--model", str(zoo.dir("qwen2_vl")), "--drafter", str(zoo.dir("qwen2_vl", "text_drafter"))]
