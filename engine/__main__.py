@@ -1,6 +1,6 @@
 """Command line: answer one prompt about zero or more images, plainly or speculatively.
 
-    python -m engine [--preset NAME] [--model ID_OR_DIR] [--drafter ID_OR_DIR|ngram|none] [--mode plain|speculative]
+    python -m engine [--preset NAME] [--model ID_OR_DIR] [--drafter ID_OR_DIR|ngram|mtp|none] [--mode plain|speculative]
                      [--image PATH]... [--max-new-tokens N] [--dtype D] [--device D]
                      [--temperature T] [--top-p P] [--top-k K] [--seed S] [--draft-tokens K]
                      [--adaptive] [--json] PROMPT
@@ -28,7 +28,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--preset", choices=sorted(PRESETS), help="a named target/drafter pair (default: demo)")
     parser.add_argument("--model", help="hub id or local folder of the target VLM (default: the preset's)")
     parser.add_argument("--drafter", default=None,
-                        help="hub id or folder of a drafter, 'ngram', or 'none' (default: the model's default drafter)")
+                        help="hub id or folder of a drafter (text LM, VLM of the target's family, DFlash or Gemma 4 "
+                             "assistant), 'ngram', 'mtp' (the target's own MTP layers), or 'none' "
+                             "(default: the preset's first drafter)")
     parser.add_argument("--mode", choices=["plain", "speculative"], default="speculative")
     parser.add_argument("--image", action="append", default=[], help="an image file; repeat for several")
     parser.add_argument("--max-new-tokens", type=int, default=256)
