@@ -39,13 +39,14 @@ def main(argv: list[str] | None = None, block: bool = True):
         warm_up(engine)
     # 4. Build the UI and serve it; generations queue (one at a time, see app_ui/layout.py).
     from app_ui.layout import CSS, EXAMPLES_DIR, build_demo
+    from engine.images import MAX_FILE_BYTES
 
     demo = build_demo(engine, gpu=gpu_decorator())
     demo.queue(default_concurrency_limit=1)
     try:
         demo.launch(server_name=config.host, server_port=config.port, share=config.share,
                     inbrowser=config.open_browser, prevent_thread_lock=not block, allowed_paths=[EXAMPLES_DIR],
-                    max_file_size="20mb", css=CSS)
+                    max_file_size=MAX_FILE_BYTES, css=CSS)  # serves uploads and the examples, nothing else
     except OSError as error:  # e.g. the port is taken
         sys.exit(f"error: {error}")
     return demo

@@ -67,7 +67,7 @@ def build_demo(engine: Engine, gpu: Callable = lambda fn: fn) -> gr.Blocks:
             ab = _ab_tab(examples)
         _wire_chat(engine, gpu, session, settings, chat)
         _wire_ab(engine, gpu, session, settings[1:], ab)
-        _wire_api(engine, gpu, session, settings, chat.message, ab.message)
+        _wire_api(engine, gpu, session, settings)
     return demo
 
 
@@ -167,11 +167,13 @@ def _wire_ab(engine: Engine, gpu: Callable, session: gr.State, settings: list, a
     ab.stop.click(_stop, [session], None, queue=False, api_visibility="private")
 
 
-def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, message: gr.MultimodalTextbox,
-              ab_message: gr.MultimodalTextbox) -> None:
+def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list) -> None:
     """The API-only endpoints /chat, /ab and /clear (/stop is the Stop button's); explicit
-    signatures name the parameters for API clients. Their outputs are hidden components."""
+    signatures name the parameters for API clients. Their inputs and outputs are hidden
+    components. The message box takes any file type: Gradio's own type check would refuse a
+    non-image file without naming it, our image validation names the file and the reason."""
     with gr.Row(visible=False):
+        message = gr.MultimodalTextbox(file_count="multiple", label="message")
         answer_text, statistics = gr.Textbox(label="answer"), gr.JSON(label="statistics")
         plain, speculative = gr.Textbox(label="plain"), gr.Textbox(label="speculative")
         speedup, identical = gr.Number(label="speedup"), gr.Checkbox(label="identical")
@@ -197,7 +199,7 @@ def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, 
         return _api_ab(engine, message, session, options)
 
     trigger.click(chat, [message, *settings, session], [answer_text, statistics], api_name="chat", **GENERATE)
-    trigger.click(ab, [ab_message, *settings[1:], session], [plain, speculative, speedup, identical,
+    trigger.click(ab, [message, *settings[1:], session], [plain, speculative, speedup, identical,
                                                             first_difference], api_name="ab", **GENERATE)
     trigger.click(_clear, [session], None, api_name="clear", concurrency_limit=None)
 

@@ -135,19 +135,23 @@ def messages_for(session: Session, turn: Turn, system_prompt: str = "") -> list[
 def answer(engine: Engine, session: Session, turn: Turn, options: Options) -> Iterator[Side]:
     """Stream the answer to `turn` (the live Side after every chunk) and keep the turn in the
     session's history when it ends: finished, stopped by `session.stop`, or closed by the
-    caller (a cancelled request keeps what was answered so far). A chat cleared meanwhile
-    (`session.turns` replaced) does not get the turn."""
+    caller (a cancelled request keeps what was answered so far). A request that fails (out of
+    memory, say) leaves the history as it was, so the turn can be sent again. A chat cleared
+    meanwhile (`session.turns` replaced) does not get the turn."""
     history = session.turns
     events = engine.stream(messages_for(session, turn, options.system_prompt), drafter=options.drafter_for(engine),
                            sampling=options.sampling(), decode=options.decode(), stop=session.stop)
-    side = Side(options.mode)
+    side, failed = Side(options.mode), False
     try:
         with closing(events):
             for event in events:
                 side.update(event)
                 yield side
-    finally:
-        if side.stats is not None:
+    except Exception:
+        failed = True
+        raise
+    finally:  # GeneratorExit (the caller closed the stream) is not an Exception: the turn is kept
+        if side.stats is not None and not failed:
             record(session, turn, side, history)
 
 

@@ -14,6 +14,8 @@ a flag wins over its variable:
     --share    VLM_SHARE=1   a public gradio.live link
     --no-browser  VLM_NO_BROWSER=1   do not open the browser (never opened on a Space)
     --max-images  VLM_MAX_IMAGES     images per conversation (default 8)
+    --trust-remote-code  VLM_TRUST_REMOTE_CODE=1   run a checkpoint's own Python code (off: such a
+                             model is refused with a message naming this flag)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Config:
     open_browser: bool = True
     max_images: int = 8
     preset: str | None = None
+    trust_remote_code: bool = False
 
 
 def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
@@ -66,6 +69,8 @@ def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
     parser.add_argument("--share", action="store_true", default=env("SHARE", "").lower() in TRUE)
     parser.add_argument("--no-browser", action="store_true", default=on_space or env("NO_BROWSER", "").lower() in TRUE)
     parser.add_argument("--max-images", type=int, default=int(env("MAX_IMAGES", 8)))
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        default=env("TRUST_REMOTE_CODE", "").lower() in TRUE)
     args = parser.parse_args(argv)
 
     drafters = [name.strip() for value in (args.drafter or [env("DRAFTER", "")]) for name in value.split(",")]
@@ -80,7 +85,8 @@ def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
     elif "ngram" not in drafters:
         drafters.append("ngram")  # costs nothing and works with any target
     return Config(model, drafters, args.dtype, args.device, args.host, args.port, args.share,
-                  not args.no_browser, args.max_images, None if args.model else (args.preset or "demo"))
+                  not args.no_browser, args.max_images, None if args.model else (args.preset or "demo"),
+                  args.trust_remote_code)
 
 
 def load_engine(config: Config):
@@ -95,7 +101,7 @@ def load_engine(config: Config):
                          "or pass --model DIR_OR_HUB_ID")
     if _looks_local(config.model) and not os.path.isdir(config.model):
         raise SetupError(f"--model {config.model}: no such folder")
-    options = LoadOptions(dtype=config.dtype, device=config.device)
+    options = LoadOptions(dtype=config.dtype, device=config.device, trust_remote_code=config.trust_remote_code)
     try:
         target = load_target(config.model, options)
         drafters = {}

@@ -49,12 +49,16 @@ class Engine:
         images = images_of(messages)
         if len(images) > self.max_images:
             raise RequestError(f"{len(images)} images in the conversation; the limit is {self.max_images}")
-        inputs = encode_vlm(self.target.processor, messages)
+        try:
+            inputs = encode_vlm(self.target.processor, messages)
+        except ValueError as error:  # e.g. Qwen's processor refuses an aspect ratio over 200:1
+            raise RequestError(f"the model's processor cannot prepare this message: {error}") from None
         prompt = Prompt(messages, images, inputs, self.target.placeholder_ids)
         limit = getattr(self.target.model.config.get_text_config(), "max_position_embeddings", None)
         if limit and len(prompt.input_ids) >= limit:
-            raise RequestError(f"the prompt is {len(prompt.input_ids)} tokens (image tokens included); "
-                               f"the model's context is {limit}")
+            raise RequestError(f"the prompt is {len(prompt.input_ids)} tokens ({prompt.num_image_tokens} of them for "
+                               f"images); the model's context is {limit}: send fewer or smaller images or a shorter "
+                               "message, or start a new chat")
         return prompt
 
     def stream(

@@ -2,9 +2,11 @@
 one raises ImageError with the file's name and the reason.
 
 Limits (configurable through the arguments; the app and CLI use the defaults):
-- MAX_FILE_BYTES: uploads larger than this are refused before decoding.
-- MAX_PIXELS: width * height above this is refused as a likely decompression bomb (a small
-  file that expands to gigabytes of pixels). 40 megapixels covers any camera photo.
+- MAX_FILE_BYTES: files larger than this are refused before decoding (the app also gives it to
+  Gradio as `max_file_size`, so a larger upload never reaches the server's disk).
+- MAX_PIXELS: width * height above this is refused from the header alone, before any pixel is
+  decoded: a decompression bomb (a 20000x20000 one-colour PNG is 50 KB on disk and 400 MB
+  decoded) never allocates its pixels. 40 megapixels covers any camera photo.
 Handled rather than refused: animated images (first frame), CMYK, 16-bit and 32-bit
 grayscale, palette and transparent images (composited on white), EXIF rotation.
 """
@@ -36,16 +38,19 @@ def load_image(source, name: str | None = None, max_bytes: int = MAX_FILE_BYTES,
         with Image.open(io.BytesIO(data)) as image:
             width, height = image.size
             if width * height > max_pixels:
-                raise ImageError(f"{name}: {width}x{height} pixels is over the limit of {max_pixels:,} pixels")
+                raise ImageError(f"{name}: {width}x{height} is {width * height:,} pixels, over the limit of "
+                                 f"{max_pixels:,} (a likely decompression bomb); resize it and send it again")
             image.seek(0)  # animated images: the first frame
             image.load()
             return to_rgb(image)
     except ImageError:
         raise
     except UnidentifiedImageError:
-        raise ImageError(f"{name}: not an image file (or a format this app cannot read)") from None
-    except Image.DecompressionBombError:
-        raise ImageError(f"{name}: too many pixels (over the limit of {max_pixels:,})") from None
+        raise ImageError(f"{name}: not an image file, or a format this app cannot read "
+                         "(PNG, JPEG, WebP, GIF, BMP and TIFF work)") from None
+    except Image.DecompressionBombError:  # Pillow's own limit, checked while opening: far over ours
+        raise ImageError(f"{name}: far more than {max_pixels:,} pixels (a likely decompression bomb); "
+                         "resize it and send it again") from None
     except (OSError, SyntaxError, ValueError) as error:
         raise ImageError(f"{name}: damaged or truncated image ({error})") from None
 
