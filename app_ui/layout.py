@@ -55,7 +55,8 @@ def build_demo(engine: Engine, gpu: Callable = lambda fn: fn) -> gr.Blocks:
     """The app for `engine`. `gpu` wraps every callback that generates (spaces.GPU on ZeroGPU).
     Launch it with `css=CSS`."""
     examples = [{"text": text, "files": [os.path.join(EXAMPLES_DIR, f) for f in files]} for text, files in EXAMPLES]
-    with gr.Blocks(title="VLM chat · speculative decoding", fill_width=True) as demo:
+    # Uploaded files older than a day are deleted, checked hourly: the upload folder stays bounded.
+    with gr.Blocks(title="VLM chat · speculative decoding", fill_width=True, delete_cache=(3600, 86400)) as demo:
         session = gr.State(Session())  # copied for every visitor: a new, empty session each
         gr.Markdown(_header(engine))
         with gr.Sidebar(label="Settings", open=True, width=300):

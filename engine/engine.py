@@ -11,6 +11,7 @@ created inside `stream` and dropped when it ends, so requests cannot see each ot
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from collections.abc import Iterator
 
 import torch
@@ -44,6 +45,9 @@ class Engine:
             ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
         return frozenset(i for i in ids if i is not None)
 
+    def context_limit(self) -> int | None:
+        return getattr(self.target.model.config.get_text_config(), "max_position_embeddings", None)
+
     def prepare(self, messages: list[dict]) -> Prompt:
         messages = normalize(messages)
         images = images_of(messages)
@@ -54,7 +58,7 @@ class Engine:
         except ValueError as error:  # e.g. Qwen's processor refuses an aspect ratio over 200:1
             raise RequestError(f"the model's processor cannot prepare this message: {error}") from None
         prompt = Prompt(messages, images, inputs, self.target.placeholder_ids)
-        limit = getattr(self.target.model.config.get_text_config(), "max_position_embeddings", None)
+        limit = self.context_limit()
         if limit and len(prompt.input_ids) >= limit:
             raise RequestError(f"the prompt is {len(prompt.input_ids)} tokens ({prompt.num_image_tokens} of them for "
                                f"images); the model's context is {limit}: send fewer or smaller images or a shorter "
@@ -74,7 +78,10 @@ class Engine:
             raise RequestError(f"unknown drafter {drafter!r}; loaded: {', '.join(self.drafters) or 'none'}")
         prompt = self.prepare(messages)
         if not decode.stop_token_ids:
-            decode = DecodeSettings(**{**decode.__dict__, "stop_token_ids": self.stop_token_ids()})
+            decode = replace(decode, stop_token_ids=self.stop_token_ids())
+        room = self.context_limit() - len(prompt.input_ids) if self.context_limit() else None
+        if room is not None and decode.max_new_tokens > room:  # the answer must fit the context too
+            decode = replace(decode, max_new_tokens=room)
         with self.lock:
             try:
                 yield from generate(self.target.runner, self.target.tokenizer, prompt,

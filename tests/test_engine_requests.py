@@ -75,3 +75,11 @@ def test_out_of_memory_in_the_target_ends_the_request_and_the_engine_recovers(en
     monkeypatch.undo()
     assert not engine.lock.locked()
     assert final(engine.stream(conversation(1), "text", decode=DECODE)).token_ids == fresh
+
+
+def test_answers_are_cut_to_fit_the_context(engine, monkeypatch):
+    prompt_len = len(engine.prepare(conversation(1)).input_ids)
+    monkeypatch.setattr(engine, "context_limit", lambda: prompt_len + 5)
+    done = final(engine.stream(conversation(1), "text", decode=DecodeSettings(max_new_tokens=50, draft_tokens=4,
+                                                                               stop_token_ids=frozenset({-1}))))
+    assert len(done.token_ids) == 5 and done.stats.finish_reason == "max_new_tokens"
