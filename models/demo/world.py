@@ -142,8 +142,8 @@ def _cell_centre(cell: int) -> tuple[int, int]:
 
 def _draw_shape(draw: ImageDraw.ImageDraw, item: Item, rng: random.Random) -> None:
     cx, cy = _cell_centre(item.cell)
-    cx, cy = cx + rng.randint(-2, 2), cy + rng.randint(-2, 2)
-    r = rng.randint(8, 11)
+    cx, cy = cx + rng.randint(-1, 1), cy + rng.randint(-1, 1)
+    r = rng.randint(10, 12)
     fill = COLOURS[item.colour]
     if item.shape == "circle":
         draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
