@@ -288,6 +288,15 @@ def build_models(tokenizer, seed: int) -> list[Trainee]:
     ]
 
 
+def load_models(folder: Path) -> list[Trainee]:
+    """The three models of an earlier run, in float32, to continue training them."""
+    return [
+        make_trainee("target", Qwen2VLForConditionalGeneration.from_pretrained(folder / "target", dtype=torch.float32), True, 0.0),
+        make_trainee("vlm_drafter", Qwen2VLForConditionalGeneration.from_pretrained(folder / "vlm_drafter", dtype=torch.float32), True, 0.0),
+        make_trainee("text_drafter", Qwen2ForCausalLM.from_pretrained(folder / "text_drafter", dtype=torch.float32), False, 0.0),
+    ]
+
+
 def world_tokenizer():
     """The BPE, trained on the text of the first TOKENIZER_EXAMPLES training conversations."""
     texts = ["user\n", "assistant\n", "system\n"] * 100 + [f"Picture {i}: " for i in range(1, 9)] * 100
@@ -381,6 +390,8 @@ def main() -> None:
     parser.add_argument("--fp32", action="store_true", help="train in float32 instead of bfloat16 autocast")
     parser.add_argument("--eval-questions", type=int, default=100, help="held-out questions to score at the end")
     parser.add_argument("--eval-seed", type=int, default=0)
+    parser.add_argument("--init", type=Path, help="continue training the three models saved in this folder "
+                        "(a run of this command) instead of starting from random weights")
     args = parser.parse_args()
 
     # 1. Seeds, threads, tokenizer and processor.
@@ -390,8 +401,8 @@ def main() -> None:
     tokenizer = world_tokenizer()
     processor = build_processor(tokenizer)
 
-    # 2. Three fresh models.
-    trainees = build_models(tokenizer, args.seed)
+    # 2. Three fresh models (or the three of an earlier run, to continue it).
+    trainees = build_models(tokenizer, args.seed) if args.init is None else load_models(args.init)
     for t in trainees:
         print(f"{t.name}: {count_parameters(t.model):,} parameters", flush=True)
 
@@ -415,7 +426,8 @@ def main() -> None:
         save(t, processor, args.out)
     questions = world.eval_questions(args.eval_seed, args.eval_questions)
     report = {
-        "command": f"python -m models.demo.train --out {args.out} --steps {args.steps}",
+        "command": f"python -m models.demo.train --out {args.out} --steps {args.steps} --seed {args.seed} "
+                   f"--lr {args.lr}" + (f" --init {args.init}" if args.init else ""),
         "settings": {k: str(v) for k, v in vars(args).items()},
         "train_seconds": round(train_seconds),
         "parameters": {t.name: count_parameters(t.model) for t in trainees},
