@@ -10,6 +10,7 @@ import torch
 from engine.engine import Engine
 from engine.loop import DecodeSettings, Done
 from tests import tiny
+from tests.oracles import uncached_forward
 
 DRAFTERS = ("text_drafter", "vlm_drafter", "ngram")
 MAX_NEW = 24
@@ -64,17 +65,7 @@ def teacher_forced_choices(target, prompt, answer_ids):
     choices stop at the first one (random tiny models do emit them)."""
     fed = next((i for i, t in enumerate(answer_ids) if t in target.placeholder_ids), len(answer_ids) - 1)
     answer_ids = answer_ids[:fed]  # the choices cover positions 0..fed
-    inputs = dict(prompt.target_inputs)
-    answer = torch.tensor([answer_ids], dtype=torch.long)
-    inputs["input_ids"] = torch.cat([inputs["input_ids"], answer], 1)
-    for name in ("attention_mask", "mm_token_type_ids", "token_type_ids"):
-        if name in inputs:
-            pad = torch.ones_like(answer) if name == "attention_mask" else torch.zeros_like(answer)
-            inputs[name] = torch.cat([inputs[name], pad.to(inputs[name].dtype)], 1)
-    if hasattr(target.model.model, "rope_deltas"):
-        target.model.model.rope_deltas = None  # the model's own stored state must not leak in
-    with torch.inference_mode():
-        logits = target.model(**inputs).logits[0]
+    logits = uncached_forward(target, prompt, answer_ids).logits[0]
     start = prompt.target_inputs["input_ids"].shape[1] - 1
     return logits[start:start + len(answer_ids) + 1].argmax(-1).tolist()
 
