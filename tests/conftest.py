@@ -63,3 +63,12 @@ class TinyZoo:
 @pytest.fixture(scope="session")
 def zoo(model_root):
     return TinyZoo(model_root)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run faster on one thread of a busy 2-core machine; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

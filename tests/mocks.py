@@ -96,3 +96,17 @@ class ScriptedDrafter(MarkovDrafter):
         if self.fail_at_round is not None and self.rounds >= self.fail_at_round:
             raise RuntimeError("drafter exploded mid-answer")
         return Draft(self.continuation[len(generated):len(generated) + k])
+
+
+def expected_accepts(truth: list[int], proposed: list[int], draft_lengths: list[int]) -> list[int]:
+    """Replay: each round accepts the longest prefix of its draft that equals the truth, then
+    the target adds one token. The first answer token comes from prefill."""
+    position, accepts = 1, []
+    for k in draft_lengths:
+        draft = proposed[position:position + k]
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == truth[position + accepted]:
+            accepted += 1
+        accepts.append(accepted)
+        position += accepted + 1
+    return accepts

@@ -9,7 +9,7 @@ from scipy.stats import chi2
 
 from engine.loop import DecodeSettings, Done, generate
 from engine.sampling import SamplingSettings
-from tests.mocks import CharTokenizer, MarkovDrafter, MarkovRunner, ScriptedDrafter, prompt_of
+from tests.mocks import CharTokenizer, MarkovDrafter, MarkovRunner, ScriptedDrafter, expected_accepts, prompt_of
 
 V = 8
 GREEDY = SamplingSettings()
@@ -52,16 +52,8 @@ def test_corrupted_drafts_are_accepted_exactly_up_to_the_corruption():
     drafter = ScriptedDrafter(corrupted)
     events = answer(t, drafter)
     assert events[-1].token_ids == truth
-    # replay: each round accepts the longest prefix of the draft that equals the truth
-    position, expected_accepts = 1, []
-    for k in events[-1].stats.draft_lengths:
-        draft = corrupted[position:position + k]
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == truth[position + accepted]:
-            accepted += 1
-        expected_accepts.append(accepted)
-        position += accepted + 1
-    assert drafter.accepted[:len(expected_accepts)] == expected_accepts
+    expected = expected_accepts(truth, corrupted, events[-1].stats.draft_lengths)
+    assert drafter.accepted[:len(expected)] == expected
     origins = [o for e in events[:-1] for o in e.origins]
     assert origins.count("draft") == events[-1].stats.accepted
 

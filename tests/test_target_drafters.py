@@ -26,19 +26,14 @@ from engine.loop import DecodeSettings, Done
 from engine.runner import Runner
 from models.loading import load_drafter
 from tests import tiny, tiny_next
-from tests.mocks import ScriptedDrafter
+from tests.mocks import ScriptedDrafter, expected_accepts
 from tests.oracles import uncached_forward
 
 MAX_NEW = 24
 IMAGE_COUNTS = (0, 1, 2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Zoo:
@@ -91,20 +86,6 @@ def corrupt(truth: list[int], positions=CORRUPTED) -> list[int]:
     for i in positions:
         corrupted[i] = truth[i] + 1
     return corrupted
-
-
-def expected_accepts(truth: list[int], proposed: list[int], draft_lengths: list[int]) -> list[int]:
-    """Replay: each round accepts the longest prefix of its draft that equals the truth, then
-    the target adds one token. The first answer token comes from prefill."""
-    position, accepts = 1, []
-    for k in draft_lengths:
-        draft = proposed[position:position + k]
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == truth[position + accepted]:
-            accepted += 1
-        accepts.append(accepted)
-        position += accepted + 1
-    return accepts
 
 
 def assert_forced_acceptance(done: Done, truth: list[int], proposed: list[int], accepted: list[int]):
