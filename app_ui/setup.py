@@ -9,6 +9,8 @@ a flag wins over its variable:
                              separate with commas (default: the preset's, or ngram with --model)
     --dtype    VLM_DTYPE     float32 (default, exact A/B), bfloat16, float16, auto
     --device   VLM_DEVICE    auto (default), cpu, cuda
+    --drafter-dtype  VLM_DRAFTER_DTYPE  auto (default: float32 on a CPU for drafters under 1B
+                             parameters, else --dtype), float32, bfloat16, float16
     --host     VLM_HOST      default 127.0.0.1 (0.0.0.0 on a Space)
     --port     VLM_PORT      default 7860, or the next free port
     --share    VLM_SHARE=1   a public gradio.live link
@@ -42,6 +44,7 @@ class Config:
     drafters: list[str]
     dtype: str = "float32"
     device: str = "auto"
+    drafter_dtype: str = "auto"
     host: str = "127.0.0.1"
     port: int | None = None
     share: bool = False
@@ -63,6 +66,8 @@ def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
     parser.add_argument("--drafter", action="append", default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default=env("DTYPE", "float32"))
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=env("DEVICE", "auto"))
+    parser.add_argument("--drafter-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                        default=env("DRAFTER_DTYPE", "auto"))
     parser.add_argument("--host", default=env("HOST", environ.get("GRADIO_SERVER_NAME")
                                              or ("0.0.0.0" if on_space else "127.0.0.1")))
     parser.add_argument("--port", type=int, default=int(env("PORT", environ.get("GRADIO_SERVER_PORT") or 0)) or None)
@@ -84,8 +89,8 @@ def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
         drafters = []
     elif "ngram" not in drafters:
         drafters.append("ngram")  # costs nothing and works with any target
-    return Config(model, drafters, args.dtype, args.device, args.host, args.port, args.share,
-                  not args.no_browser, args.max_images, None if args.model else (args.preset or "demo"),
+    return Config(model, drafters, args.dtype, args.device, args.drafter_dtype, args.host, args.port,
+                  args.share, not args.no_browser, args.max_images, None if args.model else (args.preset or "demo"),
                   args.trust_remote_code)
 
 
@@ -101,7 +106,8 @@ def load_engine(config: Config):
                          "or pass --model DIR_OR_HUB_ID")
     if _looks_local(config.model) and not os.path.isdir(config.model):
         raise SetupError(f"--model {config.model}: no such folder")
-    options = LoadOptions(dtype=config.dtype, device=config.device, trust_remote_code=config.trust_remote_code)
+    options = LoadOptions(dtype=config.dtype, device=config.device, trust_remote_code=config.trust_remote_code,
+                          drafter_dtype=config.drafter_dtype)
     try:
         target = load_target(config.model, options)
         drafters = {}

@@ -35,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--image", action="append", default=[], help="an image file; repeat for several")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    parser.add_argument("--drafter-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help='"auto" (default): float32 on a CPU for drafters under 1B parameters, else --dtype')
     parser.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
     parser.add_argument("--quantization", choices=["4bit", "8bit"], default=None)
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -62,7 +64,8 @@ def main(argv=None) -> int:
     hf_logging.set_verbosity_error()
     try:
         images = [load_image(path) for path in args.image]
-        options = LoadOptions(args.dtype, args.device, args.quantization, args.trust_remote_code)
+        options = LoadOptions(args.dtype, args.device, args.quantization, args.trust_remote_code,
+                              drafter_dtype=args.drafter_dtype)
         target = load_target(args.model, options)
         drafter = load_drafter(None if args.mode == "plain" else args.drafter, target, options)
         engine = Engine(target, {args.drafter: drafter} if drafter else {})

@@ -3,7 +3,7 @@ and is the answer unchanged? Measured in one run on one machine, side by side wi
 transformers' own `generate()`.
 
     python -m engine.bench [--preset demo | --model ID --drafter ID ...] [--dtype bfloat16]
-                           [--quick] [--json FILE] [--plot FILE]
+                           [--drafter-dtype auto] [--quick] [--json FILE] [--plot FILE]
 
 Rows (all on the same requests, greedy, streamed): this engine plain; this engine with each
 drafter; transformers `generate()` plain; `generate(assistant_model=...)` with each model
@@ -122,18 +122,24 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def machine_info(dtype: str) -> dict:
+def machine_info(dtype: str, engine=None) -> dict:
+    """Machine, threads, versions, and the dtype each model actually runs in."""
     import transformers
 
+    drafter_dtypes = {short(name): str(next(d.runner.model.parameters()).dtype).removeprefix("torch.")
+                      for name, d in (engine.drafters.items() if engine else ()) if hasattr(d, "runner")}
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "dtype": dtype,
+            "drafter_dtypes": drafter_dtypes,
             "device": "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def print_table(rows: list[dict], info: dict) -> None:
     print(f"machine: {info['processor']}, {info['cpus']} CPUs, {info['torch_threads']} torch threads, "
-          f"{info['device']}; dtype {info['dtype']}; torch {info['torch']}, transformers {info['transformers']}")
+          f"{info['device']}; dtype {info['dtype']}"
+          + "".join(f", {name} {dtype}" for name, dtype in info.get("drafter_dtypes", {}).items())
+          + f"; torch {info['torch']}, transformers {info['transformers']}")
     print("| engine | first token | whole answer | decode tok/s | tokens per target forward | acceptance "
           "| identical to plain | speedup vs plain (min-median-max) | limit |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -188,6 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", help="target (overrides the preset)")
     parser.add_argument("--drafter", action="append", help="a drafter (repeat); default: the preset's")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--drafter-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help='"auto" (default): float32 on a CPU for drafters under 1B parameters, else --dtype')
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="6 requests instead of 12")
     parser.add_argument("--requests", type=int, help="number of requests (default 12, 6 with --quick)")
@@ -205,7 +213,7 @@ def main(argv=None) -> int:
     preset = PRESETS[args.preset]
     model = args.model or preset.target
     drafters = args.drafter or (list(preset.drafters) if not args.model else ["ngram"])
-    engine = build_engine(model, drafters, args.dtype, args.device)
+    engine = build_engine(model, drafters, args.dtype, args.device, args.drafter_dtype)
     count = args.requests or (6 if args.quick else 12)
     source = args.requests_from or ("demo" if not args.model and args.preset == "demo" else "photos")
     requests = demo_requests(count) if source == "demo" else photo_requests(count)
@@ -226,7 +234,7 @@ def main(argv=None) -> int:
                 row.runs.append(measurement)
         print(f"request {index}/{len(requests)} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens)
-    info = machine_info(args.dtype)
+    info = machine_info(args.dtype, engine)
     table = [summarize(row, rows[0], args.draft_tokens, costs) for row in rows]
     print_table(table, info)
     print(f"cost model: target forward 1 token {costs['forward_1_s'] * 1000:.1f} ms, "

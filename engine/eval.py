@@ -20,11 +20,11 @@ import time
 from engine.loop import DecodeSettings, Done
 
 
-def build_engine(model: str, drafters: list[str], dtype: str, device: str):
+def build_engine(model: str, drafters: list[str], dtype: str, device: str, drafter_dtype: str = "auto"):
     from engine.engine import Engine
     from models.loading import LoadOptions, load_drafter, load_target
 
-    options = LoadOptions(dtype=dtype, device=device)
+    options = LoadOptions(dtype=dtype, device=device, drafter_dtype=drafter_dtype)
     target = load_target(model, options)
     return Engine(target, {name: load_drafter(name, target, options) for name in drafters})
 

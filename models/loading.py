@@ -8,7 +8,7 @@ remote code only when asked.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
@@ -34,6 +34,14 @@ class LoadOptions:
     device: str = "auto"  # cpu | cuda | auto
     quantization: str | None = None  # None | "4bit" | "8bit" (bitsandbytes)
     trust_remote_code: bool = False
+    # Dtype of a drafter that is its own language model (text LM or VLM). "auto": float32 on a
+    # CPU for drafters under SMALL_DRAFTER_PARAMETERS (a CPU's bfloat16 matmul has a fixed cost
+    # that dominates a small model's decode step; see the README's Benchmark), else `dtype`.
+    # The target verifies every token, so a drafter's dtype never changes the answer.
+    drafter_dtype: str = "auto"
+
+
+SMALL_DRAFTER_PARAMETERS = 1_000_000_000
 
 
 @dataclass
@@ -152,6 +160,8 @@ def load_drafter(name: str | None, target: Target, options: LoadOptions | None =
         return load_dflash_drafter(name, config, target, kwargs)
     if is_shared_cache_assistant(config):
         return load_shared_cache_drafter(name, config, target, kwargs)
+    if options.drafter_dtype != "auto":  # drafters that read the target keep the target's dtype
+        kwargs = _model_kwargs(replace(options, dtype=options.drafter_dtype))
     if hasattr(config, "vision_config"):
         family = _family(config)
         if family.name != target.family.name:
@@ -165,10 +175,19 @@ def load_drafter(name: str | None, target: Target, options: LoadOptions | None =
         encoder = tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=options.trust_remote_code)
         family, kind = TEXT_LM, "text_lm"
     check_vocabularies(target.tokenizer, tokenizer, name)
+    model = _drafter_dtype(model, options)
     text_config = model.config.get_text_config()
     max_positions = getattr(text_config, "max_position_embeddings", None)
     runner = Runner(model, family, vocab_size=target.vocab_size)
     return ModelDrafter(name, kind, runner, encoder, max_positions)
+
+
+def _drafter_dtype(model, options: LoadOptions):
+    """`drafter_dtype` "auto": a small drafter on a CPU runs in float32 (see LoadOptions)."""
+    small = sum(p.numel() for p in model.parameters()) < SMALL_DRAFTER_PARAMETERS
+    if options.drafter_dtype == "auto" and model.device.type == "cpu" and small and not options.quantization:
+        return model.float()
+    return model
 
 
 def load_mtp_drafter(target: Target) -> MtpDrafter:

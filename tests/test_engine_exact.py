@@ -125,3 +125,27 @@ def test_same_weights_vlm_drafter_is_always_accepted_on_images(zoo, family):
 def test_text_drafter_with_target_weights_is_always_accepted_on_text(zoo, family):
     events = run(zoo, family, "text_drafter", conversation(0), k=3, events=True)
     assert_only_placeholder_rejections(events, zoo.target(family).placeholder_ids)
+
+
+def test_small_drafters_run_in_float32_on_a_cpu_under_a_bfloat16_target(zoo):
+    """drafter_dtype "auto": a small drafter on a CPU runs in float32 (faster there) while the
+    target stays in bfloat16; an explicit drafter_dtype is kept. The float32 drafter's drafts
+    are verified by the bfloat16 target like any other."""
+    from models.loading import LoadOptions, load_drafter, load_target
+
+    bf16 = LoadOptions(dtype="bfloat16", device="cpu")
+    target = load_target(str(zoo.dir("qwen2_vl")), bf16)
+    text = load_drafter(str(zoo.dir("qwen2_vl", "text_drafter")), target, bf16)
+    vlm = load_drafter(str(zoo.dir("qwen2_vl", "vlm_drafter")), target, bf16)
+    kept = load_drafter(str(zoo.dir("qwen2_vl", "vlm_drafter")), target,
+                        LoadOptions(dtype="bfloat16", device="cpu", drafter_dtype="bfloat16"))
+    assert target.model.dtype == torch.bfloat16
+    assert text.runner.model.dtype == vlm.runner.model.dtype == torch.float32
+    assert kept.runner.model.dtype == torch.bfloat16
+    engine = Engine(target, {"text": text})
+    decode = DecodeSettings(max_new_tokens=MAX_NEW, stop_token_ids=frozenset({-1}))
+    messages = conversation(2)
+    plain = [e for e in engine.stream(messages, drafter=None, decode=decode) if isinstance(e, Done)][0]
+    done = [e for e in engine.stream(messages, drafter="text", decode=decode) if isinstance(e, Done)][0]
+    assert len(done.token_ids) == len(plain.token_ids) == MAX_NEW
+    assert done.stats.accepted > 0  # the text drafter has the target's own language weights

@@ -27,11 +27,25 @@ class Family:
 
     name: str
     model_types: tuple[str, ...]
+    # A pass over new text tokens may call the language model and the output head directly:
+    # the multimodal wrapper only embeds tokens and then calls them (measured: ~0.1 ms a step
+    # saved on CPU). Set for families whose wrapper does nothing else to text tokens.
+    direct_text_steps: bool = False
 
     def prefill_positions(self, model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """Position ids for the prompt, shape (1, S), and the request's rope_delta (0 here)."""
         seq_len = inputs["input_ids"].shape[1]
         return torch.arange(seq_len, device=inputs["input_ids"].device)[None], 0
+
+    def text_step(self, model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, num_logits: int):
+        """Logits (1, num_logits, V) of a pass over text tokens input_ids (1, n), appended to `cache`."""
+        if not self.direct_text_steps:
+            return model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
+                         logits_to_keep=num_logits).logits
+        embeds = model.model.get_input_embeddings()(input_ids)
+        hidden = model.model.language_model(inputs_embeds=embeds, position_ids=position_ids, cache=cache,
+                                            use_cache=True).last_hidden_state
+        return model.lm_head(hidden[:, -num_logits:])
 
     def positions(self, rope_pos: int, num_tokens: int, device) -> torch.Tensor:
         """Position ids of `num_tokens` new tokens starting at rotary position `rope_pos`: (1, n)."""

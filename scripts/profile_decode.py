@@ -1,0 +1,83 @@
+"""Where a decode step's time goes: torch.profiler over the target's and each drafter's steps.
+
+    python scripts/profile_decode.py [--dtype bfloat16] [--drafter-dtype auto] [--steps 200]
+
+Loads the bundled demo pair as the benchmark does, prefills one benchmark request, then
+profiles `steps` single-token steps of the target (a plain decode step) and of each model
+drafter (a draft step), each followed by its rollback, and prints per model: milliseconds per
+step, the share spent in `aten::linear` (matrix products) and the five most expensive
+operators. This is how the benchmark's drafter cost was traced to bfloat16 matmuls on a CPU
+(README, Benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.bench import demo_requests, messages_of  # noqa: E402
+from engine.eval import build_engine  # noqa: E402
+from models.presets import PRESETS  # noqa: E402
+
+
+def profile_steps(runner, state, token: int, steps: int) -> tuple[float, list]:
+    """(ms per step without the profiler, profiler's per-operator averages)."""
+    def step():
+        runner.extend(state, [token])
+        runner.rollback(state, 1)
+
+    for _ in range(20):
+        step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    ms = 1000 * (time.perf_counter() - started) / steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    return ms, prof.key_averages()
+
+
+def report(name: str, ms: float, averages, steps: int) -> None:
+    total = sum(e.self_cpu_time_total for e in averages)
+    linear = sum(e.cpu_time_total for e in averages if e.key == "aten::linear")
+    top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:5]
+    print(f"{name}: {ms:.2f} ms/step; aten::linear {100 * linear / total:.0f} % of profiled CPU time")
+    for e in top:
+        print(f"    {e.key:<40} {e.self_cpu_time_total / steps / 1000:.3f} ms/step ({e.count // steps} calls)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--drafter-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    demo = PRESETS["demo"]
+    drafters = [d for d in demo.drafters if d != "ngram"]
+    engine = build_engine(demo.target, drafters, args.dtype, "cpu", args.drafter_dtype)
+    messages = messages_of(demo_requests(1)[0])
+    prompt = engine.prepare(messages)
+    token = prompt.input_ids[-1]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, target {args.dtype}, "
+          f"drafters {args.drafter_dtype}")
+    _, state = engine.target.runner.prefill(prompt.target_inputs)
+    report("target", *profile_steps(engine.target.runner, state, token, args.steps), args.steps)
+    for name, drafter in engine.drafters.items():
+        drafter.begin(prompt)
+        dtype = next(drafter.runner.model.parameters()).dtype
+        label = f"{name.rstrip('/').split('/')[-1]} ({str(dtype).removeprefix('torch.')})"
+        report(label, *profile_steps(drafter.runner, drafter.state, token, args.steps), args.steps)
+        drafter.end()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
