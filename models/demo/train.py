@@ -381,13 +381,14 @@ def save(trainee: Trainee, processor, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("assets/demo"))
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the target")
+    parser.add_argument("--drafter-lr", type=float, default=3e-3, help="peak learning rate of the two drafters")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cell-weight", type=float, default=1.0, help="weight of the vision-token word loss")
-    parser.add_argument("--threads", type=int, default=1, help="1 is fastest on a busy 2-core machine")
-    parser.add_argument("--fp32", action="store_true", help="train in float32 instead of bfloat16 autocast")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (bitwise results can depend on it)")
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (no faster on this CPU; float32 by default)")
     parser.add_argument("--eval-questions", type=int, default=100, help="held-out questions to score at the end")
     parser.add_argument("--eval-seed", type=int, default=0)
     parser.add_argument("--init", type=Path, help="continue training the three models saved in this folder "
@@ -410,12 +411,12 @@ def main() -> None:
     for step, batch in enumerate(batches(processor, args.steps, args.batch_size, args.seed)):
         if step == args.steps:
             break
-        lr = learning_rate(step, args.steps, args.lr)
         for t in trainees:
-            t.loss_sum += train_step(t, batch, tokenizer, lr, not args.fp32, args.cell_weight)
+            lr = learning_rate(step, args.steps, args.lr if t.name == "target" else args.drafter_lr)
+            t.loss_sum += train_step(t, batch, tokenizer, lr, args.bf16, args.cell_weight)
         if (step + 1) % 25 == 0:
             losses = "  ".join(f"{t.name} {t.loss_sum / 25:.3f}" for t in trainees)
-            print(f"step {step + 1}/{args.steps}  {time.time() - started:.0f}s  lr {lr:.2e}  {losses}", flush=True)
+            print(f"step {step + 1}/{args.steps}  {time.time() - started:.0f}s  lr {learning_rate(step, args.steps, args.lr):.2e}  {losses}", flush=True)
             for t in trainees:
                 t.loss_sum = 0.0
     train_seconds = time.time() - started
@@ -427,7 +428,7 @@ def main() -> None:
     questions = world.eval_questions(args.eval_seed, args.eval_questions)
     report = {
         "command": f"python -m models.demo.train --out {args.out} --steps {args.steps} --seed {args.seed} "
-                   f"--lr {args.lr}" + (f" --init {args.init}" if args.init else ""),
+                   f"--lr {args.lr} --drafter-lr {args.drafter_lr}" + (f" --init {args.init}" if args.init else ""),
         "settings": {k: str(v) for k, v in vars(args).items()},
         "train_seconds": round(train_seconds),
         "parameters": {t.name: count_parameters(t.model) for t in trainees},
