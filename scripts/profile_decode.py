@@ -1,13 +1,14 @@
 """Where a decode step's time goes: torch.profiler over the target's and each drafter's steps.
 
-    python scripts/profile_decode.py [--dtype bfloat16] [--drafter-dtype auto] [--steps 200]
+    python scripts/profile_decode.py [--dtype bfloat16] [--drafter-dtype auto] [--steps 200] [--wrapped]
 
 Loads the bundled demo pair as the benchmark does, prefills one benchmark request, then
 profiles `steps` single-token steps of the target (a plain decode step) and of each model
 drafter (a draft step), each followed by its rollback, and prints per model: milliseconds per
 step, the share spent in `aten::linear` (matrix products) and the five most expensive
 operators. This is how the benchmark's drafter cost was traced to bfloat16 matmuls on a CPU
-(README, Benchmark).
+(README, Benchmark). `--wrapped` runs every step through the multimodal wrapper's forward, as
+the engine did before it called Qwen-VL language models directly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -59,15 +61,19 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--drafter-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--wrapped", action="store_true", help="full multimodal forward for every step")
     args = parser.parse_args()
     demo = PRESETS["demo"]
     drafters = [d for d in demo.drafters if d != "ngram"]
     engine = build_engine(demo.target, drafters, args.dtype, "cpu", args.drafter_dtype)
+    if args.wrapped:
+        for runner in [engine.target.runner] + [d.runner for d in engine.drafters.values()]:
+            runner.family = replace(runner.family, direct_text_steps=False)
     messages = messages_of(demo_requests(1)[0])
     prompt = engine.prepare(messages)
     token = prompt.input_ids[-1]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, target {args.dtype}, "
-          f"drafters {args.drafter_dtype}")
+          f"drafters {args.drafter_dtype}" + (", full multimodal forward" if args.wrapped else ""))
     _, state = engine.target.runner.prefill(prompt.target_inputs)
     report("target", *profile_steps(engine.target.runner, state, token, args.steps), args.steps)
     for name, drafter in engine.drafters.items():
