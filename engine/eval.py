@@ -1,6 +1,6 @@
 """Evaluate the bundled demo model through the engine: accuracy, identical answers, acceptance.
 
-    python -m engine.eval [--seed S] [--limit N] [--dtype D] [--draft-tokens K] [--json]
+    python -m engine.eval [--seed S] [--limit N] [--dtype D] [--draft-tokens K] [--json] [--models DIR]
 
 Questions come from `models.demo.world.eval_questions(seed, n)`: a namespace of seeds and a
 share of picture contents that training never uses (see the world's docstring). Every
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
 
@@ -73,10 +74,16 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--models", help="a folder laid out like assets/demo (target/, text_drafter/, vlm_drafter/), "
+                        "e.g. the --out of a training run; default: the bundled models")
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
-    engine = build_engine(demo.target, list(demo.drafters), args.dtype, args.device)
+    target, drafters = demo.target, list(demo.drafters)
+    if args.models:
+        target = os.path.join(args.models, "target")
+        drafters = [os.path.join(args.models, os.path.basename(d)) if d != "ngram" else d for d in drafters]
+    engine = build_engine(target, drafters, args.dtype, args.device)
     questions = eval_questions(args.seed, args.limit)
     decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens)
     rows = evaluate(engine, questions, decode)

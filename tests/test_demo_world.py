@@ -112,3 +112,20 @@ def test_engine_answers_held_out_questions_plainly_and_with_every_drafter():
         done = [engine_answer(engine, q, name, decode) for q in questions]
         assert [d.token_ids for d in done] == [p.token_ids for p in plain], name
         assert sum(d.stats.accepted for d in done) > 0, name
+
+
+def test_eval_command_prints_the_documented_json(capsys):
+    """`python -m engine.eval --json` on a training run's folder (`--models`, here the bundle)."""
+    import json
+
+    from engine.eval import main
+
+    torch.set_num_threads(1)
+    assert main(["--limit", "3", "--seed", "5", "--json", "--models", str(ASSETS)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["questions"], result["seed"], result["dtype"]) == (3, 5, "float32")
+    assert len(result["questions_sha256"]) == 64
+    assert [(r["mode"], r["drafter"]) for r in result["rows"]] == [
+        ("plain", None), ("speculative", "text_drafter"), ("speculative", "vlm_drafter"), ("speculative", "ngram")]
+    assert all(r["identical_to_plain"] == 1.0 and 0 <= r["accuracy"] <= 1 for r in result["rows"])
+    assert all(0 <= r["acceptance"] <= 1 for r in result["rows"][1:])
