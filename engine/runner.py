@@ -76,13 +76,13 @@ class Runner:
         num_tokens = len(token_ids)
         input_ids = torch.tensor([token_ids], device=self.device)
         position_ids = self.family.positions(state.rope_pos, num_tokens, self.device)
-        if state.hidden_layers or state.share_kv:  # a drafter reads this pass: the full forward
+        if self.family.direct_text_steps and not (state.hidden_layers or state.share_kv):
+            logits = self.family.text_step(self.model, input_ids, position_ids, state.cache, num_tokens)
+        else:  # the full forward, which also returns what a drafter reading the target needs
             out = self.model(input_ids=input_ids, position_ids=position_ids, cache=state.cache,
                              use_cache=True, logits_to_keep=num_tokens, **self._hidden_request(state))
             self._keep_hidden(state, out, num_tokens)
             logits = out.logits
-        else:
-            logits = self.family.text_step(self.model, input_ids, position_ids, state.cache, num_tokens)
         state.cache_len += num_tokens
         state.rope_pos += num_tokens
         return self._vocab(logits[0, -num_tokens:])

@@ -38,10 +38,8 @@ class Family:
         return torch.arange(seq_len, device=inputs["input_ids"].device)[None], 0
 
     def text_step(self, model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, num_logits: int):
-        """Logits (1, num_logits, V) of a pass over text tokens input_ids (1, n), appended to `cache`."""
-        if not self.direct_text_steps:
-            return model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
-                         logits_to_keep=num_logits).logits
+        """Logits (1, num_logits, V) of a pass over text tokens input_ids (1, n), appended to `cache`,
+        through the language model and output head alone (families with `direct_text_steps`)."""
         embeds = model.model.get_input_embeddings()(input_ids)
         hidden = model.model.language_model(inputs_embeds=embeds, position_ids=position_ids, cache=cache,
                                             use_cache=True).last_hidden_state
