@@ -287,6 +287,7 @@ def train_step(trainee: Trainee, batch: Batch, tokenizer, lr: float, bf16: bool,
     The target's loss weighs answers by length (`answer_weights`); the drafters', whose job is
     to guess long answers' phrasing, is the plain token mean."""
     inputs = batch.vlm_inputs() if trainee.sees_images else text_only(batch, tokenizer)
+    inputs["use_cache"] = False  # no KV cache to build while training
     for group in trainee.optimizer.param_groups:
         group["lr"] = lr
     captured = []
@@ -422,12 +423,12 @@ def save(trainee: Trainee, processor, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("assets/demo"))
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=3500)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the target")
     parser.add_argument("--drafter-lr", type=float, default=3e-3, help="peak learning rate of the two drafters")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--answer-power", type=float, default=0.5,
+    parser.add_argument("--answer-power", type=float, default=0.0,
                         help="the target's loss weighs each answer's tokens by 1 / length**power (0: token mean)")
     parser.add_argument("--cell-weight", type=float, default=1.0, help="weight of the vision-token word loss")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (bitwise results can depend on it)")
