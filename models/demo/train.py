@@ -145,7 +145,6 @@ class Batch:
     pixel_values: torch.Tensor  # (num_patches, 1176)
     image_grid_thw: torch.Tensor  # (num_images, 3)
     labels: torch.Tensor  # (B, S)
-    label_weights: torch.Tensor  # (B, S): each label token's weight, see `answer_weights`
     cell_targets: torch.Tensor  # (num_images * 9, vocab), see `cell_targets`
 
     def vlm_inputs(self) -> dict:
@@ -173,25 +172,7 @@ def assistant_labels(input_ids: torch.Tensor, tokenizer) -> torch.Tensor:
     return labels
 
 
-def answer_weights(labels: torch.Tensor, power: float) -> torch.Tensor:
-    """(B, S) weight of each label token: 1 / L**power, where L is the length of the answer it
-    belongs to (0 outside answers). power 0 is the plain token mean; 0.5 gives a one-word answer
-    ("3", "second") as much say per token as the sentence its choice decides, instead of drowning
-    it in the long descriptions, whose tokens are mostly phrasing the model already knows."""
-    weights = torch.zeros(labels.shape)
-    for row in range(labels.shape[0]):
-        inside = (labels[row] != -100).tolist()
-        start = None
-        for pos, flag in enumerate(inside + [False]):
-            if flag and start is None:
-                start = pos
-            elif not flag and start is not None:
-                weights[row, start:pos] = (pos - start) ** -power
-                start = None
-    return weights
-
-
-def encode(processor: ImageOnlyQwen2VLProcessor, examples: list[world.Example], weight_power: float = 0.0) -> Batch:
+def encode(processor: ImageOnlyQwen2VLProcessor, examples: list[world.Example]) -> Batch:
     texts = [processor.apply_chat_template(e.messages) for e in examples]
     images = [image for e in examples for image in e.images]
     encoded = processor(text=texts, images=images, padding=True, return_tensors="pt")
@@ -201,8 +182,7 @@ def encode(processor: ImageOnlyQwen2VLProcessor, examples: list[world.Example], 
         mm_token_type_ids=encoded["mm_token_type_ids"],
         pixel_values=encoded["pixel_values"],
         image_grid_thw=encoded["image_grid_thw"],
-        labels=(labels := assistant_labels(encoded["input_ids"], processor.tokenizer)),
-        label_weights=answer_weights(labels, weight_power),
+        labels=assistant_labels(encoded["input_ids"], processor.tokenizer),
         cell_targets=cell_targets([p for e in examples for p in e.pictures], processor.tokenizer),
     )
 
@@ -223,25 +203,19 @@ def text_only(batch: Batch, tokenizer) -> dict:
     return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
 
-def token_count(processor, example: world.Example) -> int:
-    """Length of `example` once encoded: its template's tokens plus 8 more per picture (the
-    template holds one <|image_pad|>, the processor expands it to 9)."""
-    return len(processor.tokenizer(processor.apply_chat_template(example.messages))["input_ids"]) + 8 * len(example.images)
-
-
-def batches(processor, steps: int, batch_size: int, seed: int, pool: int = 32, weight_power: float = 0.0):
+def batches(processor, steps: int, batch_size: int, seed: int, pool: int = 8):
     """`steps` batches of training conversations 0, 1, 2, ... Each group of `pool` batches is
-    sorted by token count (little padding) and then shuffled with `seed`."""
+    sorted by length (less padding) and then shuffled with `seed`."""
     rng = random.Random(seed)
     next_example = 0
     for _ in range(0, steps, pool):
         group = list(world.train_examples(next_example, pool * batch_size))
         next_example += len(group)
-        group.sort(key=lambda e: token_count(processor, e))
+        group.sort(key=lambda e: len(e.images) * 20 + sum(len(str(m["content"])) for m in e.messages) // 4)
         chunks = [group[i : i + batch_size] for i in range(0, len(group), batch_size)]
         rng.shuffle(chunks)
         for chunk in chunks:
-            yield encode(processor, chunk, weight_power)
+            yield encode(processor, chunk)
 
 
 # ---------------------------------------------------------------- training
@@ -272,31 +246,15 @@ def cell_loss(model, vision_tokens: torch.Tensor, targets: torch.Tensor) -> torc
     return torch.nn.functional.cross_entropy(logits, targets[rows])
 
 
-def weighted_loss(model, inputs: dict, weights: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy averaged with `weights` (B, S) over the label tokens."""
-    labels = inputs.pop("labels")
-    logits = model(**inputs).logits[:, :-1].float()  # (B, S - 1, vocab)
-    per_token = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none")
-    weights = weights[:, 1:].reshape(-1)
-    return (per_token * weights).sum() / weights.sum()
-
-
 def train_step(trainee: Trainee, batch: Batch, tokenizer, lr: float, bf16: bool, cell_weight: float) -> float:
-    """One optimiser step; returns the language-model loss (the cell loss is added for VLMs).
-    The target's loss weighs answers by length (`answer_weights`); the drafters', whose job is
-    to guess long answers' phrasing, is the plain token mean."""
+    """One optimiser step; returns the language-model loss (the cell loss is added for VLMs)."""
     inputs = batch.vlm_inputs() if trainee.sees_images else text_only(batch, tokenizer)
-    inputs["use_cache"] = False  # no KV cache to build while training
     for group in trainee.optimizer.param_groups:
         group["lr"] = lr
     captured = []
     hook = trainee.model.model.visual.register_forward_hook(lambda m, i, out: captured.append(out.pooler_output)) if trainee.sees_images else None
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        if trainee.name == "target":
-            loss = weighted_loss(trainee.model, inputs, batch.label_weights)
-        else:
-            loss = trainee.model(**inputs).loss
+        loss = trainee.model(**inputs).loss
     total = loss
     if hook is not None:
         hook.remove()
@@ -423,13 +381,11 @@ def save(trainee: Trainee, processor, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("assets/demo"))
-    parser.add_argument("--steps", type=int, default=3500)
+    parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the target")
     parser.add_argument("--drafter-lr", type=float, default=3e-3, help="peak learning rate of the two drafters")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--answer-power", type=float, default=0.0,
-                        help="the target's loss weighs each answer's tokens by 1 / length**power (0: token mean)")
     parser.add_argument("--cell-weight", type=float, default=1.0, help="weight of the vision-token word loss")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (bitwise results can depend on it)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (no faster on this CPU; float32 by default)")
@@ -452,7 +408,7 @@ def main() -> None:
         print(f"{t.name}: {count_parameters(t.model):,} parameters", flush=True)
 
     # 3. One loop: every model takes a step on every batch.
-    for step, batch in enumerate(batches(processor, args.steps, args.batch_size, args.seed, weight_power=args.answer_power)):
+    for step, batch in enumerate(batches(processor, args.steps, args.batch_size, args.seed)):
         if step == args.steps:
             break
         for t in trainees:
@@ -472,7 +428,7 @@ def main() -> None:
     questions = world.eval_questions(args.eval_seed, args.eval_questions)
     report = {
         "command": f"python -m models.demo.train --out {args.out} --steps {args.steps} --seed {args.seed} "
-                   f"--lr {args.lr} --drafter-lr {args.drafter_lr} --answer-power {args.answer_power}" + (f" --init {args.init}" if args.init else ""),
+                   f"--lr {args.lr} --drafter-lr {args.drafter_lr}" + (f" --init {args.init}" if args.init else ""),
         "settings": {k: str(v) for k, v in vars(args).items()},
         "train_seconds": round(train_seconds),
         "parameters": {t.name: count_parameters(t.model) for t in trainees},

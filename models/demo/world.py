@@ -403,8 +403,7 @@ _FAMILIES = (
 )
 # Training draws more of what is hard to learn (several images, descriptions) and less of the
 # text cards, which are learnt early. Evaluation keeps `_FAMILIES`' mix: the held-out accuracy
-# is over the world as users meet it. (Drawing still fewer charts and cards, 0.08 and 0.05,
-# left bar values and card numbers unlearnt after 3000 steps.)
+# is over the world as users meet it.
 _TRAIN_WEIGHTS = (0.36, 0.17, 0.1, 0.37)
 
 
