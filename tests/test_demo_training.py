@@ -45,3 +45,45 @@ def test_a_few_steps_lower_every_models_loss(processor):
     for _ in range(5):
         last = [train.train_step(t, batch, processor.tokenizer, 2e-3, False, 1.0) for t in trainees]
     assert all(after < before * 0.8 for before, after in zip(first, last)), (first, last)
+
+
+def test_every_scene_cell_names_one_row_and_one_column():
+    scene = world.Scene((world.Item("circle", "red", 0), world.Item("square", "blue", 7)))
+    words = train.cell_words(scene)
+    assert words[0] == ["top", "left", "red", "circle"]
+    assert words[7] == ["bottom", "middle", "blue", "square"]
+    assert words[4] == ["middle", "middle"]
+    assert len({tuple(w[:2]) for w in words}) == 9
+
+
+def test_picture_words_number_pictures_within_their_turn_and_count_shapes():
+    examples = list(world.train_examples(0, 400))
+    several = next(e for e in examples if e.kind.startswith("multi") and "+" not in e.kind)
+    words = train.picture_words(several)
+    assert [w[0] for w in words] == list(world.ORDINALS[: len(several.pictures)])
+    assert [w[1] for w in words] == [world.NUMBER_WORDS[len(s.items)] for s in several.pictures]
+    # A second turn with new pictures counts them from "first" again.
+    def turns_with_pictures(example):
+        return sum(m["role"] == "user" and any(c["type"] == "image" for c in m["content"]) for m in example.messages)
+
+    two_turns = next(e for e in examples if turns_with_pictures(e) == 2)
+    ordinals = [w[0] for w in train.picture_words(two_turns)]
+    assert ordinals.count("first") == 2, ordinals
+
+
+def test_picture_loss_reads_one_row_per_vision_token_and_falls_with_training(processor):
+    examples = [e for e in world.train_examples(0, 60) if e.kind.startswith("multi")][:4]
+    batch = train.encode(processor, examples)
+    image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert int((batch.input_ids == image_pad).sum()) == batch.picture_targets.shape[0] == 9 * sum(len(e.pictures) for e in examples)
+    target = train.build_models(processor.tokenizer, seed=0)[0]
+
+    def loss() -> float:
+        with torch.no_grad():
+            logits = target.model(**batch.vlm_inputs()).logits
+        return train.picture_loss(logits, batch.input_ids, image_pad, batch.picture_targets).item()
+
+    before = loss()
+    for _ in range(6):
+        train.train_step(target, batch, processor.tokenizer, 2e-3, False, 1.0, picture_weight=1.0)
+    assert loss() < before * 0.8, (before, loss())

@@ -13,8 +13,10 @@ the full conversations, the text drafter on their text-only view (the
 <|vision_start|><|image_pad|>...<|vision_end|> runs removed, positions consecutive). The loss
 covers assistant tokens only, each answer's <|im_end|> included. The vision-language models
 also get a cell loss (see `cell_words`): each vision token, read through the tied output
-embedding, should name what its cell shows. It only speeds up grounding during training; the
-saved models are plain Qwen2-VL models.
+embedding, should name what its cell shows; and a picture loss (see `picture_loss`): the
+language model's output at each vision token should name the cell, which picture of its turn
+it belongs to and how many shapes that picture holds. Both only speed up learning; the saved
+models are plain Qwen2-VL models.
 """
 
 from __future__ import annotations
@@ -108,12 +110,13 @@ def cell_words(spec: world.Spec) -> list[list[str]]:
 
     Training pulls each vision token towards the (tied) embeddings of its words, so that the
     language model reads a vision token much like the words of its content; grounding from
-    scratch is otherwise too slow for a one-hour CPU budget.
+    scratch is otherwise too slow for a one-hour CPU budget. A scene cell names its row and its
+    column ("top" / "middle" / "bottom", "left" / "middle" / "right"): two words every cell, so
+    that no two cells differ only by a missing word.
     """
-    where = [name.split() for name in ("top left", "top", "top right", "left", "middle", "right",
-                                        "bottom left", "bottom", "bottom right")]
+    rows, columns = ("top", "middle", "bottom"), ("left", "middle", "right")
     if isinstance(spec, world.Scene):
-        words = [list(w) for w in where]
+        words = [[rows[c // 3], columns[c % 3]] for c in range(9)]
         for item in spec.items:
             words[item.cell] += [item.colour, item.shape]
         return words
@@ -123,16 +126,44 @@ def cell_words(spec: world.Spec) -> list[list[str]]:
     return [[spec.word, spec.colour]] * 3 + [[]] * 3 + [[str(spec.number), d] for d in digits] + [[]]
 
 
-def cell_targets(pictures: list[world.Spec], tokenizer) -> torch.Tensor:
-    """(num_pictures * 9, vocab) target distributions over each cell's word tokens (" red" ...);
-    rows of cells without words are all zero."""
-    targets = torch.zeros(len(pictures) * 9, len(tokenizer))
-    for p, spec in enumerate(pictures):
-        for cell, words in enumerate(cell_words(spec)):
-            ids = [i for w in words for i in tokenizer.encode(" " + w)]
-            if ids:
-                targets[p * 9 + cell, ids] += 1.0 / len(ids)
+def picture_words(example: world.Example) -> list[list[str]]:
+    """For each picture of `example`, words its vision tokens should carry once the language
+    model has read them: which picture of its turn it is ("first" ... "fourth") and, for a
+    scene, how many shapes it holds ("three"). See `picture_loss`."""
+    words = []
+    for message in example.messages:
+        if message["role"] == "user":
+            count = sum(c["type"] == "image" for c in message["content"])
+            words += [[world.ORDINALS[i]] for i in range(count)]
+    for found, spec in zip(words, example.pictures):
+        if isinstance(spec, world.Scene):
+            found.append(world.NUMBER_WORDS[len(spec.items)])
+    return words
+
+
+def word_targets(cells: list[list[str]], tokenizer) -> torch.Tensor:
+    """(len(cells), vocab): for each cell, a distribution spread evenly over the tokens of its
+    words (" red" ...); rows of cells without words are all zero."""
+    targets = torch.zeros(len(cells), len(tokenizer))
+    for row, words in enumerate(cells):
+        ids = [i for w in words for i in tokenizer.encode(" " + w)]
+        if ids:
+            targets[row, ids] += 1.0 / len(ids)
     return targets
+
+
+def cell_targets(pictures: list[world.Spec], tokenizer) -> torch.Tensor:
+    """(num_pictures * 9, vocab) target distributions over each cell's word tokens."""
+    return word_targets([words for spec in pictures for words in cell_words(spec)], tokenizer)
+
+
+def picture_targets(examples: list[world.Example], tokenizer) -> torch.Tensor:
+    """(num_pictures * 9, vocab): each cell's words plus its picture's `picture_words`."""
+    cells = []
+    for example in examples:
+        for spec, extra in zip(example.pictures, picture_words(example)):
+            cells += [words + extra for words in cell_words(spec)]
+    return word_targets(cells, tokenizer)
 
 
 @dataclass
@@ -146,6 +177,7 @@ class Batch:
     image_grid_thw: torch.Tensor  # (num_images, 3)
     labels: torch.Tensor  # (B, S)
     cell_targets: torch.Tensor  # (num_images * 9, vocab), see `cell_targets`
+    picture_targets: torch.Tensor  # (num_images * 9, vocab), see `picture_targets`
 
     def vlm_inputs(self) -> dict:
         return dict(
@@ -184,6 +216,7 @@ def encode(processor: ImageOnlyQwen2VLProcessor, examples: list[world.Example]) 
         image_grid_thw=encoded["image_grid_thw"],
         labels=assistant_labels(encoded["input_ids"], processor.tokenizer),
         cell_targets=cell_targets([p for e in examples for p in e.pictures], processor.tokenizer),
+        picture_targets=picture_targets(examples, processor.tokenizer),
     )
 
 
@@ -246,20 +279,34 @@ def cell_loss(model, vision_tokens: torch.Tensor, targets: torch.Tensor) -> torc
     return torch.nn.functional.cross_entropy(logits, targets[rows])
 
 
-def train_step(trainee: Trainee, batch: Batch, tokenizer, lr: float, bf16: bool, cell_weight: float) -> float:
-    """One optimiser step; returns the language-model loss (the cell loss is added for VLMs)."""
+def picture_loss(logits: torch.Tensor, input_ids: torch.Tensor, image_token_id: int, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy between the language model's output at each vision token, (B, S, vocab)
+    logits at the <|image_pad|> positions of `input_ids` (B, S), and `picture_targets`. Nothing
+    reads these outputs when answering (they predict the next prompt token), so the loss only
+    teaches the layers to carry which picture a token belongs to and how many shapes it holds,
+    which questions over several pictures need."""
+    return torch.nn.functional.cross_entropy(logits[input_ids == image_token_id].float(), targets)
+
+
+def train_step(trainee: Trainee, batch: Batch, tokenizer, lr: float, bf16: bool, cell_weight: float,
+               picture_weight: float = 0.0) -> float:
+    """One optimiser step; returns the language-model loss (for VLMs the cell loss, and the
+    picture loss when `picture_weight` > 0, are added)."""
     inputs = batch.vlm_inputs() if trainee.sees_images else text_only(batch, tokenizer)
     for group in trainee.optimizer.param_groups:
         group["lr"] = lr
     captured = []
     hook = trainee.model.model.visual.register_forward_hook(lambda m, i, out: captured.append(out.pooler_output)) if trainee.sees_images else None
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        loss = trainee.model(**inputs).loss
-    total = loss
+        outputs = trainee.model(**inputs)
+    loss = total = outputs.loss
     if hook is not None:
         hook.remove()
         vision_tokens = torch.cat(list(captured[0])) if isinstance(captured[0], (list, tuple)) else captured[0]
         total = loss + cell_weight * cell_loss(trainee.model, vision_tokens, batch.cell_targets)
+        if picture_weight > 0:
+            image_token_id = trainee.model.config.image_token_id
+            total = total + picture_weight * picture_loss(outputs.logits, batch.input_ids, image_token_id, batch.picture_targets)
     total.backward()
     torch.nn.utils.clip_grad_norm_(trainee.model.parameters(), 1.0)
     trainee.optimizer.step()
@@ -387,6 +434,8 @@ def main() -> None:
     parser.add_argument("--drafter-lr", type=float, default=3e-3, help="peak learning rate of the two drafters")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cell-weight", type=float, default=1.0, help="weight of the vision-token word loss")
+    parser.add_argument("--picture-weight", type=float, default=0.5,
+                        help="weight of the loss on the language model's output at vision tokens (see picture_loss)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (bitwise results can depend on it)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (no faster on this CPU; float32 by default)")
     parser.add_argument("--eval-questions", type=int, default=100, help="held-out questions to score at the end")
@@ -413,7 +462,7 @@ def main() -> None:
             break
         for t in trainees:
             lr = learning_rate(step, args.steps, args.lr if t.name == "target" else args.drafter_lr)
-            t.loss_sum += train_step(t, batch, tokenizer, lr, args.bf16, args.cell_weight)
+            t.loss_sum += train_step(t, batch, tokenizer, lr, args.bf16, args.cell_weight, args.picture_weight)
         if (step + 1) % 25 == 0:
             losses = "  ".join(f"{t.name} {t.loss_sum / 25:.3f}" for t in trainees)
             print(f"step {step + 1}/{args.steps}  {time.time() - started:.0f}s  lr {learning_rate(step, args.steps, args.lr):.2e}  {losses}", flush=True)
