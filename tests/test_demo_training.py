@@ -60,14 +60,19 @@ def test_picture_words_number_pictures_within_their_turn_and_count_shapes():
     examples = list(world.train_examples(0, 400))
     several = next(e for e in examples if e.kind.startswith("multi") and "+" not in e.kind)
     words = train.picture_words(several)
-    assert [w[0] for w in words] == list(world.ORDINALS[: len(several.pictures)])
-    assert [w[1] for w in words] == [world.NUMBER_WORDS[len(s.items)] for s in several.pictures]
+    assert [w[0][0] for w in words] == list(world.ORDINALS[: len(several.pictures)])
+    assert [w[0][1] for w in words] == [world.NUMBER_WORDS[len(s.items)] for s in several.pictures]
+    # On each shape: how many of its colour the turn has shown up to this picture.
+    last = several.pictures[-1]
+    for item in last.items:
+        total = sum(i.colour == item.colour for s in several.pictures for i in s.items)
+        assert words[-1][item.cell][-1] == str(total)
     # A second turn with new pictures counts them from "first" again.
     def turns_with_pictures(example):
         return sum(m["role"] == "user" and any(c["type"] == "image" for c in m["content"]) for m in example.messages)
 
     two_turns = next(e for e in examples if turns_with_pictures(e) == 2)
-    ordinals = [w[0] for w in train.picture_words(two_turns)]
+    ordinals = [w[0][0] for w in train.picture_words(two_turns)]
     assert ordinals.count("first") == 2, ordinals
 
 

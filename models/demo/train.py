@@ -15,7 +15,8 @@ covers assistant tokens only, each answer's <|im_end|> included. The vision-lang
 also get a cell loss (see `cell_words`): each vision token, read through the tied output
 embedding, should name what its cell shows; and a picture loss (see `picture_loss`): the
 language model's output at each vision token should name the cell, which picture of its turn
-it belongs to and how many shapes that picture holds. Both only speed up learning; the saved
+it belongs to, how many shapes that picture holds and how many of its colour the turn has shown
+so far. Both only speed up learning; the saved
 models are plain Qwen2-VL models.
 """
 
@@ -126,18 +127,29 @@ def cell_words(spec: world.Spec) -> list[list[str]]:
     return [[spec.word, spec.colour]] * 3 + [[]] * 3 + [[str(spec.number), d] for d in digits] + [[]]
 
 
-def picture_words(example: world.Example) -> list[list[str]]:
-    """For each picture of `example`, words its vision tokens should carry once the language
-    model has read them: which picture of its turn it is ("first" ... "fourth") and, for a
-    scene, how many shapes it holds ("three"). See `picture_loss`."""
+def picture_words(example: world.Example) -> list[list[list[str]]]:
+    """For each picture of `example` and each of its 9 cells, words its vision token should
+    carry once the language model has read it (see `picture_loss`): which picture of its turn it
+    is ("first" ... "fourth"); for a scene, how many shapes the picture holds ("three"); and on a
+    shape, how many shapes of its colour the turn's pictures hold up to this one (" 2"), so that
+    the last picture's tokens know the totals that questions over several pictures ask for."""
     words = []
+    pictures = iter(example.pictures)
     for message in example.messages:
-        if message["role"] == "user":
-            count = sum(c["type"] == "image" for c in message["content"])
-            words += [[world.ORDINALS[i]] for i in range(count)]
-    for found, spec in zip(words, example.pictures):
-        if isinstance(spec, world.Scene):
-            found.append(world.NUMBER_WORDS[len(spec.items)])
+        if message["role"] != "user":
+            continue
+        colour_counts: dict[str, int] = {}
+        for ordinal in world.ORDINALS[: sum(c["type"] == "image" for c in message["content"])]:
+            spec = next(pictures)
+            cells = [[ordinal] for _ in range(9)]
+            if isinstance(spec, world.Scene):
+                for cell in cells:
+                    cell.append(world.NUMBER_WORDS[len(spec.items)])
+                for item in spec.items:
+                    colour_counts[item.colour] = colour_counts.get(item.colour, 0) + 1
+                for item in spec.items:
+                    cells[item.cell].append(str(colour_counts[item.colour]))
+            words.append(cells)
     return words
 
 
@@ -158,11 +170,11 @@ def cell_targets(pictures: list[world.Spec], tokenizer) -> torch.Tensor:
 
 
 def picture_targets(examples: list[world.Example], tokenizer) -> torch.Tensor:
-    """(num_pictures * 9, vocab): each cell's words plus its picture's `picture_words`."""
+    """(num_pictures * 9, vocab): each cell's words plus its `picture_words`."""
     cells = []
     for example in examples:
-        for spec, extra in zip(example.pictures, picture_words(example)):
-            cells += [words + extra for words in cell_words(spec)]
+        for spec, extras in zip(example.pictures, picture_words(example)):
+            cells += [words + extra for words, extra in zip(cell_words(spec), extras)]
     return word_targets(cells, tokenizer)
 
 
