@@ -89,8 +89,8 @@ def test_bundle_loads_with_shared_vocabulary(target):
 def test_engine_answers_held_out_questions_plainly_and_with_every_drafter():
     """Through the normal loader and the engine: the first twelve one-picture questions of the
     documented evaluation (`python -m engine.eval`, seed 0), answered plainly and with each
-    bundled drafter. The shipped target gets 10 of them right; it is far from reliable (65 %
-    over 200 questions, and 5 of the first twelve one-picture questions of seed 2024:
+    bundled drafter. The shipped target gets 11 of them right (and 10 of the first twelve
+    one-picture questions of seed 2024); it is not reliable (82.5 % over 200 questions:
     models/demo/README.md), so this checks that it answers, not that it is good."""
     from engine.engine import Engine
     from engine.eval import answer as engine_answer
@@ -107,7 +107,7 @@ def test_engine_answers_held_out_questions_plainly_and_with_every_drafter():
     plain = [engine_answer(engine, q, None, decode) for q in questions]
     right = [world.answer_matches(d.text, q.answer) for d, q in zip(plain, questions)]
     assert len(questions) == 12
-    assert sum(right) >= 9, [(q.prompt, d.text) for d, q in zip(plain, questions)]
+    assert sum(right) >= 10, [(q.prompt, d.text) for d, q in zip(plain, questions)]
     for name in engine.drafters:
         done = [engine_answer(engine, q, name, decode) for q in questions]
         assert [d.token_ids for d in done] == [p.token_ids for p in plain], name
