@@ -1,12 +1,14 @@
 """Evaluate the bundled demo model through the engine: accuracy, identical answers, acceptance.
 
     python -m engine.eval [--seed S] [--limit N] [--dtype D] [--draft-tokens K] [--json] [--models DIR]
+                          [--per-kind]
 
 Questions come from `models.demo.world.eval_questions(seed, n)`: a namespace of seeds and a
 share of picture contents that training never uses (see the world's docstring). Every
 question is answered plainly and with each bundled drafter (text LM, small VLM, n-gram),
 greedy. Accuracy is the share of answers that contain the expected answer as whole words,
-case-insensitively (`world.answer_matches`). `identical_to_plain` compares token ids.
+case-insensitively (`world.answer_matches`). `identical_to_plain` compares token ids. The plain
+row also counts right answers per kind of question (`per_kind`; printed with `--per-kind`).
 """
 
 from __future__ import annotations
@@ -45,9 +47,14 @@ def evaluate(engine, questions, decode: DecodeSettings) -> list[dict]:
     from models.demo.world import answer_matches
 
     plain = [answer(engine, q, None, decode) for q in questions]
+    per_kind: dict[str, dict[str, int]] = {}
+    for d, q in zip(plain, questions):
+        counts = per_kind.setdefault(q.kind, {"right": 0, "questions": 0})
+        counts["right"] += answer_matches(d.text, q.answer)
+        counts["questions"] += 1
     rows = [{"mode": "plain", "drafter": None,
-             "accuracy": sum(answer_matches(d.text, q.answer) for d, q in zip(plain, questions)) / len(questions),
-             "identical_to_plain": 1.0, "acceptance": None}]
+             "accuracy": sum(c["right"] for c in per_kind.values()) / len(questions),
+             "identical_to_plain": 1.0, "acceptance": None, "per_kind": dict(sorted(per_kind.items()))}]
     for name in engine.drafters:
         done = [answer(engine, q, name, decode) for q in questions]
         drafted = sum(d.stats.drafted for d in done)
@@ -74,6 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--per-kind", action="store_true", help="also print plain accuracy per kind of question")
     parser.add_argument("--models", help="a folder laid out like assets/demo (target/, text_drafter/, vlm_drafter/), "
                         "e.g. the --out of a training run; default: the bundled models")
     args = parser.parse_args(argv)
@@ -100,6 +108,10 @@ def main(argv=None) -> int:
         acceptance = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
         print(f"{row['mode']:<12} {row['drafter'] or '-':<14} {row['accuracy']:>8.1%} "
               f"{row['identical_to_plain']:>9.1%} {acceptance:>10} {row.get('tokens_per_forward', 1.0):>7.2f}")
+    if args.per_kind:
+        print("\nplain, per kind of question (right / questions):")
+        for kind, counts in rows[0]["per_kind"].items():
+            print(f"  {kind:<30} {counts['right']:>3} / {counts['questions']}")
     return 0
 
 
