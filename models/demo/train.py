@@ -16,8 +16,7 @@ also get a cell loss (see `cell_words`): each vision token, read through the tie
 embedding, should name what its cell shows; and a picture loss (see `picture_loss`): the
 language model's output at each vision token should name the cell, which picture of its turn
 it belongs to, how many shapes that picture holds and how many of its colour the turn has shown
-so far. Both only speed up learning; the saved
-models are plain Qwen2-VL models.
+so far. Both only speed up learning; the saved models are plain Qwen2-VL models.
 """
 
 from __future__ import annotations
@@ -295,8 +294,8 @@ def picture_loss(logits: torch.Tensor, input_ids: torch.Tensor, image_token_id: 
     """Cross-entropy between the language model's output at each vision token, (B, S, vocab)
     logits at the <|image_pad|> positions of `input_ids` (B, S), and `picture_targets`. Nothing
     reads these outputs when answering (they predict the next prompt token), so the loss only
-    teaches the layers to carry which picture a token belongs to and how many shapes it holds,
-    which questions over several pictures need."""
+    teaches the layers to carry what `picture_words` names (which picture a token belongs to,
+    shape and colour counts), which questions over several pictures need."""
     return torch.nn.functional.cross_entropy(logits[input_ids == image_token_id].float(), targets)
 
 
