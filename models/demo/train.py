@@ -445,7 +445,7 @@ def main() -> None:
     parser.add_argument("--drafter-lr", type=float, default=3e-3, help="peak learning rate of the two drafters")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cell-weight", type=float, default=1.0, help="weight of the vision-token word loss")
-    parser.add_argument("--picture-weight", type=float, default=0.5,
+    parser.add_argument("--picture-weight", type=float, default=1.0,
                         help="weight of the loss on the language model's output at vision tokens (see picture_loss)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (bitwise results can depend on it)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (no faster on this CPU; float32 by default)")
