@@ -56,6 +56,21 @@ def test_every_scene_cell_names_one_row_and_one_column():
     assert len({tuple(w[:2]) for w in words}) == 9
 
 
+def test_card_letter_cells_name_their_letter_and_the_word_as_an_answer_spells_it(processor):
+    card = world.Card("yak", 42, "red")
+    cells = train.cell_words(card)
+    assert [c[-1] for c in cells[:3]] == ["y", "a", "k"]
+    assert all(c[:2] == ["yak", "red"] for c in cells[:3])
+    example = world.Example([], [{"role": "user", "content": [{"type": "image"}]}], "card_word", (card,))
+    first_cell = train.picture_words(example)[0][0]
+    assert first_cell == ["first", "yak"]
+    tokenizer = processor.tokenizer
+    targets = train.word_targets([[first_cell[-1]], ["yak"]], tokenizer)
+    bare, spaced = (set(row.nonzero().flatten().tolist()) for row in targets)
+    assert bare == set(tokenizer.encode("yak")) and spaced == set(tokenizer.encode(" yak"))
+    assert bare.isdisjoint(spaced)
+
+
 def test_picture_words_number_pictures_within_their_turn_and_count_shapes():
     examples = list(world.train_examples(0, 400))
     several = next(e for e in examples if e.kind.startswith("multi") and "+" not in e.kind)

@@ -112,7 +112,8 @@ def cell_words(spec: world.Spec) -> list[list[str]]:
     language model reads a vision token much like the words of its content; grounding from
     scratch is otherwise too slow for a one-hour CPU budget. A scene cell names its row and its
     column ("top" / "middle" / "bottom", "left" / "middle" / "right"): two words every cell, so
-    that no two cells differ only by a missing word.
+    that no two cells differ only by a missing word. A card's letter cells name the word, its
+    colour and their own letter.
     """
     rows, columns = ("top", "middle", "bottom"), ("left", "middle", "right")
     if isinstance(spec, world.Scene):
@@ -123,7 +124,8 @@ def cell_words(spec: world.Spec) -> list[list[str]]:
     if isinstance(spec, world.Chart):
         return [[spec.colours[c % 3], str(spec.values[c % 3]), world.BAR_LABELS[c % 3]] for c in range(9)]
     digits = str(spec.number)
-    return [[spec.word, spec.colour]] * 3 + [[]] * 3 + [[str(spec.number), d] for d in digits] + [[]]
+    letters = [[spec.word, spec.colour, Bare(letter)] for letter in spec.word]
+    return letters + [[]] * 3 + [[str(spec.number), d] for d in digits] + [[]]
 
 
 def picture_words(example: world.Example) -> list[list[list[str]]]:
@@ -131,7 +133,9 @@ def picture_words(example: world.Example) -> list[list[list[str]]]:
     carry once the language model has read it (see `picture_loss`): which picture of its turn it
     is ("first" ... "fourth"); for a scene, how many shapes the picture holds ("three"); and on a
     shape, how many shapes of its colour the turn's pictures hold up to this one (" 2"), so that
-    the last picture's tokens know the totals that questions over several pictures ask for."""
+    the last picture's tokens know the totals that questions over several pictures ask for. On a
+    card's letter cells, the word spelt as a one-word answer starts ("yak" is "y" + "ak", unlike
+    " yak"), which the cell words alone do not teach."""
     words = []
     pictures = iter(example.pictures)
     for message in example.messages:
@@ -148,16 +152,24 @@ def picture_words(example: world.Example) -> list[list[list[str]]]:
                     colour_counts[item.colour] = colour_counts.get(item.colour, 0) + 1
                 for item in spec.items:
                     cells[item.cell].append(str(colour_counts[item.colour]))
+            elif isinstance(spec, world.Card):
+                for cell in cells[:3]:
+                    cell.append(Bare(spec.word))
             words.append(cells)
     return words
 
 
+class Bare(str):
+    """A word spelt as it starts an answer, with no space before it: `word_targets` encodes
+    "yak" as "y" + "ak" for a Bare word, as the one token " yak" otherwise."""
+
+
 def word_targets(cells: list[list[str]], tokenizer) -> torch.Tensor:
     """(len(cells), vocab): for each cell, a distribution spread evenly over the tokens of its
-    words (" red" ...); rows of cells without words are all zero."""
+    words (" red" ..., `Bare` words without the space); rows of cells without words are all zero."""
     targets = torch.zeros(len(cells), len(tokenizer))
     for row, words in enumerate(cells):
-        ids = [i for w in words for i in tokenizer.encode(" " + w)]
+        ids = [i for w in words for i in tokenizer.encode(w if isinstance(w, Bare) else " " + w)]
         if ids:
             targets[row, ids] += 1.0 / len(ids)
     return targets
