@@ -189,6 +189,62 @@ def picture_targets(examples: list[world.Example], tokenizer) -> torch.Tensor:
     return word_targets(cells, tokenizer)
 
 
+# Groups of the count probe (see `probe_targets`), each a class index 0..PROBE_CLASSES - 1.
+PROBE_GROUPS = (
+    ["ordinal", "picture shapes"]
+    + [f"picture {s}s" for s in world.SHAPES] + [f"picture {c}" for c in world.COLOURS]
+    + [f"turn {s}s" for s in world.SHAPES] + [f"turn {c}" for c in world.COLOURS] + ["turn shapes"]
+    + [f"most {s}s so far" for s in world.SHAPES] + ["most shapes so far"]
+    + ["tallest bar", "shortest bar"]
+)
+PROBE_CLASSES = 21  # counts 0..20 (a turn holds at most 4 x 5 shapes); "most so far": ordinal, or 4 on a tie
+
+
+def probe_rows(example: world.Example) -> list[list[int]]:
+    """For each picture of `example`, one row of `PROBE_GROUPS` class indices (-100 where a
+    group does not apply): which picture of its turn it is; for a scene, how many shapes, how
+    many of each shape and of each colour it holds; how many of each the turn's pictures hold up
+    to this one; and which picture so far holds the most of each shape (and of all shapes). For a
+    chart, its tallest and shortest bar. These are what questions over one or several pictures
+    ask; `probe_loss` asks a middle layer to carry them at every vision token of the picture."""
+    rows = []
+    pictures = iter(example.pictures)
+    for message in example.messages:
+        if message["role"] != "user":
+            continue
+        turn: dict[str, int] = {}
+        per_picture: list[dict[str, int]] = []
+        for ordinal in range(sum(c["type"] == "image" for c in message["content"])):
+            spec = next(pictures)
+            row = [ordinal] + [-100] * (len(PROBE_GROUPS) - 1)
+            if isinstance(spec, world.Scene):
+                here = {"shapes": len(spec.items)}
+                for item in spec.items:
+                    here[item.shape + "s"] = here.get(item.shape + "s", 0) + 1
+                    here[item.colour] = here.get(item.colour, 0) + 1
+                per_picture.append(here)
+                for key, n in here.items():
+                    turn[key] = turn.get(key, 0) + n
+                names = [s + "s" for s in world.SHAPES] + list(world.COLOURS)
+                row[1:2 + len(names)] = [here["shapes"]] + [here.get(k, 0) for k in names]
+                row[2 + len(names) : 3 + 2 * len(names)] = [turn.get(k, 0) for k in names] + [turn["shapes"]]
+                for offset, key in enumerate([s + "s" for s in world.SHAPES] + ["shapes"]):
+                    counts = [p.get(key, 0) for p in per_picture]
+                    best = world._unique_best(counts) if max(counts) > 0 else None
+                    row[3 + 2 * len(names) + offset] = 4 if best is None else best
+            elif isinstance(spec, world.Chart):
+                row[-2:] = [spec.values.index(max(spec.values)), spec.values.index(min(spec.values))]
+            rows.append(row)
+    return rows
+
+
+def probe_targets(examples: list[world.Example]) -> torch.Tensor:
+    """(num_pictures * 9, len(PROBE_GROUPS)) class indices: each picture's `probe_rows` row,
+    repeated for its 9 vision tokens."""
+    rows = [row for example in examples for row in probe_rows(example) for _ in range(9)]
+    return torch.tensor(rows, dtype=torch.long).reshape(-1, len(PROBE_GROUPS))
+
+
 @dataclass
 class Batch:
     """One padded batch (right padding). `labels` is -100 outside assistant answers."""
@@ -201,6 +257,7 @@ class Batch:
     labels: torch.Tensor  # (B, S)
     cell_targets: torch.Tensor  # (num_images * 9, vocab), see `cell_targets`
     picture_targets: torch.Tensor  # (num_images * 9, vocab), see `picture_targets`
+    probe_targets: torch.Tensor  # (num_images * 9, len(PROBE_GROUPS)), see `probe_targets`
 
     def vlm_inputs(self) -> dict:
         return dict(
@@ -240,6 +297,7 @@ def encode(processor: ImageOnlyQwen2VLProcessor, examples: list[world.Example]) 
         labels=assistant_labels(encoded["input_ids"], processor.tokenizer),
         cell_targets=cell_targets([p for e in examples for p in e.pictures], processor.tokenizer),
         picture_targets=picture_targets(examples, processor.tokenizer),
+        probe_targets=probe_targets(examples),
     )
 
 
@@ -283,6 +341,7 @@ class Trainee:
     model: PreTrainedModel
     optimizer: torch.optim.Optimizer
     sees_images: bool
+    probe: torch.nn.Linear | None = None  # training-only head of `probe_loss` (VLMs); never saved
     loss_sum: float = 0.0
 
 
@@ -311,17 +370,33 @@ def picture_loss(logits: torch.Tensor, input_ids: torch.Tensor, image_token_id: 
     return torch.nn.functional.cross_entropy(logits[input_ids == image_token_id].float(), targets)
 
 
+def probe_layer(model) -> int:
+    """The layer whose output `probe_loss` reads: the middle one, so that the layers above it can
+    still use what it carries when answering."""
+    return max(1, model.config.text_config.num_hidden_layers // 2)
+
+
+def probe_loss(probe: torch.nn.Linear, hidden: torch.Tensor, input_ids: torch.Tensor, image_token_id: int,
+               targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of a linear head on one layer's output at each vision token, (B, S, hidden)
+    `hidden` at the <|image_pad|> positions of `input_ids` (B, S), against `probe_targets`
+    (num_tokens, groups): one PROBE_CLASSES-way classification a group, -100 ignored."""
+    logits = probe(hidden[input_ids == image_token_id].float())  # (num_tokens, groups * classes)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, PROBE_CLASSES), targets.reshape(-1), ignore_index=-100)
+
+
 def train_step(trainee: Trainee, batch: Batch, tokenizer, lr: float, bf16: bool, cell_weight: float,
-               picture_weight: float = 0.0) -> float:
+               picture_weight: float = 0.0, probe_weight: float = 0.0) -> float:
     """One optimiser step; returns the language-model loss (for VLMs the cell loss, and the
-    picture loss when `picture_weight` > 0, are added)."""
+    picture and probe losses when their weights are > 0, are added)."""
     inputs = batch.vlm_inputs() if trainee.sees_images else text_only(batch, tokenizer)
     for group in trainee.optimizer.param_groups:
         group["lr"] = lr
     captured = []
     hook = trainee.model.model.visual.register_forward_hook(lambda m, i, out: captured.append(out.pooler_output)) if trainee.sees_images else None
+    probing = trainee.probe is not None and probe_weight > 0
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        outputs = trainee.model(**inputs)
+        outputs = trainee.model(**inputs, output_hidden_states=probing)
     loss = total = outputs.loss
     if hook is not None:
         hook.remove()
@@ -330,6 +405,10 @@ def train_step(trainee: Trainee, batch: Batch, tokenizer, lr: float, bf16: bool,
         if picture_weight > 0:
             image_token_id = trainee.model.config.image_token_id
             total = total + picture_weight * picture_loss(outputs.logits, batch.input_ids, image_token_id, batch.picture_targets)
+        if probing:
+            hidden = outputs.hidden_states[probe_layer(trainee.model)]
+            image_token_id = trainee.model.config.image_token_id
+            total = total + probe_weight * probe_loss(trainee.probe, hidden, batch.input_ids, image_token_id, batch.probe_targets)
     total.backward()
     torch.nn.utils.clip_grad_norm_(trainee.model.parameters(), 1.0)
     trainee.optimizer.step()
@@ -338,10 +417,13 @@ def train_step(trainee: Trainee, batch: Batch, tokenizer, lr: float, bf16: bool,
 
 
 def make_trainee(name: str, model: PreTrainedModel, sees_images: bool, lr: float) -> Trainee:
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    """A model, its AdamW and, for a VLM, the training-only head of `probe_loss`."""
+    probe = torch.nn.Linear(model.config.text_config.hidden_size, len(PROBE_GROUPS) * PROBE_CLASSES) if sees_images else None
+    named = list(model.named_parameters()) + (list(probe.named_parameters()) if probe is not None else [])
+    decay = [p for n, p in named if p.ndim >= 2]
+    no_decay = [p for n, p in named if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
-    return Trainee(name, model, torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98)), sees_images)
+    return Trainee(name, model, torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98)), sees_images, probe)
 
 
 def build_models(tokenizer, seed: int) -> list[Trainee]:
@@ -451,7 +533,7 @@ def save(trainee: Trainee, processor, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("assets/demo"))
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=3200)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the target")
     parser.add_argument("--drafter-lr", type=float, default=3e-3, help="peak learning rate of the two drafters")
@@ -459,6 +541,8 @@ def main() -> None:
     parser.add_argument("--cell-weight", type=float, default=1.0, help="weight of the vision-token word loss")
     parser.add_argument("--picture-weight", type=float, default=1.0,
                         help="weight of the loss on the language model's output at vision tokens (see picture_loss)")
+    parser.add_argument("--probe-weight", type=float, default=1.0,
+                        help="weight of the count probe on a middle layer at vision tokens (see probe_loss)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (bitwise results can depend on it)")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (no faster on this CPU; float32 by default)")
     parser.add_argument("--eval-questions", type=int, default=100, help="held-out questions to score at the end")
@@ -485,7 +569,8 @@ def main() -> None:
             break
         for t in trainees:
             lr = learning_rate(step, args.steps, args.lr if t.name == "target" else args.drafter_lr)
-            t.loss_sum += train_step(t, batch, tokenizer, lr, args.bf16, args.cell_weight, args.picture_weight)
+            t.loss_sum += train_step(t, batch, tokenizer, lr, args.bf16, args.cell_weight, args.picture_weight,
+                                    args.probe_weight)
         if (step + 1) % 25 == 0:
             losses = "  ".join(f"{t.name} {t.loss_sum / 25:.3f}" for t in trainees)
             print(f"step {step + 1}/{args.steps}  {time.time() - started:.0f}s  lr {learning_rate(step, args.steps, args.lr):.2e}  {losses}", flush=True)
