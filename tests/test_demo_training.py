@@ -107,3 +107,46 @@ def test_picture_loss_reads_one_row_per_vision_token_and_falls_with_training(pro
     for _ in range(6):
         train.train_step(target, batch, processor.tokenizer, 2e-3, False, 1.0, picture_weight=1.0)
     assert loss() < before * 0.8, (before, loss())
+
+
+def test_probe_rows_count_each_picture_and_the_turn_so_far():
+    several = next(e for e in world.train_examples(0, 400) if e.kind.startswith("multi") and "+" not in e.kind and len(e.pictures) >= 3)
+    rows = train.probe_rows(several)
+    group = {name: i for i, name in enumerate(train.PROBE_GROUPS)}
+    assert [r[group["ordinal"]] for r in rows] == list(range(len(several.pictures)))
+    for index, (row, scene) in enumerate(zip(rows, several.pictures)):
+        seen = several.pictures[: index + 1]
+        assert row[group["picture shapes"]] == len(scene.items)
+        for shape in world.SHAPES:
+            assert row[group[f"picture {shape}s"]] == sum(i.shape == shape for i in scene.items)
+            counts = [sum(i.shape == shape for i in s.items) for s in seen]
+            expected = counts.index(max(counts)) if max(counts) > 0 and counts.count(max(counts)) == 1 else 4
+            assert row[group[f"most {shape}s so far"]] == expected
+        for colour in world.COLOURS:
+            assert row[group[f"turn {colour}"]] == sum(i.colour == colour for s in seen for i in s.items)
+        assert row[group["turn shapes"]] == sum(len(s.items) for s in seen)
+        assert row[group["tallest bar"]] == row[group["shortest bar"]] == -100
+    chart = next(e for e in world.train_examples(0, 200) if e.kind.startswith("chart") and "+" not in e.kind)
+    (row,) = train.probe_rows(chart)
+    values = chart.pictures[0].values
+    assert (row[group["tallest bar"]], row[group["shortest bar"]]) == (values.index(max(values)), values.index(min(values)))
+    assert row[group["picture shapes"]] == -100
+
+
+def test_probe_loss_reads_a_middle_layer_and_falls_with_training(processor):
+    examples = [e for e in world.train_examples(0, 60) if e.kind.startswith("multi")][:4]
+    batch = train.encode(processor, examples)
+    assert batch.probe_targets.shape == (9 * sum(len(e.pictures) for e in examples), len(train.PROBE_GROUPS))
+    target = train.build_models(processor.tokenizer, seed=0)[0]
+    assert train.probe_layer(target.model) == 3  # of 6
+    image_pad = target.model.config.image_token_id
+
+    def loss() -> float:
+        with torch.no_grad():
+            hidden = target.model(**batch.vlm_inputs(), output_hidden_states=True).hidden_states[3]
+            return train.probe_loss(target.probe, hidden, batch.input_ids, image_pad, batch.probe_targets).item()
+
+    before = loss()
+    for _ in range(6):
+        train.train_step(target, batch, processor.tokenizer, 2e-3, False, 1.0, probe_weight=1.0)
+    assert loss() < before * 0.8, (before, loss())

@@ -16,7 +16,10 @@ also get a cell loss (see `cell_words`): each vision token, read through the tie
 embedding, should name what its cell shows; and a picture loss (see `picture_loss`): the
 language model's output at each vision token should name the cell, which picture of its turn
 it belongs to, how many shapes that picture holds and how many of its colour the turn has shown
-so far. Both only speed up learning; the saved models are plain Qwen2-VL models.
+so far; and a count probe (see `probe_loss`): a linear head on a middle layer's output at each
+vision token should tell the picture's and the turn's counts (see `probe_rows`), where the layers
+above can still read them when answering. All three only speed up learning; the probe head is
+thrown away and the saved models are plain Qwen2-VL models.
 """
 
 from __future__ import annotations
