@@ -150,3 +150,12 @@ def test_probe_loss_reads_a_middle_layer_and_falls_with_training(processor):
     for _ in range(6):
         train.train_step(target, batch, processor.tokenizer, 2e-3, False, 1.0, probe_weight=1.0)
     assert loss() < before * 0.8, (before, loss())
+
+
+def test_probe_cells_name_row_column_and_the_item_in_reading_order():
+    scene = world.Scene((world.Item("circle", "red", 1), world.Item("diamond", "blue", 5)))
+    cells = train.probe_cells(scene)
+    assert cells[1] == [0, 1, 1, 1 + world.SHAPES.index("circle"), 1 + list(world.COLOURS).index("red")]
+    assert cells[5] == [1, 2, 2, 1 + world.SHAPES.index("diamond"), 1 + list(world.COLOURS).index("blue")]
+    assert cells[8] == [2, 2, 0, 0, 0]
+    assert train.probe_cells(world.Card("cat", 42, "red")) == [[-100] * len(train.CELL_GROUPS)] * 9

@@ -192,19 +192,22 @@ def picture_targets(examples: list[world.Example], tokenizer) -> torch.Tensor:
     return word_targets(cells, tokenizer)
 
 
-# Groups of the count probe (see `probe_targets`), each a class index 0..PROBE_CLASSES - 1.
-PROBE_GROUPS = (
+# Groups of the count probe (see `probe_targets`), each a class index 0..PROBE_CLASSES - 1:
+# first those of a whole picture (`probe_rows`), then those of one cell (`probe_cells`).
+PICTURE_GROUPS = (
     ["ordinal", "picture shapes"]
     + [f"picture {s}s" for s in world.SHAPES] + [f"picture {c}" for c in world.COLOURS]
     + [f"turn {s}s" for s in world.SHAPES] + [f"turn {c}" for c in world.COLOURS] + ["turn shapes"]
     + [f"most {s}s so far" for s in world.SHAPES] + ["most shapes so far"]
     + ["tallest bar", "shortest bar"]
 )
+CELL_GROUPS = ["row", "column", "item number", "cell shape", "cell colour"]
+PROBE_GROUPS = PICTURE_GROUPS + CELL_GROUPS
 PROBE_CLASSES = 21  # counts 0..20 (a turn holds at most 4 x 5 shapes); "most so far": ordinal, or 4 on a tie
 
 
 def probe_rows(example: world.Example) -> list[list[int]]:
-    """For each picture of `example`, one row of `PROBE_GROUPS` class indices (-100 where a
+    """For each picture of `example`, one row of `PICTURE_GROUPS` class indices (-100 where a
     group does not apply): which picture of its turn it is; for a scene, how many shapes, how
     many of each shape and of each colour it holds; how many of each the turn's pictures hold up
     to this one; and which picture so far holds the most of each shape (and of all shapes). For a
@@ -219,7 +222,7 @@ def probe_rows(example: world.Example) -> list[list[int]]:
         per_picture: list[dict[str, int]] = []
         for ordinal in range(sum(c["type"] == "image" for c in message["content"])):
             spec = next(pictures)
-            row = [ordinal] + [-100] * (len(PROBE_GROUPS) - 1)
+            row = [ordinal] + [-100] * (len(PICTURE_GROUPS) - 1)
             if isinstance(spec, world.Scene):
                 here = {"shapes": len(spec.items)}
                 for item in spec.items:
@@ -241,10 +244,28 @@ def probe_rows(example: world.Example) -> list[list[int]]:
     return rows
 
 
+def probe_cells(spec: world.Spec) -> list[list[int]]:
+    """For each of a scene's 9 cells, one row of `CELL_GROUPS` class indices: its row and column
+    (0..2), which shape of the picture in reading order it holds (1..5, 0 if empty: the order
+    in which descriptions list them), its shape and its colour (1.., 0 if empty). -100 for
+    charts and cards."""
+    if not isinstance(spec, world.Scene):
+        return [[-100] * len(CELL_GROUPS) for _ in range(9)]
+    rows = [[cell // 3, cell % 3, 0, 0, 0] for cell in range(9)]
+    for number, item in enumerate(spec.items, start=1):
+        rows[item.cell][2:] = [number, 1 + world.SHAPES.index(item.shape), 1 + list(world.COLOURS).index(item.colour)]
+    return rows
+
+
 def probe_targets(examples: list[world.Example]) -> torch.Tensor:
-    """(num_pictures * 9, len(PROBE_GROUPS)) class indices: each picture's `probe_rows` row,
-    repeated for its 9 vision tokens."""
-    rows = [row for example in examples for row in probe_rows(example) for _ in range(9)]
+    """(num_pictures * 9, len(PROBE_GROUPS)) class indices: for each vision token, its
+    picture's `probe_rows` row followed by its cell's `probe_cells` row."""
+    rows = [
+        picture + cell
+        for example in examples
+        for spec, picture in zip(example.pictures, probe_rows(example))
+        for cell in probe_cells(spec)
+    ]
     return torch.tensor(rows, dtype=torch.long).reshape(-1, len(PROBE_GROUPS))
 
 
@@ -536,7 +557,7 @@ def save(trainee: Trainee, processor, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("assets/demo"))
-    parser.add_argument("--steps", type=int, default=3200)
+    parser.add_argument("--steps", type=int, default=3100)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the target")
     parser.add_argument("--drafter-lr", type=float, default=3e-3, help="peak learning rate of the two drafters")
