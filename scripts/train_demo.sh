@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Retrains the bundled demo models (assets/demo) from scratch, seeded: the command the shipped
 # weights came from. One run trains the target, the VLM drafter and the text drafter together
-# (3000 steps, float32, 2 threads): about 50 minutes on a quiet 2-core CPU, then it scores the
+# (3100 steps, float32, 2 threads): about 54 minutes on a quiet 2-core CPU, then it scores the
 # two vision-language models on 100 held-out questions and writes assets/demo/training.json.
 # Bitwise results can depend on the thread count and the CPU.
 set -euo pipefail
