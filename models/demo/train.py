@@ -131,6 +131,15 @@ def cell_words(spec: world.Spec) -> list[list[str]]:
     return letters + [[]] * 3 + [[str(spec.number), d] for d in digits] + [[]]
 
 
+def turn_pictures(example: world.Example) -> list[list[world.Spec]]:
+    """The pictures of `example`, grouped by the user turn that shows them (turns without
+    pictures give an empty list)."""
+    pictures = iter(example.pictures)
+    return [
+        [next(pictures) for c in m["content"] if c["type"] == "image"] for m in example.messages if m["role"] == "user"
+    ]
+
+
 def picture_words(example: world.Example) -> list[list[list[str]]]:
     """For each picture of `example` and each of its 9 cells, words its vision token should
     carry once the language model has read it (see `picture_loss`): which picture of its turn it
@@ -140,13 +149,9 @@ def picture_words(example: world.Example) -> list[list[list[str]]]:
     card's letter cells, the word spelt as a one-word answer starts ("yak" is "y" + "ak", unlike
     " yak"), which the cell words alone do not teach."""
     words = []
-    pictures = iter(example.pictures)
-    for message in example.messages:
-        if message["role"] != "user":
-            continue
+    for turn in turn_pictures(example):
         colour_counts: dict[str, int] = {}
-        for ordinal in world.ORDINALS[: sum(c["type"] == "image" for c in message["content"])]:
-            spec = next(pictures)
+        for ordinal, spec in zip(world.ORDINALS, turn):
             cells = [[ordinal] for _ in range(9)]
             if isinstance(spec, world.Scene):
                 for cell in cells:
@@ -214,14 +219,10 @@ def probe_rows(example: world.Example) -> list[list[int]]:
     chart, its tallest and shortest bar. These are what questions over one or several pictures
     ask; `probe_loss` asks a middle layer to carry them at every vision token of the picture."""
     rows = []
-    pictures = iter(example.pictures)
-    for message in example.messages:
-        if message["role"] != "user":
-            continue
+    for pictures in turn_pictures(example):
         turn: dict[str, int] = {}
         per_picture: list[dict[str, int]] = []
-        for ordinal in range(sum(c["type"] == "image" for c in message["content"])):
-            spec = next(pictures)
+        for ordinal, spec in enumerate(pictures):
             row = [ordinal] + [-100] * (len(PICTURE_GROUPS) - 1)
             if isinstance(spec, world.Scene):
                 here = {"shapes": len(spec.items)}
