@@ -223,25 +223,24 @@ def probe_rows(example: world.Example) -> list[list[int]]:
         turn: dict[str, int] = {}
         per_picture: list[dict[str, int]] = []
         for ordinal, spec in enumerate(pictures):
-            row = [ordinal] + [-100] * (len(PICTURE_GROUPS) - 1)
+            row = {"ordinal": ordinal}
             if isinstance(spec, world.Scene):
                 here = {"shapes": len(spec.items)}
-                for item in spec.items:
-                    here[item.shape + "s"] = here.get(item.shape + "s", 0) + 1
-                    here[item.colour] = here.get(item.colour, 0) + 1
+                for key in [f"{i.shape}s" for i in spec.items] + [i.colour for i in spec.items]:
+                    here[key] = here.get(key, 0) + 1
                 per_picture.append(here)
                 for key, n in here.items():
                     turn[key] = turn.get(key, 0) + n
-                names = [s + "s" for s in world.SHAPES] + list(world.COLOURS)
-                row[1:2 + len(names)] = [here["shapes"]] + [here.get(k, 0) for k in names]
-                row[2 + len(names) : 3 + 2 * len(names)] = [turn.get(k, 0) for k in names] + [turn["shapes"]]
-                for offset, key in enumerate([s + "s" for s in world.SHAPES] + ["shapes"]):
+                for key in ["shapes"] + [f"{s}s" for s in world.SHAPES] + list(world.COLOURS):
+                    row[f"picture {key}"], row[f"turn {key}"] = here.get(key, 0), turn.get(key, 0)
+                for key in [f"{s}s" for s in world.SHAPES] + ["shapes"]:
                     counts = [p.get(key, 0) for p in per_picture]
-                    best = world._unique_best(counts) if max(counts) > 0 else None
-                    row[3 + 2 * len(names) + offset] = 4 if best is None else best
+                    best = world.unique_best(counts) if max(counts) > 0 else None
+                    row[f"most {key} so far"] = 4 if best is None else best
             elif isinstance(spec, world.Chart):
-                row[-2:] = [spec.values.index(max(spec.values)), spec.values.index(min(spec.values))]
-            rows.append(row)
+                row["tallest bar"] = spec.values.index(max(spec.values))
+                row["shortest bar"] = spec.values.index(min(spec.values))
+            rows.append([row.get(group, -100) for group in PICTURE_GROUPS])
     return rows
 
 
@@ -426,13 +425,12 @@ def train_step(trainee: Trainee, batch: Batch, tokenizer, lr: float, bf16: bool,
     if hook is not None:
         hook.remove()
         vision_tokens = torch.cat(list(captured[0])) if isinstance(captured[0], (list, tuple)) else captured[0]
+        image_token_id = trainee.model.config.image_token_id
         total = loss + cell_weight * cell_loss(trainee.model, vision_tokens, batch.cell_targets)
         if picture_weight > 0:
-            image_token_id = trainee.model.config.image_token_id
             total = total + picture_weight * picture_loss(outputs.logits, batch.input_ids, image_token_id, batch.picture_targets)
         if probing:
             hidden = outputs.hidden_states[probe_layer(trainee.model)]
-            image_token_id = trainee.model.config.image_token_id
             total = total + probe_weight * probe_loss(trainee.probe, hidden, batch.input_ids, image_token_id, batch.probe_targets)
     total.backward()
     torch.nn.utils.clip_grad_norm_(trainee.model.parameters(), 1.0)

@@ -356,7 +356,7 @@ def _ask_card(rng: random.Random, card: Card) -> _Draft:
     return _short_or_sentence(rng, "What colour is the word?", card.colour, sentence, "card_colour", specs, card.colour)
 
 
-def _unique_best(counts: list[int]) -> int | None:
+def unique_best(counts: list[int]) -> int | None:
     """Index of the single largest count, or None on a tie."""
     best = max(counts)
     return counts.index(best) if counts.count(best) == 1 else None
@@ -380,11 +380,11 @@ def _multi_question(rng: random.Random) -> _Draft:
         return _short_or_sentence(rng, prompt, str(n), sentence, "multi_total", scenes, _count_words(n, colour + " shape"))
     if choice == 2:
         shape = rng.choice(SHAPES)
-        best = _unique_best([sum(i.shape == shape for i in s.items) for s in scenes])
+        best = unique_best([sum(i.shape == shape for i in s.items) for s in scenes])
         prompt = f"Which image has more {shape}s?" if len(scenes) == 2 else f"Which image has the most {shape}s?"
         noun, adjective = f"{shape}s", "more" if len(scenes) == 2 else "the most"
     else:
-        best = _unique_best([len(s.items) for s in scenes])
+        best = unique_best([len(s.items) for s in scenes])
         prompt = "Which image has more shapes?" if len(scenes) == 2 else "Which image has the most shapes?"
         noun, adjective = "shapes", "more" if len(scenes) == 2 else "the most"
     if best is None:
