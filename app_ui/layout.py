@@ -279,7 +279,7 @@ def _respond(engine: Engine, session: Session, options: Options):
             if text_tick.ready():
                 plots = plot_tick.ready()
                 yield (views.chatbot_messages(session, side), views.stats_markdown(side.stats, session.plain_tok_s),
-                       views.highlighted(tokenizer, side),
+                       views.highlighted(side),
                        views.acceptance_frame(side.stats) if plots else gr.skip(),
                        views.speed_frame(points) if plots else gr.skip())
     except (RequestError, ImageError) as error:
@@ -293,7 +293,7 @@ def _respond(engine: Engine, session: Session, options: Options):
         session.pending = None
     stats = side.stats if side else None
     yield (views.chatbot_messages(session), views.stats_markdown(stats, session.plain_tok_s),
-           views.highlighted(tokenizer, side) if side else [], views.acceptance_frame(stats), views.speed_frame(points))
+           views.highlighted(side) if side else [], views.acceptance_frame(stats), views.speed_frame(points))
 
 
 def _api_chat(engine: Engine, message_value, session: Session, options: Options):
@@ -327,7 +327,7 @@ def _ab_live(engine: Engine, message_value, session: Session, options: Options):
             done = not isinstance(event, ABProgress)
             if done or tick.ready():
                 verdict = views.ab_markdown(event if done else None, None if done else event.running)
-                yield (verdict, event.plain.text, views.highlighted(tokenizer, event.speculative),
+                yield (verdict, event.plain.text, views.highlighted(event.speculative),
                        views.ab_table(event.plain.stats, event.speculative.stats))
 
 

@@ -9,6 +9,7 @@ a flag wins over its variable:
                              separate with commas (default: the preset's, or ngram with --model)
     --dtype    VLM_DTYPE     float32 (default, exact A/B), bfloat16, float16, auto
     --device   VLM_DEVICE    auto (default), cpu, cuda
+    --quantization  VLM_QUANTIZATION  4bit or 8bit (bitsandbytes; default none)
     --drafter-dtype  VLM_DRAFTER_DTYPE  auto (default: float32 on a CPU for drafters under 1B
                              parameters, else --dtype), float32, bfloat16, float16
     --host     VLM_HOST      default 127.0.0.1 (0.0.0.0 on a Space)
@@ -24,14 +25,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from PIL import Image
 
-from models.presets import PRESETS
-
-TRUE = ("1", "true", "yes", "on")
+from engine.build import TRUE, EngineSpec, add_model_flags, spec_from_args
 
 
 class SetupError(Exception):
@@ -40,18 +38,27 @@ class SetupError(Exception):
 
 @dataclass
 class Config:
-    model: str
-    drafters: list[str]
-    dtype: str = "float32"
-    device: str = "auto"
-    drafter_dtype: str = "auto"
+    spec: EngineSpec  # the models and how to load them (engine/build.py), as for every command
     host: str = "127.0.0.1"
     port: int | None = None
     share: bool = False
     open_browser: bool = True
-    max_images: int = 8
-    preset: str | None = None
-    trust_remote_code: bool = False
+
+    @property
+    def model(self) -> str:
+        return self.spec.target
+
+    @property
+    def drafters(self) -> list[str]:
+        return list(self.spec.drafters)
+
+    @property
+    def trust_remote_code(self) -> bool:
+        return self.spec.options.trust_remote_code
+
+    @property
+    def max_images(self) -> int:
+        return self.spec.max_images
 
 
 def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
@@ -61,78 +68,29 @@ def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
         return environ.get(f"VLM_{name}") or default
 
     parser = argparse.ArgumentParser(prog="python app.py", description="Chat with a VLM; speculative decoding.")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=env("PRESET"))
-    parser.add_argument("--model", default=env("MODEL"))
-    parser.add_argument("--drafter", action="append", default=None)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default=env("DTYPE", "float32"))
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=env("DEVICE", "auto"))
-    parser.add_argument("--drafter-dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                        default=env("DRAFTER_DTYPE", "auto"))
+    add_model_flags(parser, env=env)
     parser.add_argument("--host", default=env("HOST", environ.get("GRADIO_SERVER_NAME")
                                              or ("0.0.0.0" if on_space else "127.0.0.1")))
     parser.add_argument("--port", type=int, default=int(env("PORT", environ.get("GRADIO_SERVER_PORT") or 0)) or None)
     parser.add_argument("--share", action="store_true", default=env("SHARE", "").lower() in TRUE)
     parser.add_argument("--no-browser", action="store_true", default=on_space or env("NO_BROWSER", "").lower() in TRUE)
     parser.add_argument("--max-images", type=int, default=int(env("MAX_IMAGES", 8)))
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        default=env("TRUST_REMOTE_CODE", "").lower() in TRUE)
     args = parser.parse_args(argv)
-
-    drafters = [name.strip() for value in (args.drafter or [env("DRAFTER", "")]) for name in value.split(",")]
-    drafters = [name for name in drafters if name]
-    if args.model:
-        model, drafters = args.model, drafters or ["ngram"]
-    else:
-        preset = PRESETS[args.preset or "demo"]
-        model, drafters = preset.target, drafters or list(preset.drafters)
-    if "none" in drafters:
-        drafters = []
-    elif "ngram" not in drafters:
-        drafters.append("ngram")  # costs nothing and works with any target
-    return Config(model, drafters, args.dtype, args.device, args.drafter_dtype, args.host, args.port,
-                  args.share, not args.no_browser, args.max_images, None if args.model else (args.preset or "demo"),
-                  args.trust_remote_code)
+    spec = spec_from_args(args, max_images=args.max_images)
+    if spec.drafters and "ngram" not in spec.drafters:
+        spec = replace(spec, drafters=spec.drafters + ("ngram",))  # the app always offers n-gram: it costs nothing
+    return Config(spec, args.host, args.port, args.share, not args.no_browser)
 
 
 def load_engine(config: Config):
-    """The engine with every drafter of the config, keyed by short names ("text", "vlm",
-    "ngram"); a preset's drafter that is missing on disk is skipped with a warning."""
-    from engine.engine import Engine
-    from models.loading import LoadError, LoadOptions, load_drafter, load_target
+    """The engine with every drafter of the config (engine/build.py: keyed "text", "vlm", "ngram"...)."""
+    from engine.build import build_engine
+    from models.loading import LoadError
 
-    if config.preset and not os.path.isdir(config.model):
-        raise SetupError(f"the {config.preset!r} preset's model is not in {config.model} yet (the bundled demo "
-                         "model is trained by `python -m models.demo.train --out assets/demo`); "
-                         "or pass --model DIR_OR_HUB_ID")
-    if _looks_local(config.model) and not os.path.isdir(config.model):
-        raise SetupError(f"--model {config.model}: no such folder")
-    options = LoadOptions(dtype=config.dtype, device=config.device, trust_remote_code=config.trust_remote_code,
-                          drafter_dtype=config.drafter_dtype)
     try:
-        target = load_target(config.model, options)
-        drafters = {}
-        for name in config.drafters:
-            if config.preset and name != "ngram" and not os.path.isdir(name):
-                print(f"warning: skipping the preset's drafter {name}: not on disk", file=sys.stderr)
-                continue
-            drafter = load_drafter(name, target, options)
-            drafters[_drafter_key(drafter, drafters)] = drafter
+        return build_engine(config.spec)
     except LoadError as error:
         raise SetupError(str(error)) from None
-    return Engine(target, drafters, max_images=config.max_images)
-
-
-def _looks_local(name: str) -> bool:
-    """A path rather than a hub id ("owner/name")."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1
-
-
-def _drafter_key(drafter, taken: dict) -> str:
-    key = {"text_lm": "text", "vlm": "vlm"}.get(drafter.kind, drafter.kind)
-    suffix = 2
-    while key in taken:
-        key, suffix = f"{key.rstrip('0123456789')}{suffix}", suffix + 1
-    return key
 
 
 def warm_up(engine) -> None:

@@ -90,20 +90,11 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def highlighted(tokenizer, side: Side) -> list[tuple[str, str | None]]:
-    """The answer split where the token origin changes: ("text", DRAFT_LABEL) for accepted
-    draft tokens, ("text", None) for the target's own. Runs are cut by decoding prefixes, so a
-    character made of several byte tokens is never split."""
-    ids, origins = side.token_ids, side.origins
-    spans, start, previous = [], 0, ""
-    for end in range(1, len(ids) + 1):
-        if end == len(ids) or origins[end] != origins[start]:
-            text = tokenizer.decode(ids[:end], skip_special_tokens=True).rstrip("\ufffd")
-            if len(text) > len(previous):
-                spans.append((text[len(previous):], DRAFT_LABEL if origins[start] == "draft" else None))
-                previous = text
-            start = end
-    return spans
+def highlighted(side: Side) -> list[tuple[str, str | None]]:
+    """The answer in runs of one origin: ("text", DRAFT_LABEL) for accepted draft tokens,
+    ("text", None) for the target's own. The runs come decoded with the stream (engine/loop.py),
+    so an update costs nothing that grows with the answer."""
+    return [(text, DRAFT_LABEL if origin == "draft" else None) for text, origin in side.spans]
 
 
 def acceptance_frame(stats: Stats | None) -> pd.DataFrame:

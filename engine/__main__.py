@@ -1,9 +1,9 @@
 """Command line: answer one prompt about zero or more images, plainly or speculatively.
 
     python -m engine [--preset NAME] [--model ID_OR_DIR] [--drafter ID_OR_DIR|ngram|mtp|none] [--mode plain|speculative]
-                     [--image PATH]... [--max-new-tokens N] [--dtype D] [--device D]
-                     [--temperature T] [--top-p P] [--top-k K] [--seed S] [--draft-tokens K]
-                     [--adaptive] [--json] PROMPT
+                     [--image PATH]... [--max-new-tokens N] [--dtype D] [--drafter-dtype D] [--device D]
+                     [--quantization 4bit|8bit] [--trust-remote-code] [--temperature T] [--top-p P]
+                     [--top-k K] [--seed S] [--draft-tokens K] [--adaptive] [--json] PROMPT
 
 User errors (missing or unreadable image, unknown model, incompatible drafter) exit with
 status 2 and a one-line message.
@@ -21,25 +21,14 @@ from engine.sampling import SamplingSettings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from models.presets import PRESETS, resolve
+    from engine.build import add_model_flags
 
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("prompt")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="a named target/drafter pair (default: demo)")
-    parser.add_argument("--model", help="hub id or local folder of the target VLM (default: the preset's)")
-    parser.add_argument("--drafter", default=None,
-                        help="hub id or folder of a drafter (text LM, VLM of the target's family, DFlash or Gemma 4 "
-                             "assistant), 'ngram', 'mtp' (the target's own MTP layers), or 'none' "
-                             "(default: the preset's first drafter)")
+    add_model_flags(parser)
     parser.add_argument("--mode", choices=["plain", "speculative"], default="speculative")
     parser.add_argument("--image", action="append", default=[], help="an image file; repeat for several")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
-    parser.add_argument("--drafter-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help='"auto" (default): float32 on a CPU for drafters under 1B parameters, else --dtype')
-    parser.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
-    parser.add_argument("--quantization", choices=["4bit", "8bit"], default=None)
-    parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -47,32 +36,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--adaptive", action="store_true", help="adapt the draft length to acceptance")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
-    args = parser.parse_args(argv)
-    args.model, drafters = resolve(args.preset, args.model, [args.drafter] if args.drafter else None)
-    args.drafter = drafters[0]
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from dataclasses import replace
+
     from transformers.utils import logging as hf_logging
 
-    from engine.engine import Engine, RequestError
-    from models.loading import LoadError, LoadOptions, load_drafter, load_target
+    from engine.build import build_engine, spec_from_args
+    from engine.engine import RequestError
+    from models.loading import LoadError
 
     hf_logging.disable_progress_bar()  # stderr carries only our own one-line messages
     hf_logging.set_verbosity_error()
     try:
         images = [load_image(path) for path in args.image]
-        options = LoadOptions(args.dtype, args.device, args.quantization, args.trust_remote_code,
-                              drafter_dtype=args.drafter_dtype)
-        target = load_target(args.model, options)
-        drafter = load_drafter(None if args.mode == "plain" else args.drafter, target, options)
-        engine = Engine(target, {args.drafter: drafter} if drafter else {})
+        spec = spec_from_args(args)
+        # The command line answers with one drafter: the first named (or the preset's first).
+        spec = replace(spec, drafters=spec.drafters[:1] if args.mode == "speculative" else ())
+        engine = build_engine(spec)
         content = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": args.prompt}]
         events = engine.stream(
             [{"role": "user", "content": content}],
-            drafter=args.drafter if drafter else None,
+            drafter=engine.default_drafter,
             sampling=SamplingSettings(args.temperature, args.top_p, args.top_k, args.seed),
             decode=DecodeSettings(args.max_new_tokens, args.draft_tokens, args.adaptive),
         )

@@ -44,6 +44,7 @@ class Side:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     origins: list[str] = field(default_factory=list)  # "draft" (accepted draft token) or "target"
+    spans: list[tuple[str, str]] = field(default_factory=list)  # the text in runs of one origin
     stats: Stats | None = None
     done: bool = False
 
@@ -53,6 +54,11 @@ class Side:
             self.text += event.text
             self.token_ids += event.token_ids
             self.origins += event.origins
+            for piece, origin in event.spans:  # a run continues while the origin stays the same
+                if self.spans and self.spans[-1][1] == origin:
+                    self.spans[-1] = (self.spans[-1][0] + piece, origin)
+                else:
+                    self.spans.append((piece, origin))
         else:
             self.text, self.token_ids, self.done = event.text, list(event.token_ids), True
 

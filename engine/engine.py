@@ -1,11 +1,13 @@
 """The engine: a loaded target, its drafters, and one generation at a time.
 
-    engine = Engine(load_target(...), {"text": load_drafter(...), "ngram": NgramDrafter()})
+    engine = build_engine(EngineSpec(...))        # engine/build.py, or Engine(target, drafters)
     for event in engine.stream(messages, drafter="text"):
         ...  # Chunk events, then one Done with the statistics
 
-All per-request state (KV caches, positions, drafter caches, the sampler's generator) is
-created inside `stream` and dropped when it ends, so requests cannot see each other's state.
+All per-request state (KV caches, positions, the drafter's session, the sampler's generator) is
+created inside `stream` and dropped when it ends, so requests cannot see each other's state;
+the loaded target and drafters hold none. The lock runs one generation at a time, because the
+models share one device and one set of threads.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from engine.drafters.base import Drafter
 from engine.loop import Chunk, DecodeSettings, Done, generate
 from engine.prompt import Prompt, encode_vlm, images_of, normalize
 from engine.sampling import SamplingSettings
-from models.loading import Target
+from engine.target import Target
 
 
 class RequestError(ValueError):

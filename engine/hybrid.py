@@ -23,12 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from engine.runner import CacheState, Runner
-
-
-def has_linear_attention(config) -> bool:
-    """True when the text model has linear-attention (recurrent) layers."""
-    return "linear_attention" in (getattr(config.get_text_config(), "layer_types", None) or ())
+from engine.runner import NO_READS, CacheState, Runner, TargetReads
 
 
 @dataclass
@@ -49,8 +44,8 @@ class HybridRunner(Runner):
     """A Runner whose rollback also rewinds the recurrent state of linear-attention layers."""
 
     @torch.inference_mode()
-    def prefill(self, inputs, hidden_layers=()):
-        logits, state = super().prefill(inputs, hidden_layers)
+    def prefill(self, inputs, reads: TargetReads = NO_READS):
+        logits, state = super().prefill(inputs, reads)
         return logits, HybridCacheState(**vars(state))
 
     @torch.inference_mode()

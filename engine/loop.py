@@ -10,9 +10,9 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from engine.drafters.base import Draft, Drafter, DrafterUnavailable
+from engine.drafters.base import Draft, Drafter, DrafterUnavailable, DraftSession
 from engine.prompt import Prompt
-from engine.runner import Runner
+from engine.runner import NO_READS, CacheState, Runner
 from engine.sampling import Sampler, SamplingSettings, accept_draft
 from engine.stats import Clock, Stats
 
@@ -34,6 +34,7 @@ class Chunk:
     token_ids: list[int]
     origins: list[str]
     stats: Stats  # live: updated as the answer grows
+    spans: list[tuple[str, str]]  # the text by origin: [(accepted drafts' text, "draft"), (text, "target")]
 
 
 @dataclass
@@ -59,89 +60,72 @@ def generate(
                   drafter=drafter.name if drafter else None, drafter_kind=drafter.kind if drafter else None,
                   prefill_tokens=len(prompt.input_ids), prefill_image_tokens=prompt.num_image_tokens)
     text = TextStream(tokenizer)
-    try:
-        # 1. Prefill the target (its logits give the first token) and the drafter.
-        logits, state = target.prefill(prompt.target_inputs, **_hidden_request(drafter))
-        drafter = _begin(drafter, prompt, stats, state)
-        first_token, _ = sampler.next_token(logits)
-        first_token_at = clock.now()
-        stats.prefill_s = stats.ttft_s = first_token_at - started
-        generated = [first_token]
-        stats.new_tokens = 1
-        yield Chunk(text.push([first_token]), [first_token], ["target"], stats)
-        k = decode.draft_tokens
-        while not _finished(generated, decode, stats, stop):
-            remaining = decode.max_new_tokens - len(generated)
-            # 2. Draft up to k tokens (none when plain or after a fallback).
-            draft = _propose(drafter, generated, min(k, remaining - 1), sampler, stats)
-            if draft is None:
-                drafter = _stop_reading(state)
-                draft = Draft([])
-            # 3. Verify: one target pass over the last committed token and the draft, (k+1, V).
-            target_logits = target.extend(state, [generated[-1]] + draft.token_ids)
-            # 4. Accept the agreeing prefix plus the target's own bonus token.
-            num_accepted, bonus_token = accept_draft(sampler, draft.token_ids, draft.probs, target_logits)
-            # 5. Roll back the rejected draft tokens in the target's cache.
-            target.rollback(state, len(draft.token_ids) - num_accepted)
-            if drafter is not None:
-                drafter.accept(num_accepted)
-            new_tokens = _truncate(draft.token_ids[:num_accepted] + [bonus_token], remaining, decode)
-            origins = ["draft"] * min(num_accepted, len(new_tokens)) + ["target"] * (len(new_tokens) - num_accepted)
-            generated += new_tokens
-            # 6. Statistics, then the next draft length.
-            stats.new_tokens = len(generated)
-            stats.record_round(len(draft.token_ids), num_accepted, len(new_tokens))
-            stats.record_time(started, first_token_at, clock.now())
-            k = _next_draft_length(k, len(draft.token_ids), num_accepted, decode)
-            yield Chunk(text.push(new_tokens), new_tokens, origins, stats)
+    # 1. Prefill the target (its logits give the first token; it keeps what the drafter reads)
+    #    and the drafter (a session of its own for this request).
+    logits, state = target.prefill(prompt.target_inputs, drafter.reads if drafter else NO_READS)
+    session = _begin(drafter, prompt, state, stats)
+    first_token, _ = sampler.next_token(logits)
+    first_token_at = clock.now()
+    stats.prefill_s = stats.ttft_s = first_token_at - started
+    generated = [first_token]
+    stats.new_tokens = 1
+    yield _chunk(text, [first_token], 0, stats)
+    k = decode.draft_tokens
+    while not _finished(generated, decode, stats, stop):
+        remaining = decode.max_new_tokens - len(generated)
+        # 2. Draft up to k tokens (none when plain or after a fallback).
+        draft = _propose(session, generated, min(k, remaining - 1), sampler, stats)
+        if draft is None:
+            session, draft = None, Draft([])
+            state.stop_reading()
+        # 3. Verify: one target pass over the last committed token and the draft, (k+1, V).
+        target_logits = target.extend(state, [generated[-1]] + draft.token_ids)
+        # 4. Accept the agreeing prefix plus the target's own bonus token.
+        num_accepted, bonus_token = accept_draft(sampler, draft.token_ids, draft.probs, target_logits)
+        # 5. Roll back the rejected draft tokens in the target's cache; the drafter learns the pass.
+        target.rollback(state, len(draft.token_ids) - num_accepted)
+        if session is not None:
+            session.accept(num_accepted)
+        new_tokens = _truncate(draft.token_ids[:num_accepted] + [bonus_token], remaining, decode)
+        generated += new_tokens
+        # 6. Statistics, then the next draft length.
+        stats.new_tokens = len(generated)
+        stats.record_round(len(draft.token_ids), num_accepted, len(new_tokens))
         stats.record_time(started, first_token_at, clock.now())
-        yield Done(text.full(), generated, stats)
-    finally:
-        if drafter is not None:
-            drafter.end()
+        k = _next_draft_length(k, len(draft.token_ids), num_accepted, decode)
+        yield _chunk(text, new_tokens, min(num_accepted, len(new_tokens)), stats)
+    stats.record_time(started, first_token_at, clock.now())
+    yield Done(text.full(), generated, stats)
 
 
-def _hidden_request(drafter: Drafter | None) -> dict:
-    """A drafter that reads the target names the hidden states (and shared K/V) each target pass
-    keeps for it."""
-    layers = getattr(drafter, "target_layers", ())
-    request = {"hidden_layers": layers} if layers else {}
-    if getattr(drafter, "shares_kv", False):
-        request["share_kv"] = True
-    return request
+def _chunk(text: TextStream, new_tokens: list[int], num_drafted: int, stats: Stats) -> Chunk:
+    """The event for `new_tokens`, whose first `num_drafted` are accepted draft tokens."""
+    spans = [(text.push(new_tokens[:num_drafted]), "draft"), (text.push(new_tokens[num_drafted:]), "target")]
+    spans = [(piece, origin) for piece, origin in spans if piece]
+    origins = ["draft"] * num_drafted + ["target"] * (len(new_tokens) - num_drafted)
+    return Chunk("".join(piece for piece, _ in spans), new_tokens, origins, stats, spans)
 
 
-def _begin(drafter: Drafter | None, prompt: Prompt, stats: Stats, target_state) -> Drafter | None:
+def _begin(drafter: Drafter | None, prompt: Prompt, state: CacheState, stats: Stats) -> DraftSession | None:
+    """The drafter's session for this request; None (plain decoding) when it cannot serve it."""
     if drafter is None:
         return None
     try:
-        if getattr(drafter, "target_layers", ()):
-            drafter.begin(prompt, target_state)
-        else:
-            drafter.begin(prompt)
-        return drafter
+        return drafter.begin(prompt, state)
     except Exception as error:  # any drafter failure falls back to plain decoding
         stats.fallback_reason = _reason(error, "at prefill")
-        drafter.end()
-        return _stop_reading(target_state)
+        state.stop_reading()
+        return None
 
 
-def _stop_reading(target_state) -> None:
-    """After a fallback the target computes no hidden states any more; there is no drafter."""
-    if getattr(target_state, "hidden_layers", ()):
-        target_state.hidden_layers, target_state.hidden = (), None
-        target_state.share_kv, target_state.shared_kv = False, None
-    return None
-
-
-def _propose(drafter, generated, k, sampler, stats) -> Draft | None:
-    if drafter is None:
+def _propose(session: DraftSession | None, generated, k, sampler, stats) -> Draft | None:
+    """The session's draft; an empty one when decoding plainly, None when the drafter failed."""
+    if session is None:
         return Draft([])
     try:
-        return drafter.propose(generated, k, sampler)
+        return session.propose(generated, k, sampler)
     except Exception as error:
         stats.fallback_reason = _reason(error, f"after {len(generated)} tokens")
-        drafter.end()
         return None
 
 
@@ -180,21 +164,31 @@ def _next_draft_length(k: int, num_drafted: int, num_accepted: int, decode: Deco
 
 
 class TextStream:
-    """Incremental detokenization: decode the whole answer, emit what is new; hold back an
-    incomplete UTF-8 sequence (shown as U+FFFD) until its bytes arrive."""
+    """Incremental detokenization at a cost per chunk independent of the answer's length (as
+    vLLM's detokenizer): decode a window that starts at the previous chunk's tokens, so that
+    the tokenizer sees the new tokens' left neighbours, and emit what the new tokens add to it.
+    An incomplete UTF-8 sequence (shown as U+FFFD) is held back until its bytes arrive.
+    `full()` decodes the whole answer once, at the end."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.token_ids: list[int] = []
-        self.emitted = ""
+        self.window_start = 0  # first token of the decoding window
+        self.emitted_end = 0  # tokens whose text has been emitted
 
     def push(self, token_ids: list[int]) -> str:
-        self.token_ids += token_ids
-        text = self.full()
-        if text.endswith("\ufffd"):
+        if not token_ids:
             return ""
-        new, self.emitted = text[len(self.emitted):], text
-        return new
+        self.token_ids += token_ids
+        before = self._decode(self.token_ids[self.window_start:self.emitted_end])
+        text = self._decode(self.token_ids[self.window_start:])
+        if text.endswith("\ufffd") or len(text) <= len(before):
+            return ""
+        self.window_start, self.emitted_end = self.emitted_end, len(self.token_ids)
+        return text[len(before):]
 
     def full(self) -> str:
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        return self._decode(self.token_ids)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)

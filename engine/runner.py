@@ -15,28 +15,54 @@ from transformers import DynamicCache
 from models.families import Family
 
 
+@dataclass(frozen=True)
+class TargetReads:
+    """What a drafter reads from every pass of the target (none for text, VLM and n-gram drafters).
+
+    hidden_layers: hidden states, indexed as `output_hidden_states` indexes them: 0 = the merged
+                   input embeddings (image features included), i = output of layer i, -1 = the
+                   last, normed.
+    shared_kv:     the K/V the target's KV-sharing layers store (Gemma 4), for an assistant that
+                   attends to them.
+    """
+
+    hidden_layers: tuple[int, ...] = ()
+    shared_kv: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.hidden_layers) or self.shared_kv
+
+
+NO_READS = TargetReads()
+
+
 @dataclass
 class CacheState:
     """The KV cache of one model for one request.
 
     cache_len: tokens held in the KV cache (the KV index of the next token).
     rope_pos:  rotary position of the next token; cache_len + rope_delta.
-    hidden_layers: hidden states each pass also returns, for a drafter that reads the target
-               (index as in `output_hidden_states`: 0 = the merged input embeddings, i = output
-               of layer i, -1 = the last, normed); empty = none are computed.
-    hidden:    {layer: (n, H)} those hidden states for the n positions the last pass ran.
-    share_kv:  each pass also returns the K/V its KV-sharing layers store (Gemma 4, for an
-               assistant that attends to them): `shared_kv` = {layer type: (K, V)}, as the
-               model returns them (the cache's entries before the pass, then the pass's own).
+    prompt_positions: the prompt's position ids, (1, S) or (3, 1, S) on M-RoPE models, as the
+               prefill used them; kept for drafters that run at the target's positions.
+    rope_delta: rope_pos - cache_len after the prompt (negative after an image on M-RoPE).
+    reads:     what each pass also returns for a drafter that reads the target (TargetReads):
+    hidden:    {layer: (n, H)} the asked hidden states for the n positions the last pass ran;
+    shared_kv: {layer type: (K, V)} as the model returns them (the cache's entries before the
+               pass, then the pass's own).
     """
 
     cache: DynamicCache
     cache_len: int
     rope_pos: int
-    hidden_layers: tuple[int, ...] = ()
+    prompt_positions: torch.Tensor | None = None
+    rope_delta: int = 0
+    reads: TargetReads = NO_READS
     hidden: dict[int, torch.Tensor] | None = None
-    share_kv: bool = False
     shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def stop_reading(self) -> None:
+        """After a drafter's fallback: later passes compute nothing for a drafter."""
+        self.reads, self.hidden, self.shared_kv = NO_READS, None, None
 
 
 class Runner:
@@ -49,13 +75,11 @@ class Runner:
         self.device = model.device
 
     @torch.inference_mode()
-    def prefill(self, inputs: dict[str, torch.Tensor], hidden_layers: tuple[int, ...] = (),
-                share_kv: bool = False) -> tuple[torch.Tensor, CacheState]:
+    def prefill(self, inputs: dict[str, torch.Tensor], reads: TargetReads = NO_READS) -> tuple[torch.Tensor, CacheState]:
         """Run the prompt. inputs: processor outputs (input_ids (1, S), pixel_values, ...).
 
         Returns the float32 logits of the last prompt position, (V,), and the new cache state
-        (with `hidden` of all S prompt positions when `hidden_layers` asks for any, and
-        `shared_kv` when `share_kv`).
+        (with `hidden` / `shared_kv` of all S prompt positions when `reads` asks for them).
         """
         inputs = {name: value.to(self.device) for name, value in inputs.items()}
         position_ids, rope_delta = self.family.prefill_positions(self.model, inputs)
@@ -63,7 +87,7 @@ class Runner:
         cache.activate_past_recording()  # sliding-window layers keep what a rollback may need
         seq_len = inputs["input_ids"].shape[1]
         state = CacheState(cache=cache, cache_len=seq_len, rope_pos=seq_len + rope_delta,
-                           hidden_layers=tuple(hidden_layers), share_kv=share_kv)
+                           prompt_positions=position_ids, rope_delta=rope_delta, reads=reads)
         out = self.model(**inputs, position_ids=position_ids, cache=cache,
                          use_cache=True, logits_to_keep=1, **self._hidden_request(state))
         self._keep_hidden(state, out, seq_len)
@@ -76,7 +100,7 @@ class Runner:
         num_tokens = len(token_ids)
         input_ids = torch.tensor([token_ids], device=self.device)
         position_ids = self.family.positions(state.rope_pos, num_tokens, self.device)
-        if self.family.direct_text_steps and not (state.hidden_layers or state.share_kv):
+        if self.family.direct_text_steps and not state.reads:
             logits = self.family.text_step(self.model, input_ids, position_ids, state.cache, num_tokens)
         else:  # the full forward, which also returns what a drafter reading the target needs
             out = self.model(input_ids=input_ids, position_ids=position_ids, cache=state.cache,
@@ -95,17 +119,17 @@ class Runner:
 
     @staticmethod
     def _hidden_request(state: CacheState) -> dict:
-        request = {"output_hidden_states": list(state.hidden_layers)} if state.hidden_layers else {}
-        return {**request, "return_shared_kv_states": True} if state.share_kv else request
+        request = {"output_hidden_states": list(state.reads.hidden_layers)} if state.reads.hidden_layers else {}
+        return {**request, "return_shared_kv_states": True} if state.reads.shared_kv else request
 
     @staticmethod
     def _keep_hidden(state: CacheState, out, num_tokens: int) -> None:
-        """state.hidden = {layer: (num_tokens, H)} of the pass `out`, when the state asks for any
-        (and state.shared_kv, when it asks for those)."""
-        if state.hidden_layers:
+        """state.hidden = {layer: (num_tokens, H)} of the pass `out`, when the state reads any
+        (and state.shared_kv, when it reads those)."""
+        if state.reads.hidden_layers:
             states = out.hidden_states
-            state.hidden = {layer: states[layer][0, -num_tokens:] for layer in state.hidden_layers}
-        if state.share_kv:
+            state.hidden = {layer: states[layer][0, -num_tokens:] for layer in state.reads.hidden_layers}
+        if state.reads.shared_kv:
             state.shared_kv = dict(out.shared_kv_states)
 
     def _vocab(self, logits: torch.Tensor) -> torch.Tensor:

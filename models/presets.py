@@ -42,12 +42,15 @@ PRESETS: dict[str, Preset] = {
 
 
 def resolve(preset: str | None, model: str | None, drafters: list[str] | None) -> tuple[str, list[str]]:
-    """The target and drafters to load: explicit flags win over the preset; a target given
-    without drafters gets the n-gram drafter, which works with any model."""
+    """The target and drafters to load, the same for every command: explicit flags win over the
+    preset; each --drafter value may list several, separated by commas; a target given without
+    drafters gets the n-gram drafter, which works with any model; "none" means no drafter."""
     if preset and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     chosen = PRESETS[preset or "demo"]
-    target = model or chosen.target
-    if drafters:
-        return target, drafters
-    return target, list(chosen.drafters) if not model else ["ngram"]
+    names = [name.strip() for value in drafters or () for name in value.split(",") if name.strip()]
+    if not names:
+        names = ["ngram"] if model else list(chosen.drafters)
+    if "none" in names:
+        names = []
+    return model or chosen.target, names

@@ -4,16 +4,16 @@ and loaded back through the same `from_pretrained` code as hub models."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+from engine.drafters.registry import load_drafter
+from engine.target import load_target
+from models.loading import LoadOptions
 
-from models.loading import LoadOptions, load_drafter, load_target  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 FLOAT32 = LoadOptions(dtype="float32", device="cpu")
 

@@ -1,8 +1,9 @@
 """Mock models whose logits the test chooses: a Markov chain over a small vocabulary.
 
 `MarkovRunner` stands where the engine's Runner stands (prefill / extend / rollback): the
-logits after token t are `table[t]`. `MarkovDrafter` drafts from another table and keeps its
-own position, so tests control exactly where drafts agree with the target.
+logits after token t are `table[t]`. `MarkovDrafter` drafts from another table, so tests
+control exactly where drafts agree with the target. Both mock drafters follow the drafter
+contract (engine/drafters/base.py) and are their own session: `begin` returns the drafter.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from engine.drafters.base import Draft
 from engine.prompt import Prompt
+from engine.runner import NO_READS
 
 
 class CharTokenizer:
@@ -28,6 +30,9 @@ class MarkovState:
     def cache_len(self):
         return len(self.tokens)
 
+    def stop_reading(self):
+        pass
+
 
 class MarkovRunner:
     device = torch.device("cpu")
@@ -35,7 +40,7 @@ class MarkovRunner:
     def __init__(self, table: torch.Tensor):
         self.table = table  # (V, V): logits after token i
 
-    def prefill(self, inputs):
+    def prefill(self, inputs, reads=NO_READS):
         tokens = inputs["input_ids"][0].tolist()
         return self.table[tokens[-1]].clone(), MarkovState(tokens)
 
@@ -56,13 +61,15 @@ class MarkovDrafter:
     """Drafts from its own table (greedy, or sampled with the request's sampler)."""
 
     kind = "mock"
+    reads = NO_READS
 
     def __init__(self, table: torch.Tensor, name="markov"):
         self.table, self.name = table, name
         self.accepted: list[int] = []
 
-    def begin(self, prompt):
+    def begin(self, prompt, target_state):
         self.accepted = []
+        return self
 
     def propose(self, generated, k, sampler):
         tokens, probs, last = [], [], generated[-1]
@@ -75,9 +82,6 @@ class MarkovDrafter:
     def accept(self, num_accepted):
         self.accepted.append(num_accepted)
 
-    def end(self):
-        pass
-
 
 class ScriptedDrafter(MarkovDrafter):
     """Proposes the given continuation of the answer, optionally failing after some rounds."""
@@ -87,9 +91,10 @@ class ScriptedDrafter(MarkovDrafter):
         self.continuation, self.fail_at_round, self.fail_at_begin = continuation, fail_at_round, fail_at_begin
         self.rounds = 0
 
-    def begin(self, prompt):
+    def begin(self, prompt, target_state):
         if self.fail_at_begin:
             raise RuntimeError("drafter exploded at begin")
+        return self
 
     def propose(self, generated, k, sampler):
         self.rounds += 1

@@ -209,9 +209,14 @@ def test_compare_reports_where_answers_first_differ(engine):
 
 
 def test_highlighted_spans_follow_token_origins(engine):
-    tokenizer = engine.target.tokenizer
-    ids = tokenizer("The sky is blue.")["input_ids"]
-    origins = ["target"] + ["draft"] * (len(ids) - 2) + ["target"]
-    spans = views.highlighted(tokenizer, Side("speculative", token_ids=ids, origins=origins))
-    assert "".join(text for text, _ in spans) == tokenizer.decode(ids)
-    assert [label for _, label in spans] == [None, views.DRAFT_LABEL, None]
+    """The runs of the live highlight, built from a real speculative stream: they spell the
+    answer, and alternate between the target's own text and accepted drafts."""
+    messages = [{"role": "user", "content": "Describe the sky at night in a few sentences."}]
+    side = Side("speculative")
+    for event in engine.stream(messages, drafter="text", decode=DecodeSettings(max_new_tokens=40)):
+        side.update(event)
+    spans = views.highlighted(side)
+    assert "".join(text for text, _ in spans) == side.text
+    labels = [label for _, label in spans]
+    assert all(a != b for a, b in zip(labels, labels[1:]))
+    assert side.stats.accepted > 0 or views.DRAFT_LABEL not in labels

@@ -1,26 +1,64 @@
-"""The benchmark runs end to end on a tiny model and writes its JSON and plot (figures not asserted)."""
+"""The benchmark runs end to end on tiny models, with every kind of drafter, and writes its JSON
+and plot (figures not asserted: the machine is noisy; exactness and the rows' shape are)."""
 
 from __future__ import annotations
 
 import json
 
-from engine.bench import main
+import pytest
+
+from measure.bench import main
+from tests import tiny_next
+
+ROW_KEYS = {"engine", "mode", "drafter", "decode_tok_s", "first_token_s", "answer_s", "tokens_per_forward",
+            "identical_to_plain", "requests", "speedup_vs_plain", "error", "limit"}
 
 
-def test_bench_runs_end_to_end(zoo, tmp_path, capsys):
+def bench(tmp_path, argv) -> dict:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    code = main(["--model", str(zoo.dir("qwen2_vl")), "--drafter", str(zoo.dir("qwen2_vl", "text_drafter")),
-                 "--drafter", "ngram", "--requests", "2", "--requests-from", "demo", "--max-new-tokens", "8",
-                 "--dtype", "float32", "--json", str(out), "--plot", str(png)])
+    code = main(argv + ["--requests", "2", "--requests-from", "demo", "--max-new-tokens", "8", "--dtype", "float32",
+                        "--device", "cpu", "--json", str(out), "--plot", str(png)])
     assert code == 0
+    assert png.stat().st_size > 1000
     result = json.loads(out.read_text())
+    for row in result["rows"]:
+        assert set(row) >= ROW_KEYS
+    return result
+
+
+def test_bench_runs_end_to_end_with_text_vlm_and_ngram_drafters(zoo, tmp_path, capsys):
+    result = bench(tmp_path, ["--model", str(zoo.dir("qwen2_vl")),
+                              "--drafter", str(zoo.dir("qwen2_vl", "text_drafter")),
+                              "--drafter", str(zoo.dir("qwen2_vl", "vlm_drafter")), "--drafter", "ngram"])
     rows = {(r["engine"], r["mode"], r["drafter"]): r for r in result["rows"]}
     assert ("this", "plain", None) in rows and ("transformers", "plain", None) in rows
-    assert rows[("this", "speculative", "ngram")]["identical_to_plain"] == 2  # float32: exact
-    assert rows[("this", "speculative", "qwen2_vl-text_drafter")]["identical_to_plain"] == 2
+    for label in ("qwen2_vl-text_drafter", "qwen2_vl-vlm_drafter", "ngram"):
+        assert rows[("this", "speculative", label)]["identical_to_plain"] == 2  # float32: exact
+        assert rows[("this", "speculative", label)]["limit"] is not None  # the cost model covers it
+    assert ("transformers", "speculative", "qwen2_vl-vlm_drafter") in rows
+    assert ("transformers", "speculative", "ngram") not in rows  # prompt lookup is its own row
     assert rows[("transformers", "speculative", "prompt_lookup")]["error"]  # crashes on image prompts
-    for row in result["rows"]:
-        assert set(row) >= {"engine", "mode", "drafter", "decode_tok_s", "first_token_s", "answer_s",
-                            "tokens_per_forward", "identical_to_plain", "requests", "speedup_vs_plain", "error"}
-    assert png.stat().st_size > 1000
+    assert set(result["costs"]["draft_step_s"]) == {"text", "vlm", "ngram"}
     assert "| this plain |" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("family, drafter, label", [("step3p7", "mtp", "mtp"),
+                                                    ("muse_glimmer", "assistant", "assistant"),
+                                                    ("gemma4", "assistant", "assistant")])
+def test_bench_covers_drafters_that_read_the_target(tmp_path, family, drafter, label):
+    """MTP, DFlash and shared-cache drafters: rows, exactness and a draft-step cost; no
+    transformers assisted-generation row (that needs a drafter that is its own model)."""
+    folder = tiny_next.build_target(family, tmp_path / family)
+    if drafter == "assistant":
+        drafter = str(tiny_next.build_assistant(family, tmp_path / label))
+    with tiny_next.tiny_processors(family):
+        result = bench(tmp_path, ["--model", str(folder), "--drafter", drafter])
+    rows = {(r["engine"], r["mode"], r["drafter"]): r for r in result["rows"]}
+    speculative = [r for r in result["rows"] if r["engine"] == "this" and r["mode"] == "speculative"]
+    assert len(speculative) == 1 and speculative[0]["error"] is None
+    assert speculative[0]["identical_to_plain"] == 2 and speculative[0]["limit"] is not None
+    assert [r["drafter"] for r in result["rows"] if r["engine"] == "transformers"] == [None, "prompt_lookup"]
+    assert ("this", "plain", None) in rows
+    (key, cost), = result["costs"]["draft_step_s"].items()
+    assert cost > 0

@@ -88,20 +88,19 @@ def test_bundle_loads_with_shared_vocabulary(target):
 
 def test_engine_answers_held_out_questions_plainly_and_with_every_drafter():
     """Through the normal loader and the engine: the first twelve one-picture questions of the
-    documented evaluation (`python -m engine.eval`, seed 0), answered plainly and with each
+    documented evaluation (`python -m measure.eval`, seed 0), answered plainly and with each
     bundled drafter. The shipped target gets 11 of them right (and 11 of the first twelve
     one-picture questions of seed 2024); it is not perfect (90.0 % over 200 questions:
     models/demo/README.md), so this checks that it answers, not that it is good."""
-    from engine.engine import Engine
-    from engine.eval import answer as engine_answer
+    from engine.build import EngineSpec, build_engine
     from engine.loop import DecodeSettings
-    from models.loading import LoadOptions, load_drafter, load_target
+    from measure.eval import answer as engine_answer
+    from models.loading import LoadOptions
     from models.presets import PRESETS
 
     torch.set_num_threads(1)
-    options = LoadOptions(dtype="float32", device="cpu")
-    target = load_target(PRESETS["demo"].target, options)
-    engine = Engine(target, {name: load_drafter(name, target, options) for name in PRESETS["demo"].drafters})
+    demo = PRESETS["demo"]
+    engine = build_engine(EngineSpec(demo.target, demo.drafters, LoadOptions(dtype="float32", device="cpu")))
     questions = [q for q in world.eval_questions(0, 60) if len(q.images) == 1][:12]
     decode = DecodeSettings(max_new_tokens=160)
     plain = [engine_answer(engine, q, None, decode) for q in questions]
@@ -115,10 +114,10 @@ def test_engine_answers_held_out_questions_plainly_and_with_every_drafter():
 
 
 def test_eval_command_prints_the_documented_json(capsys):
-    """`python -m engine.eval --json` on a training run's folder (`--models`, here the bundle)."""
+    """`python -m measure.eval --json` on a training run's folder (`--models`, here the bundle)."""
     import json
 
-    from engine.eval import main
+    from measure.eval import main
 
     torch.set_num_threads(1)
     assert main(["--limit", "3", "--seed", "5", "--json", "--models", str(ASSETS)]) == 0

@@ -131,7 +131,9 @@ def test_small_drafters_run_in_float32_on_a_cpu_under_a_bfloat16_target(zoo):
     """drafter_dtype "auto": a small drafter on a CPU runs in float32 (faster there) while the
     target stays in bfloat16; an explicit drafter_dtype is kept. The float32 drafter's drafts
     are verified by the bfloat16 target like any other."""
-    from models.loading import LoadOptions, load_drafter, load_target
+    from engine.drafters.registry import load_drafter
+    from engine.target import load_target
+    from models.loading import LoadOptions
 
     bf16 = LoadOptions(dtype="bfloat16", device="cpu")
     target = load_target(str(zoo.dir("qwen2_vl")), bf16)

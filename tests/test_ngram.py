@@ -27,7 +27,7 @@ def test_never_proposes_a_placeholder_on_image_heavy_contexts():
     for trial in range(300):
         prompt = [rng.choice([1, 2, 3, 50, 51, 52, 4]) for _ in range(rng.randint(2, 60))]
         drafter = NgramDrafter()
-        drafter.begin(prompt_of(prompt, placeholders))
+        session = drafter.begin(prompt_of(prompt, placeholders), None)
         answer = [rng.choice([1, 2, 3, 4]) for _ in range(rng.randint(1, 10))]
-        draft = drafter.propose(answer, rng.randint(1, 8), sampler).token_ids
+        draft = session.propose(answer, rng.randint(1, 8), sampler).token_ids
         assert not placeholders & set(draft), (prompt, answer, draft)

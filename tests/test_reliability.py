@@ -424,12 +424,26 @@ def fail_on_call(function, n: int, error: Exception):
     return failing
 
 
+def inject_fault(monkeypatch, drafter, method: str, n: int, error: Exception) -> None:
+    """The drafter's n-th `begin`, or the n-th `propose` of the session it begins, raises `error`."""
+    if method == "begin":
+        monkeypatch.setattr(drafter, "begin", fail_on_call(drafter.begin, n, error))
+        return
+    begin = drafter.begin
+
+    def begin_with_failing_session(prompt, target_state):
+        session = begin(prompt, target_state)
+        session.propose = fail_on_call(session.propose, n, error)
+        return session
+
+    monkeypatch.setattr(drafter, "begin", begin_with_failing_session)
+
+
 @pytest.mark.parametrize("drafter,method,call", [("text", "propose", 3), ("text", "begin", 1),
                                                  ("ngram", "propose", 2)])
 def test_a_drafter_that_raises_hands_over_to_plain_decoding_and_the_answer_completes(
         server, engine, pictures, monkeypatch, drafter, method, call):
-    target = server.engine.drafters[drafter]
-    monkeypatch.setattr(target, method, fail_on_call(getattr(target, method), call, RuntimeError("injected fault")))
+    inject_fault(monkeypatch, server.engine.drafters[drafter], method, call, RuntimeError("injected fault"))
     client = Client(server.url, verbose=False)
     question = ("Describe each image.", pictures[:2])
     first, stats = client.predict(message(*question), drafter=drafter, max_new_tokens=16, api_name="/chat")

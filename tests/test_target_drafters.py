@@ -24,7 +24,7 @@ import torch
 from engine.engine import Engine
 from engine.loop import DecodeSettings, Done
 from engine.runner import Runner
-from models.loading import load_drafter
+from engine.drafters.registry import load_drafter
 from tests import tiny, tiny_next
 from tests.mocks import ScriptedDrafter, expected_accepts
 from tests.oracles import uncached_forward
@@ -118,28 +118,25 @@ class ForcedDrafter:
 
     def __init__(self, inner, continuation: list[int]):
         self.inner, self.continuation = inner, continuation
-        self.name, self.kind = inner.name, inner.kind
-        self.target_layers = getattr(inner, "target_layers", ())
-        self.shares_kv = getattr(inner, "shares_kv", False)
+        self.name, self.kind, self.reads = inner.name, inner.kind, inner.reads
         self.rounds: list[tuple[int, list[torch.Tensor]]] = []
         self.accepted: list[int] = []
+        self.session = None
 
-    def begin(self, prompt, *target_state):
-        self.inner.begin(prompt, *target_state)
+    def begin(self, prompt, target_state):
+        self.session = self.inner.begin(prompt, target_state)
+        return self
 
     def propose(self, generated, k, sampler):
         forced = ForcedSampler(sampler.settings, self.continuation, len(generated))
-        draft = self.inner.propose(generated, k, forced)
+        draft = self.session.propose(generated, k, forced)
         assert draft.token_ids == self.continuation[len(generated):len(generated) + len(draft.token_ids)]
         self.rounds.append((len(generated), forced.logits))
         return draft
 
     def accept(self, num_accepted):
         self.accepted.append(num_accepted)
-        self.inner.accept(num_accepted)
-
-    def end(self):
-        self.inner.end()
+        self.session.accept(num_accepted)
 
 
 def uncached_target_hidden(target, prompt, answer_ids: list[int], layers: tuple[int, ...]):
@@ -204,7 +201,8 @@ def test_target_positions_follow_mrope_after_images(zoo):
 
     target = zoo.target("qwen3_5")
     prompt = Engine(target).prepare(messages(2))
-    positions = TargetPositions(target.family, target.model, prompt)
+    _, state = target.runner.prefill(prompt.target_inputs)
+    positions = TargetPositions(target.family, state)
     num_prompt, answer_len = len(prompt.input_ids), 6
     ids = torch.tensor([prompt.input_ids + [5] * answer_len])
     types = torch.cat([prompt.target_inputs["mm_token_type_ids"], torch.zeros(1, answer_len, dtype=torch.int)], 1)
@@ -250,7 +248,7 @@ def dflash_reference_logits(target, drafter, prompt, tokens: list[int], draft: l
     cache.set_previous_accepted_tokens(anchor)
     block = torch.tensor([tokens[-1]] + [drafter.mask_token_id] * (drafter.block_size - 1))
     with torch.inference_mode():
-        out = drafter.assistant(noise_embeds=drafter._embed(block)[None], context_hidden_states=context[None],
+        out = drafter.assistant(noise_embeds=drafter.embed(block)[None], context_hidden_states=context[None],
                                 position_ids=torch.arange(anchor + drafter.block_size)[None], cache=cache)
         return target.model.get_output_embeddings()(out.last_hidden_state[0, 1:]).float()
 
@@ -347,7 +345,7 @@ def test_unavailable_reading_drafter_decodes_plainly(zoo):
     from engine.drafters.base import DrafterUnavailable
 
     class Unavailable(ForcedDrafter):
-        def begin(self, prompt, *target_state):
+        def begin(self, prompt, target_state):
             raise DrafterUnavailable("no MTP context for this request")
 
     target = zoo.target("step3p7")

@@ -24,6 +24,7 @@ and handed to `load_target` in place of `load_processor`.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
@@ -50,6 +51,7 @@ from transformers.modeling_layers import MtpModel
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
+from engine.target import load_target
 from models import loading
 from tests import tiny
 
@@ -69,13 +71,20 @@ def build_target(family: str, out_dir: Path, seed: int = 0) -> Path:
 
 def load(family: str, folder: Path):
     """The engine's Target for a folder written by `build_target` (float32, CPU)."""
-    options = loading.LoadOptions(dtype="float32", device="cpu")
+    with tiny_processors(family):
+        return load_target(str(folder), loading.LoadOptions(dtype="float32", device="cpu"))
+
+
+@contextmanager
+def tiny_processors(family: str):
+    """While open, loading a `family` folder takes the tiny processor built below."""
     processors = {"step3p7": _step3p7_processor, "muse_glimmer": _muse_glimmer_processor,
                   "gemma4": _gemma4_processor}
     if family not in processors:
-        return loading.load_target(str(folder), options)
+        yield
+        return
     with mock.patch.object(loading, "load_processor", lambda name, **kwargs: processors[family]()):
-        return loading.load_target(str(folder), options)
+        yield
 
 
 def _qwen3_5(out_dir: Path, seed: int) -> Path:

@@ -1,71 +1,103 @@
 """Drafters that are language models: a text-only LM, or a small VLM of the target's family.
 
-Both keep their own KV cache and positions (a Runner), prefilled on their own view of the
-prompt:
+Serves: any `--drafter` folder or hub id whose config is a causal LM (kind "text_lm") or a VLM
+of the target's family ("vlm"), with attention layers only, whose tokenizer gives the target's
+ids to the tokens they share (checked at load).
+
+Each request's session keeps its own KV cache and positions (a Runner state), prefilled on its
+own view of the prompt:
 - text-only LM: the conversation without its images, rendered by the drafter's own chat
   template; its positions are consecutive and image tokens never enter its cache.
 - VLM: the same messages and images through its own processor and vision tower, with its
   own rope_delta.
-The answer tokens are shared ids (checked at load time), so the drafter feeds the target's
-committed tokens into its cache as they come. Rolling back after a rejection: the drafter
-keeps the list of answer tokens its cache holds, and crops to the common prefix with the
-committed answer before drafting again.
+The answer tokens are shared ids, so the session feeds the target's committed tokens into its
+cache as they come. Rolling back after a rejection: the session keeps the list of answer tokens
+its cache holds, and crops to the common prefix with the committed answer before drafting again.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from engine.drafters.base import Draft, DrafterUnavailable
+from engine.drafters.base import Draft, DraftBuilder, DrafterUnavailable
 from engine.prompt import Prompt, encode_text, encode_vlm
-from engine.runner import CacheState, Runner
+from engine.runner import NO_READS, CacheState, Runner
 from engine.sampling import Sampler
+from models.families import TEXT_LM
+from models.loading import (LoadError, LoadOptions, check_vocabularies, drafter_options, family_of, from_pretrained,
+                            has_linear_attention, model_kwargs, processor_of, small_drafter_dtype, tokenizer_of)
+
+
+def serves(name: str, config) -> bool:
+    return config is not None  # asked last: any other language model
+
+
+def load(name: str, config, target, options: LoadOptions) -> ModelDrafter:
+    if has_linear_attention(config):
+        raise LoadError(f"drafter {name!r} has linear-attention layers, whose recurrent state a drafter's rollback "
+                        "cannot rewind; use a drafter with attention layers only, or --drafter ngram")
+    kwargs = model_kwargs(drafter_options(options))
+    if hasattr(config, "vision_config"):
+        family = family_of(config)
+        if family.name != target.family.name:
+            raise LoadError(f"VLM drafter {name!r} is {family.name}, the target is {target.family.name}; a VLM "
+                            "drafter must be of the target's family (or use a text-only LM or --drafter ngram)")
+        model = from_pretrained(AutoModelForImageTextToText, name, kwargs)
+        encoder = processor_of(name, options)
+        tokenizer, kind = encoder.tokenizer, "vlm"
+    else:
+        model = from_pretrained(AutoModelForCausalLM, name, kwargs)
+        encoder = tokenizer = tokenizer_of(name, options)
+        family, kind = TEXT_LM, "text_lm"
+    check_vocabularies(target.tokenizer, tokenizer, name)
+    model = small_drafter_dtype(model, options)
+    max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return ModelDrafter(name, kind, Runner(model, family, vocab_size=target.vocab_size), encoder, max_positions)
 
 
 class ModelDrafter:
+    reads = NO_READS
+
     def __init__(self, name: str, kind: str, runner: Runner, encoder, max_positions: int | None):
         self.name = name
         self.kind = kind  # "text_lm" or "vlm"
         self.runner = runner
         self.encoder = encoder  # tokenizer (text_lm) or processor (vlm)
         self.max_positions = max_positions
-        self.state: CacheState | None = None
-        self.cached_answer: list[int] = []  # answer tokens held in the drafter's cache
-        self.blocked: torch.Tensor | None = None  # (P,) ids never proposed: image placeholders
 
-    def begin(self, prompt: Prompt) -> None:
+    def begin(self, prompt: Prompt, target: CacheState) -> ModelSession:
         messages = prompt.messages
         inputs = encode_vlm(self.encoder, messages) if self.kind == "vlm" else encode_text(self.encoder, messages)
         prompt_len = inputs["input_ids"].shape[1]
         if self.max_positions and prompt_len >= self.max_positions:
             raise DrafterUnavailable(f"prompt of {prompt_len} tokens exceeds the drafter's {self.max_positions} positions")
-        self.blocked = torch.tensor(sorted(prompt.placeholder_ids), dtype=torch.long)
-        self.state = self.runner.prefill(inputs)[1]
-        self.cached_answer = []
+        blocked = torch.tensor(sorted(prompt.placeholder_ids), dtype=torch.long)
+        return ModelSession(self.runner, self.runner.prefill(inputs)[1], blocked)
+
+
+class ModelSession:
+    def __init__(self, runner: Runner, state: CacheState, blocked: torch.Tensor):
+        self.runner = runner
+        self.state = state  # the drafter's own cache and positions
+        self.blocked = blocked  # (P,) ids never proposed: image placeholders
+        self.cached_answer: list[int] = []  # answer tokens held in the drafter's cache
 
     def propose(self, generated: list[int], k: int, sampler: Sampler) -> Draft:
+        builder = DraftBuilder(sampler)
         if k <= 0:
-            return Draft([])
+            return builder.draft()
         self._sync(generated)
         pending = generated[len(self.cached_answer):]  # committed tokens not yet in the cache
-        tokens, probs = [], []
         for _ in range(k):
             logits = self.runner.extend(self.state, pending)[-1]  # (V,)
             self.cached_answer += pending
-            logits = logits.index_fill(0, self.blocked.to(logits.device), float("-inf"))
-            token, token_probs = sampler.next_token(logits)
-            tokens.append(token)
-            probs.append(token_probs)
-            pending = [token]
+            pending = [builder.sample(logits.index_fill(0, self.blocked.to(logits.device), float("-inf")))]
         # The last drafted token is not fed: if accepted, the next propose feeds it.
-        return Draft(tokens, None if sampler.settings.greedy else torch.stack(probs))
+        return builder.draft()
 
     def accept(self, num_accepted: int) -> None:
         """Nothing to do now: the next propose crops the cache to what the target committed."""
-
-    def end(self) -> None:
-        self.state = None
-        self.cached_answer = []
 
     def _sync(self, generated: list[int]) -> None:
         """Crop the cache to the longest prefix of the answer that it holds correctly."""

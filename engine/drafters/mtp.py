@@ -1,5 +1,9 @@
 """MTP drafter: the multi-token-prediction layers a checkpoint carries (Step-3.7, DeepSeek-V3 style).
 
+Serves: `--drafter mtp`, for a target whose config declares MTP layers (`num_mtp_layers` /
+`num_nextn_predict_layers`); the layers are read again from the target's own checkpoint.
+Reads from the target: hidden state 0 (the merged input embeddings) and -1 (the last).
+
 MTP layer k (0-based) at entry j reads two things and predicts token j + k + 2:
     the embedding of token j + k + 1   and   the hidden state of entry j one level down
 (level -1 is the target's last hidden state h_j; level k-1 the output of MTP layer k-1).
@@ -28,16 +32,38 @@ from __future__ import annotations
 
 import torch
 
-from engine.drafters.base import Draft
+from engine.drafters.base import Draft, DraftBuilder
 from engine.drafters.target_positions import TargetPositions
 from engine.prompt import Prompt
-from engine.runner import CacheState
+from engine.runner import CacheState, TargetReads
 from engine.sampling import Sampler
+from models.loading import LoadError
+
+
+KEYWORD = "mtp"
+
+
+def serves(name: str, config) -> bool:
+    return name == KEYWORD
+
+
+def load(name: str, config, target, options) -> MtpDrafter:
+    from transformers.modeling_layers import MtpModel
+
+    text_config = target.model.config.get_text_config()
+    if not getattr(text_config, "num_mtp_layers", None):
+        raise LoadError(f"--drafter mtp: {target.name!r} ({text_config.model_type}) declares no MTP layers "
+                        "(num_mtp_layers / num_nextn_predict_layers); pick another drafter")
+    try:
+        mtp = MtpModel.from_pretrained(target.model, device_map={"": target.model.device}).eval()
+    except (OSError, RuntimeError, ValueError) as error:
+        raise LoadError(f"--drafter mtp: cannot read the MTP layers of {target.name!r}: {error}") from error
+    return MtpDrafter(KEYWORD, mtp, target.model, target.family)
 
 
 class MtpDrafter:
     kind = "mtp"
-    target_layers = (0, -1)  # merged input embeddings, last hidden state
+    reads = TargetReads(hidden_layers=(0, -1))  # merged input embeddings, last hidden state
 
     def __init__(self, name: str, mtp_model, target_model, family):
         """mtp_model: transformers' MtpModel (weights read from the target's checkpoint)."""
@@ -46,33 +72,28 @@ class MtpDrafter:
         self.target_model = target_model
         self.family = family
         self.num_layers = len(mtp_model.layers)
-        self._reset()
-
-    def _reset(self) -> None:
-        self.target: CacheState | None = None
-        self.prompt_ids: list[int] = []
-        self.prompt_embeds: torch.Tensor | None = None  # (S, H) the target's merged input embeddings
-        self.positions: TargetPositions | None = None
-        self.new_hidden: torch.Tensor | None = None  # (m, H) target h_j that layer 0 has not read yet
-        self.cache = None
-        self.fed: list[list[int]] = []  # per layer: the token id embedded at each cached entry
-        self.outs: list[torch.Tensor] = []  # per layer: output rows of the last entries (a tail)
-        self.outs_start: list[int] = []  # entry index of outs[k][0]
 
     @torch.inference_mode()
-    def begin(self, prompt: Prompt, target_state: CacheState) -> None:
+    def begin(self, prompt: Prompt, target: CacheState) -> MtpSession:
+        return MtpSession(self, prompt, target)
+
+
+class MtpSession:
+    @torch.inference_mode()
+    def __init__(self, drafter: MtpDrafter, prompt: Prompt, target: CacheState):
         from transformers.cache_utils import MtpCache
 
-        self._reset()
-        self.target = target_state
+        self.mtp, self.target_model, self.num_layers = drafter.mtp, drafter.target_model, drafter.num_layers
+        self.target = target
         self.prompt_ids = prompt.input_ids
-        self.prompt_embeds = target_state.hidden[0]
-        self.new_hidden = target_state.hidden[-1]  # h_0 .. h_{S-1}
-        self.positions = TargetPositions(self.family, self.target_model, prompt)
+        self.prompt_embeds = target.hidden[0]  # (S, H) the target's merged input embeddings
+        self.new_hidden = target.hidden[-1]  # (m, H) target h_j that layer 0 has not read yet: h_0 .. h_{S-1}
+        self.positions = TargetPositions(drafter.family, target)
         self.cache = MtpCache(config=self.target_model.config.get_mtp_config())
         self.cache.activate_past_recording()
-        self.fed = [[] for _ in range(self.num_layers)]
+        self.fed: list[list[int]] = [[] for _ in range(self.num_layers)]  # per layer: token embedded at each entry
         hidden = self.prompt_embeds.shape[-1]
+        # per layer: output rows of the last entries (a tail), and the entry index of outs[k][0]
         self.outs = [self.prompt_embeds.new_zeros(0, hidden) for _ in range(self.num_layers)]
         self.outs_start = [0] * self.num_layers
 
@@ -80,26 +101,21 @@ class MtpDrafter:
     def propose(self, generated: list[int], k: int, sampler: Sampler) -> Draft:
         tokens = self.prompt_ids + generated  # x_0 .. x_T
         last_entry = len(tokens) - 2  # T - 1: the newest entry every layer drafts from
-        draft, probs = [], []
+        builder = DraftBuilder(sampler)
         kept = None  # entries the layer below kept (its later entries were recomputed)
         for level in range(min(k, self.num_layers)):
-            kept = self._keep_valid(level, tokens + draft, limit=kept)
-            rows = self._run(level, kept, last_entry, tokens + draft)  # (n, H)
-            token, token_probs = sampler.next_token(self._logits(rows[-1]))
-            draft.append(token)
-            probs.append(token_probs)
+            kept = self._keep_valid(level, tokens + builder.token_ids, limit=kept)
+            rows = self._run(level, kept, last_entry, tokens + builder.token_ids)  # (n, H)
+            builder.sample(self._logits(rows[-1]))
         for level in range(self.num_layers - 1):  # keep the rows the layer above may read again
             self._trim_outs(level, keep_from=len(self.fed[level + 1]) - self.num_layers)
-        return Draft(draft, None if sampler.settings.greedy else torch.stack(probs))
+        return builder.draft()
 
     def accept(self, num_accepted: int) -> None:
         """The verify pass's rows for the last committed token and the accepted drafts are
         committed target hidden states: h_j for the entries layer 0 reads next."""
         rows = self.target.hidden[-1][: num_accepted + 1]
         self.new_hidden = rows if self.new_hidden is None else torch.cat([self.new_hidden, rows])
-
-    def end(self) -> None:
-        self._reset()
 
     # Steps of one layer
 

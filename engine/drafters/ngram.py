@@ -1,5 +1,7 @@
 """N-gram prompt lookup: propose what followed the last few tokens earlier in the context.
 
+Serves: `--drafter ngram`, with any target (no model, nothing read from the target).
+
 The context is the target's prompt ids followed by the answer so far. The drafter looks for
 the most recent earlier occurrence of the context's last n tokens (n from `max_ngram` down
 to `min_ngram`) and proposes the up-to-k tokens that followed it. A proposal stops before
@@ -17,7 +19,18 @@ from __future__ import annotations
 
 from engine.drafters.base import Draft
 from engine.prompt import Prompt
+from engine.runner import NO_READS, CacheState
 from engine.sampling import Sampler
+
+KEYWORD = "ngram"
+
+
+def serves(name: str, config) -> bool:
+    return name == KEYWORD
+
+
+def load(name: str, config, target, options) -> NgramDrafter:
+    return NgramDrafter()
 
 
 def lookup(context: list[int], k: int, min_ngram: int, max_ngram: int, blocked: frozenset[int]) -> list[int]:
@@ -37,25 +50,28 @@ def lookup(context: list[int], k: int, min_ngram: int, max_ngram: int, blocked: 
 
 class NgramDrafter:
     kind = "ngram"
+    reads = NO_READS
 
-    def __init__(self, name: str = "ngram", min_ngram: int = 1, max_ngram: int = 3):
+    def __init__(self, name: str = KEYWORD, min_ngram: int = 1, max_ngram: int = 3):
         self.name = name
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
-        self.prompt_ids: list[int] = []
-        self.blocked: frozenset[int] = frozenset()
 
-    def begin(self, prompt: Prompt) -> None:
-        self.prompt_ids = prompt.input_ids
-        self.blocked = prompt.placeholder_ids
+    def begin(self, prompt: Prompt, target: CacheState) -> NgramSession:
+        return NgramSession(self, prompt.input_ids, prompt.placeholder_ids)
+
+
+class NgramSession:
+    def __init__(self, drafter: NgramDrafter, prompt_ids: list[int], blocked: frozenset[int]):
+        self.drafter = drafter
+        self.prompt_ids = prompt_ids
+        self.blocked = blocked
 
     def propose(self, generated: list[int], k: int, sampler: Sampler) -> Draft:
         if k <= 0:
             return Draft([])
-        return Draft(lookup(self.prompt_ids + generated, k, self.min_ngram, self.max_ngram, self.blocked))
+        d = self.drafter
+        return Draft(lookup(self.prompt_ids + generated, k, d.min_ngram, d.max_ngram, self.blocked))
 
     def accept(self, num_accepted: int) -> None:
         pass
-
-    def end(self) -> None:
-        self.prompt_ids = []

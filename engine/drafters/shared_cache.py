@@ -1,6 +1,10 @@
 """Shared-cache assistant: a small model with no KV cache of its own that attends to the target's
 K/V (Gemma 4 and its `gemma4_assistant`).
 
+Serves: a `--drafter` folder or hub id whose config names `backbone_hidden_size`; it must fit
+the target (a target that shares K/V between layers, of that hidden size, and a vocabulary at
+least the target's). Reads from the target: the last hidden state and the shared K/V.
+
 Each draft step is one assistant forward of a single query at the position of the newest
 committed token x_T. Its input is the target's embedding of the previous token concatenated
 with a hidden state: at the first step of a round the target's last hidden state at T - 1 (the
@@ -21,18 +25,42 @@ position). Here each pass's shared K/V is kept without the entries of rejected d
 from __future__ import annotations
 
 import torch
+from transformers import AutoModelForCausalLM
 
-from engine.drafters.base import Draft
+from engine.drafters.base import Draft, DraftBuilder
 from engine.drafters.target_positions import TargetPositions
 from engine.prompt import Prompt
-from engine.runner import CacheState
+from engine.runner import CacheState, TargetReads
 from engine.sampling import Sampler
+from models.loading import LoadError, LoadOptions, from_pretrained, model_kwargs
+
+
+def serves(name: str, config) -> bool:
+    """An assistant that attends to the target's shared K/V names the target's hidden size."""
+    return getattr(config, "backbone_hidden_size", None) is not None
+
+
+def load(name: str, config, target, options: LoadOptions) -> SharedCacheDrafter:
+    text_config = target.model.config.get_text_config()
+    stores = set(getattr(text_config, "kv_sharing_modes", None) or ())
+    problems = []
+    if "store" not in stores:
+        problems.append(f"the target ({target.family.name}) shares no K/V between layers")
+    if config.backbone_hidden_size != text_config.hidden_size:
+        problems.append(f"it was trained on a target of hidden size {config.backbone_hidden_size}, "
+                        f"the target's is {text_config.hidden_size}")
+    if config.get_text_config().vocab_size < target.vocab_size:
+        problems.append(f"its vocabulary ({config.get_text_config().vocab_size}) is smaller than the target's")
+    if problems:
+        raise LoadError(f"assistant {name!r} ({config.model_type}) does not fit the target {target.name!r}: "
+                        + "; ".join(problems) + ". Use the assistant released with this target.")
+    assistant = from_pretrained(AutoModelForCausalLM, name, model_kwargs(options))  # the target's dtype
+    return SharedCacheDrafter(name, assistant, target.model, target.family)
 
 
 class SharedCacheDrafter:
     kind = "shared_cache"
-    target_layers = (-1,)  # the target's last hidden state
-    shares_kv = True
+    reads = TargetReads(hidden_layers=(-1,), shared_kv=True)  # the target's last hidden state, its shared K/V
 
     def __init__(self, name: str, assistant, target_model, family):
         self.name = name
@@ -41,21 +69,23 @@ class SharedCacheDrafter:
         self.family = family
         self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
         self.keep_sliding = 2 * assistant.config.get_text_config().sliding_window
-        self._reset()
 
-    def _reset(self) -> None:
-        self.target: CacheState | None = None
-        self.positions: TargetPositions | None = None
+    @torch.inference_mode()
+    def begin(self, prompt: Prompt, target: CacheState) -> SharedCacheSession:
+        return SharedCacheSession(self, len(prompt.input_ids), target)
+
+
+class SharedCacheSession:
+    @torch.inference_mode()
+    def __init__(self, drafter: SharedCacheDrafter, num_prompt: int, target: CacheState):
+        self.assistant, self.target_model = drafter.assistant, drafter.target_model
+        self.vocab_size, self.keep_sliding = drafter.vocab_size, drafter.keep_sliding
+        self.target = target
+        self.positions = TargetPositions(drafter.family, target)
         self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # layer type -> validated (K, V)
         self.last_hidden: torch.Tensor | None = None  # (H,) target hidden state at T - 1
         self.num_drafted = 0
-
-    @torch.inference_mode()
-    def begin(self, prompt: Prompt, target_state: CacheState) -> None:
-        self._reset()
-        self.target = target_state
-        self.positions = TargetPositions(self.family, self.target_model, prompt)
-        self._learn(num_validated=len(prompt.input_ids), num_rejected=0)
+        self._learn(num_validated=num_prompt, num_rejected=0)
 
     @torch.inference_mode()
     def propose(self, generated: list[int], k: int, sampler: Sampler) -> Draft:
@@ -66,23 +96,18 @@ class SharedCacheDrafter:
         position = self.positions(newest, newest + 1).to(self.assistant.device)
         embedding = self.target_model.get_input_embeddings()
         token, hidden = generated[-1], self.last_hidden
-        tokens, probs = [], []
+        builder = DraftBuilder(sampler)
         for _ in range(k):
             token_embedding = embedding(torch.tensor([token], device=hidden.device))[0]
             inputs_embeds = torch.cat([token_embedding, hidden.to(token_embedding.dtype)])[None, None]
             out = self.assistant(inputs_embeds=inputs_embeds, position_ids=position, shared_kv_states=self.kv)
-            token, token_probs = sampler.next_token(self._vocab(out.logits[0, -1]))
+            token = builder.sample(self._vocab(out.logits[0, -1]))
             hidden = out.last_hidden_state[0, -1]
-            tokens.append(token)
-            probs.append(token_probs)
-        return Draft(tokens, None if sampler.settings.greedy else torch.stack(probs))
+        return builder.draft()
 
     def accept(self, num_accepted: int) -> None:
         """The verify pass ran [last, d_1 .. d_k]: its first num_accepted + 1 entries are valid."""
         self._learn(num_validated=num_accepted + 1, num_rejected=self.num_drafted - num_accepted)
-
-    def end(self) -> None:
-        self._reset()
 
     def _learn(self, num_validated: int, num_rejected: int) -> None:
         """Take the validated part of the last target pass: its shared K/V and the hidden state

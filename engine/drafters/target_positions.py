@@ -1,23 +1,25 @@
 """The target's rotary positions by token index, for drafters that run at the target's positions.
 
 Token i of the request (prompt ids first, then the answer) sits where the target put it: in
-the prompt, at the positions of the family's `prefill_positions` (three M-RoPE rows after an
-image, where height and width differ from time); after the prompt, at i + rope_delta on every
-row. Slices are taken on the sequence (last) axis, never on the rows.
+the prompt, at the positions its prefill used (three M-RoPE rows after an image, where height
+and width differ from time; kept in the target's CacheState, never recomputed); after the
+prompt, at i + rope_delta on every row. Slices are taken on the sequence (last) axis, never
+on the rows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.prompt import Prompt
+from engine.runner import CacheState
+from models.families import Family
 
 
 class TargetPositions:
-    def __init__(self, family, target_model, prompt: Prompt):
-        inputs = {name: value.to(target_model.device) for name, value in prompt.target_inputs.items()}
+    def __init__(self, family: Family, target: CacheState):
         self.family = family
-        self.prompt_positions, self.rope_delta = family.prefill_positions(target_model, inputs)  # (..., S)
+        self.prompt_positions = target.prompt_positions  # (1, S) or (3, 1, S)
+        self.rope_delta = target.rope_delta
 
     def __call__(self, first: int, stop: int) -> torch.Tensor:
         """Positions of tokens first .. stop - 1: (1, n) for 1-axis RoPE, (3, 1, n) for M-RoPE."""

@@ -2,12 +2,16 @@
 
 Two kinds of positional bookkeeping exist among the supported models:
 
-- 1-axis RoPE (SmolVLM / Idefics3, LLaVA, Gemma 3, every text-only LM): the rotary
-  position of a token equals its KV-cache index.
-- M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): an image of h x w merged patches fills h*w KV
-  slots but advances the rotary position by max(h, w). After an image the next rotary
+- 1-axis RoPE (SmolVLM / Idefics3, LLaVA, Gemma 3, Gemma 4, Step-3.7, MuseGlimmer, every
+  text-only LM): the rotary position of a token equals its KV-cache index.
+- M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): an image of h x w merged patches fills
+  h*w KV slots but advances the rotary position by max(h, w). After an image the next rotary
   position is `cache_len + rope_delta`, with `rope_delta` (usually negative) computed once
   per request at prefill. Every later decode and verify position is shifted by it.
+
+Other differences live elsewhere: the cache of a hybrid target (Qwen3.5's linear-attention
+layers) is rolled back by engine/hybrid.py, chosen at load from the config; sliding-window
+layers (Gemma 3 / 4, MuseGlimmer) keep their recorded past for rollbacks in the Runner.
 
 A family turns a prefill's processor outputs into explicit `position_ids` and a `rope_delta`,
 and makes the position ids of `n` new tokens from the next rotary position. The engine always

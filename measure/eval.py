@@ -1,6 +1,6 @@
 """Evaluate the bundled demo model through the engine: accuracy, identical answers, acceptance.
 
-    python -m engine.eval [--seed S] [--limit N] [--dtype D] [--draft-tokens K] [--json] [--models DIR]
+    python -m measure.eval [--seed S] [--limit N] [--dtype D] [--draft-tokens K] [--json] [--models DIR]
                           [--per-kind]
 
 Questions come from `models.demo.world.eval_questions(seed, n)`: a namespace of seeds and a
@@ -21,15 +21,6 @@ import sys
 import time
 
 from engine.loop import DecodeSettings, Done
-
-
-def build_engine(model: str, drafters: list[str], dtype: str, device: str, drafter_dtype: str = "auto"):
-    from engine.engine import Engine
-    from models.loading import LoadOptions, load_drafter, load_target
-
-    options = LoadOptions(dtype=dtype, device=device, drafter_dtype=drafter_dtype)
-    target = load_target(model, options)
-    return Engine(target, {name: load_drafter(name, target, options) for name in drafters})
 
 
 def drafter_label(name: str) -> str:
@@ -55,11 +46,11 @@ def evaluate(engine, questions, decode: DecodeSettings) -> list[dict]:
     rows = [{"mode": "plain", "drafter": None,
              "accuracy": sum(c["right"] for c in per_kind.values()) / len(questions),
              "identical_to_plain": 1.0, "acceptance": None, "per_kind": dict(sorted(per_kind.items()))}]
-    for name in engine.drafters:
-        done = [answer(engine, q, name, decode) for q in questions]
+    for key, drafter in engine.drafters.items():
+        done = [answer(engine, q, key, decode) for q in questions]
         drafted = sum(d.stats.drafted for d in done)
         rows.append({
-            "mode": "speculative", "drafter": drafter_label(name),
+            "mode": "speculative", "drafter": drafter_label(drafter.name),
             "accuracy": sum(answer_matches(d.text, q.answer) for d, q in zip(done, questions)) / len(questions),
             "identical_to_plain": sum(d.token_ids == p.token_ids for d, p in zip(done, plain)) / len(questions),
             "acceptance": sum(d.stats.accepted for d in done) / drafted if drafted else None,
@@ -69,15 +60,13 @@ def evaluate(engine, questions, decode: DecodeSettings) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    from engine.build import EngineSpec, add_model_flags, build_engine, spec_from_args
     from models.demo.world import eval_questions
-    from models.presets import PRESETS
 
-    demo = PRESETS["demo"]
-    parser = argparse.ArgumentParser(prog="python -m engine.eval", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m measure.eval", description=__doc__.split("\n\n")[0])
+    add_model_flags(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit", type=int, default=200, help="number of questions")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--json", action="store_true")
@@ -87,11 +76,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
-    target, drafters = demo.target, list(demo.drafters)
-    if args.models:
-        target = os.path.join(args.models, "target")
-        drafters = [os.path.join(args.models, os.path.basename(d)) if d != "ngram" else d for d in drafters]
-    engine = build_engine(target, drafters, args.dtype, args.device)
+    spec = spec_from_args(args)
+    if args.models:  # the demo preset's models, from a training run's folder
+        spec = EngineSpec(os.path.join(args.models, "target"),
+                          tuple(os.path.join(args.models, os.path.basename(d)) if d != "ngram" else d
+                                for d in spec.drafters), spec.options)
+    engine = build_engine(spec)
     questions = eval_questions(args.seed, args.limit)
     decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens)
     rows = evaluate(engine, questions, decode)

@@ -2,12 +2,12 @@
 and is the answer unchanged? Measured in one run on one machine, side by side with
 transformers' own `generate()`.
 
-    python -m engine.bench [--preset demo | --model ID --drafter ID ...] [--dtype bfloat16]
-                           [--drafter-dtype auto] [--quick] [--json FILE] [--plot FILE]
+    python -m measure.bench [--preset demo | --model ID --drafter ID ...] [--dtype bfloat16]
+                            [--drafter-dtype auto] [--quick] [--json FILE] [--plot FILE]
 
 Rows (all on the same requests, greedy, streamed): this engine plain; this engine with each
-drafter; transformers `generate()` plain; `generate(assistant_model=...)` with each model
-drafter; `generate(prompt_lookup_num_tokens=k)`. Rows are interleaved request by request
+drafter; transformers `generate()` plain; `generate(assistant_model=...)` with each drafter
+that is its own model (text LM, VLM); `generate(prompt_lookup_num_tokens=k)`. Rows are interleaved request by request
 (the order rotates) so machine drift hits all rows alike; one warm-up request per row is
 left out of the figures. `speedup_vs_plain` is the per-request ratio of decode tok/s to this
 engine's plain row. `limit` is the speedup the row's measured tokens per target forward
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.bench_rows import Measurement, cost_model, run_this, run_transformers
+from measure.bench_rows import Measurement, cost_model, run_this, run_transformers
 from engine.loop import DecodeSettings
 
 
@@ -36,13 +36,14 @@ from engine.loop import DecodeSettings
 class Row:
     engine: str  # "this" or "transformers"
     mode: str  # "plain" or "speculative"
-    drafter: str | None  # a drafter name, "prompt_lookup", or None
+    drafter: str | None  # the engine's drafter key ("text", "vlm", "ngram", ...), "prompt_lookup", or None
+    label: str | None = None  # how the table names the drafter: the folder's last part, or the key
     runs: list[Measurement] = field(default_factory=list)
     error: str | None = None
 
     @property
-    def label(self) -> str:
-        return f"{self.engine} {self.mode}" + (f" ({short(self.drafter)})" if self.drafter else "")
+    def title(self) -> str:
+        return f"{self.engine} {self.mode}" + (f" ({self.label})" if self.label else "")
 
 
 def short(name: str) -> str:
@@ -81,7 +82,7 @@ def messages_of(request: dict) -> list[dict]:
 
 def summarize(row: Row, plain: Row, k: int, costs: dict) -> dict:
     runs = [r for r in row.runs if r.error is None]
-    out = {"engine": row.engine, "mode": row.mode, "drafter": short(row.drafter) if row.drafter else None,
+    out = {"engine": row.engine, "mode": row.mode, "drafter": row.label,
            "requests": len(runs), "error": row.error or next((r.error for r in row.runs if r.error), None)}
     if not runs:
         return out | {"decode_tok_s": None, "first_token_s": None, "answer_s": None, "tokens_per_forward": None,
@@ -126,8 +127,8 @@ def machine_info(dtype: str, engine=None) -> dict:
     """Machine, threads, versions, and the dtype each model actually runs in."""
     import transformers
 
-    drafter_dtypes = {short(name): str(next(d.runner.model.parameters()).dtype).removeprefix("torch.")
-                      for name, d in (engine.drafters.items() if engine else ()) if hasattr(d, "runner")}
+    drafter_dtypes = {short(d.name): str(next(d.runner.model.parameters()).dtype).removeprefix("torch.")
+                      for d in (engine.drafters.values() if engine else ()) if d.kind in ("text_lm", "vlm")}
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "dtype": dtype,
             "drafter_dtypes": drafter_dtypes,
@@ -186,17 +187,10 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
-    from engine.eval import build_engine
-    from models.presets import PRESETS
+    from engine.build import add_model_flags, build_engine, spec_from_args
 
-    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="demo", choices=sorted(PRESETS))
-    parser.add_argument("--model", help="target (overrides the preset)")
-    parser.add_argument("--drafter", action="append", help="a drafter (repeat); default: the preset's")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--drafter-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help='"auto" (default): float32 on a CPU for drafters under 1B parameters, else --dtype')
-    parser.add_argument("--device", default="cpu")
+    parser = argparse.ArgumentParser(prog="python -m measure.bench", description=__doc__.split("\n\n")[0])
+    add_model_flags(parser)
     parser.add_argument("--quick", action="store_true", help="6 requests instead of 12")
     parser.add_argument("--requests", type=int, help="number of requests (default 12, 6 with --quick)")
     parser.add_argument("--draft-tokens", type=int, default=4)
@@ -210,20 +204,20 @@ def main(argv=None) -> int:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
 
-    preset = PRESETS[args.preset]
-    model = args.model or preset.target
-    drafters = args.drafter or (list(preset.drafters) if not args.model else ["ngram"])
-    engine = build_engine(model, drafters, args.dtype, args.device, args.drafter_dtype)
+    spec = spec_from_args(args)
+    engine = build_engine(spec)
     count = args.requests or (6 if args.quick else 12)
-    source = args.requests_from or ("demo" if not args.model and args.preset == "demo" else "photos")
+    source = args.requests_from or ("demo" if spec.preset == "demo" else "photos")
     requests = demo_requests(count) if source == "demo" else photo_requests(count)
     decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens)
 
-    rows = [Row("this", "plain", None)] + [Row("this", "speculative", d) for d in drafters]
-    if not args.no_transformers:
+    labels = {key: short(drafter.name) for key, drafter in engine.drafters.items()}
+    rows = [Row("this", "plain", None)] + [Row("this", "speculative", key, labels[key]) for key in engine.drafters]
+    if not args.no_transformers:  # assisted generation takes a drafter that is its own model
         rows += [Row("transformers", "plain", None)]
-        rows += [Row("transformers", "speculative", d) for d in drafters if d != "ngram"]
-        rows += [Row("transformers", "speculative", "prompt_lookup")]
+        rows += [Row("transformers", "speculative", key, labels[key]) for key, drafter in engine.drafters.items()
+                 if drafter.kind in ("text_lm", "vlm")]
+        rows += [Row("transformers", "speculative", "prompt_lookup", "prompt_lookup")]
     started = time.perf_counter()
     for index, request in enumerate([requests[0]] + requests):  # the first pass is the warm-up
         order = rows[index % len(rows):] + rows[:index % len(rows)]
@@ -239,7 +233,7 @@ def main(argv=None) -> int:
     print_table(table, info)
     print(f"cost model: target forward 1 token {costs['forward_1_s'] * 1000:.1f} ms, "
           f"{args.draft_tokens + 1} tokens {costs['verify_s'] * 1000:.1f} ms; draft step "
-          + ", ".join(f"{short(d)} {t * 1000:.1f} ms" for d, t in costs["draft_step_s"].items()))
+          + ", ".join(f"{labels[key]} {t * 1000:.1f} ms" for key, t in costs["draft_step_s"].items()))
     if args.plot:
         plot(table, args.plot)
         print(f"plot: {args.plot}")

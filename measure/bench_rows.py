@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.loop import DecodeSettings, Done
-from engine.sampling import Sampler, SamplingSettings
+from engine.sampling import Sampler, SamplingSettings, accept_draft
 from engine.stats import Clock
 
 
@@ -56,20 +56,22 @@ class _TimingStreamer:
 
 
 def run_transformers(engine, drafter: str | None, messages, decode: DecodeSettings, request_id: int) -> Measurement:
+    """transformers' generate(): plain, with `assistant_model` (a drafter that is its own model),
+    or with prompt lookup (drafter "prompt_lookup")."""
     target = engine.target
     clock = Clock(target.runner.device)
     started = clock.now()
     streamer = _TimingStreamer(clock)
     kwargs = {"max_new_tokens": decode.max_new_tokens, "do_sample": False, "streamer": streamer,
               "eos_token_id": sorted(engine.stop_token_ids()), "pad_token_id": target.tokenizer.pad_token_id}
-    if drafter == "prompt_lookup":
-        kwargs["prompt_lookup_num_tokens"] = decode.draft_tokens
-    elif drafter is not None:
-        assistant = engine.drafters[drafter].runner.model
-        assistant.generation_config.num_assistant_tokens = decode.draft_tokens
-        assistant.generation_config.num_assistant_tokens_schedule = "constant"
-        kwargs["assistant_model"] = assistant
     try:
+        if drafter == "prompt_lookup":
+            kwargs["prompt_lookup_num_tokens"] = decode.draft_tokens
+        elif drafter is not None:
+            assistant = engine.drafters[drafter].runner.model
+            assistant.generation_config.num_assistant_tokens = decode.draft_tokens
+            assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            kwargs["assistant_model"] = assistant
         inputs = {k: v.to(target.runner.device) for k, v in engine.prepare(messages).target_inputs.items()}
         with torch.inference_mode():
             out = target.model.generate(**inputs, **kwargs)
@@ -84,13 +86,13 @@ def run_transformers(engine, drafter: str | None, messages, decode: DecodeSettin
 
 
 def cost_model(engine, messages, k: int, repeats: int = 7) -> dict:
-    """Median cost of one target forward over 1 and k+1 tokens after this prompt, and of
-    one draft step of each drafter (an n-gram lookup for 'ngram')."""
+    """Median cost of one target forward over 1 and k+1 tokens after this prompt, and of one
+    draft step of each drafter: a `propose` of k tokens divided by the tokens it drafted, timed
+    in greedy decode rounds that follow the drafter contract (prefill with the drafter's reads,
+    begin, then propose / verify / accept / roll back), so every kind of drafter is measured."""
     target = engine.target.runner
     prompt = engine.prepare(messages)
     clock = Clock(target.device)
-    _, state = target.prefill(prompt.target_inputs)
-    token = prompt.input_ids[-1]
 
     def timed(fn) -> float:
         times = []
@@ -100,18 +102,32 @@ def cost_model(engine, messages, k: int, repeats: int = 7) -> dict:
             times.append(clock.now() - t0)
         return statistics.median(times[1:])
 
-    def extend_and_undo(runner, runner_state, n):
-        runner.extend(runner_state, [token] * n)
-        runner.rollback(runner_state, n)
+    _, state = target.prefill(prompt.target_inputs)
+    token = prompt.input_ids[-1]
 
-    costs = {"forward_1_s": timed(lambda: extend_and_undo(target, state, 1)),
-             "verify_s": timed(lambda: extend_and_undo(target, state, k + 1)), "draft_step_s": {}}
-    sampler = Sampler(SamplingSettings())
-    for name, drafter in engine.drafters.items():
-        drafter.begin(prompt)
-        if hasattr(drafter, "runner"):
-            costs["draft_step_s"][name] = timed(lambda: extend_and_undo(drafter.runner, drafter.state, 1))
-        else:
-            costs["draft_step_s"][name] = timed(lambda: drafter.propose([token], k, sampler)) / k
-        drafter.end()
+    def extend_and_undo(n):
+        target.extend(state, [token] * n)
+        target.rollback(state, n)
+
+    costs = {"forward_1_s": timed(lambda: extend_and_undo(1)), "verify_s": timed(lambda: extend_and_undo(k + 1)),
+             "draft_step_s": {}}
+    for key, drafter in engine.drafters.items():
+        costs["draft_step_s"][key] = _draft_step_cost(target, drafter, prompt, k, repeats, clock)
     return costs
+
+
+def _draft_step_cost(target, drafter, prompt, k: int, repeats: int, clock: Clock) -> float:
+    sampler = Sampler(SamplingSettings())
+    logits, state = target.prefill(prompt.target_inputs, drafter.reads)
+    session = drafter.begin(prompt, state)
+    generated, times = [int(logits.argmax())], []
+    for _ in range(repeats):
+        t0 = clock.now()
+        draft = session.propose(generated, k, sampler)
+        times.append((clock.now() - t0) / max(1, len(draft.token_ids)))
+        verify_logits = target.extend(state, [generated[-1]] + draft.token_ids)
+        num_accepted, bonus_token = accept_draft(sampler, draft.token_ids, None, verify_logits)
+        target.rollback(state, len(draft.token_ids) - num_accepted)
+        session.accept(num_accepted)
+        generated += draft.token_ids[:num_accepted] + [bonus_token]
+    return statistics.median(times[1:])

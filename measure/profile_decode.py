@@ -1,6 +1,6 @@
 """Where a decode step's time goes: torch.profiler over the target's and each drafter's steps.
 
-    python scripts/profile_decode.py [--dtype bfloat16] [--drafter-dtype auto] [--steps 200] [--wrapped]
+    python -m measure.profile_decode [--dtype bfloat16] [--drafter-dtype auto] [--steps 200] [--wrapped]
 
 Loads the bundled demo pair as the benchmark does, prefills one benchmark request, then
 profiles `steps` single-token steps of the target (a plain decode step) and of each model
@@ -14,7 +14,6 @@ the engine did before it called Qwen-VL language models directly.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import replace
@@ -22,11 +21,8 @@ from dataclasses import replace
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.bench import demo_requests, messages_of  # noqa: E402
-from engine.eval import build_engine  # noqa: E402
-from models.presets import PRESETS  # noqa: E402
+from engine.build import add_model_flags, build_engine, spec_from_args
+from measure.bench import demo_requests, messages_of
 
 
 def profile_steps(runner, state, token: int, steps: int) -> tuple[float, list]:
@@ -56,18 +52,16 @@ def report(name: str, ms: float, averages, steps: int) -> None:
         print(f"    {e.key:<40} {e.self_cpu_time_total / steps / 1000:.3f} ms/step ({e.count // steps} calls)")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--drafter-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m measure.profile_decode", description=__doc__.split("\n\n")[0])
+    add_model_flags(parser)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--wrapped", action="store_true", help="full multimodal forward for every step")
-    args = parser.parse_args()
-    demo = PRESETS["demo"]
-    drafters = [d for d in demo.drafters if d != "ngram"]
-    engine = build_engine(demo.target, drafters, args.dtype, "cpu", args.drafter_dtype)
+    args = parser.parse_args(argv)
+    spec = spec_from_args(args)
+    engine = build_engine(replace(spec, drafters=tuple(d for d in spec.drafters if d != "ngram")))
     if args.wrapped:
-        for runner in [engine.target.runner] + [d.runner for d in engine.drafters.values()]:
+        for runner in [engine.target.runner] + [d.runner for d in engine.drafters.values() if hasattr(d, "runner")]:
             runner.family = replace(runner.family, direct_text_steps=False)
     messages = messages_of(demo_requests(1)[0])
     prompt = engine.prepare(messages)
@@ -76,12 +70,13 @@ def main() -> int:
           f"drafters {args.drafter_dtype}" + (", full multimodal forward" if args.wrapped else ""))
     _, state = engine.target.runner.prefill(prompt.target_inputs)
     report("target", *profile_steps(engine.target.runner, state, token, args.steps), args.steps)
-    for name, drafter in engine.drafters.items():
-        drafter.begin(prompt)
+    for drafter in engine.drafters.values():
+        if drafter.kind not in ("text_lm", "vlm"):
+            continue  # only drafters that are their own model have single-token steps to profile
+        session = drafter.begin(prompt, state)
         dtype = next(drafter.runner.model.parameters()).dtype
-        label = f"{name.rstrip('/').split('/')[-1]} ({str(dtype).removeprefix('torch.')})"
-        report(label, *profile_steps(drafter.runner, drafter.state, token, args.steps), args.steps)
-        drafter.end()
+        label = f"{drafter.name.rstrip('/').split('/')[-1]} ({str(dtype).removeprefix('torch.')})"
+        report(label, *profile_steps(drafter.runner, session.state, token, args.steps), args.steps)
     return 0
 
 

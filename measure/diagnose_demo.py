@@ -1,6 +1,6 @@
 """Where the bundled demo target goes wrong: its vision tokens, or its reading of them.
 
-    python scripts/diagnose_demo.py [--model assets/demo/target] [--pictures 300] [--conversations 100]
+    python -m measure.diagnose_demo [--model assets/demo/target] [--pictures 300] [--conversations 100]
 
 1. Vision probe: each vision token of held-out pictures (eval seed 0), read through the tied
    output embedding as the training's cell loss reads it; prints how often the best-scoring
@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.eval import answer, build_engine  # noqa: E402
-from engine.loop import DecodeSettings  # noqa: E402
-from models.demo import world  # noqa: E402
-from models.presets import PRESETS  # noqa: E402
+from engine.build import EngineSpec, build_engine
+from engine.loop import DecodeSettings
+from measure.eval import answer
+from models.demo import world
+from models.presets import PRESETS
 
 
 @torch.no_grad()
@@ -83,7 +81,7 @@ def main() -> int:
     parser.add_argument("--pictures", type=int, default=300)
     parser.add_argument("--conversations", type=int, default=100)
     args = parser.parse_args()
-    engine = build_engine(args.model, [], "float32", "cpu")
+    engine = build_engine(EngineSpec(args.model))
     for name, share in vision_probe(engine.target, args.pictures).items():
         print(f"vision probe, {name}: {share:.1%}")
     overall, per_kind = training_reference_match(engine, 90000, args.conversations)

@@ -1,0 +1,42 @@
+"""The target: a loaded VLM and the Runner that decodes with it.
+
+A target with linear-attention layers (Qwen3.5) gets a HybridRunner, whose rollback rewinds
+the recurrent state (engine/hybrid.py); every other target a Runner, whose rollback crops the
+KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.hybrid import HybridRunner
+from engine.runner import Runner
+from models.families import Family
+from models.loading import LoadOptions, has_linear_attention, load_config, load_vlm
+
+
+@dataclass
+class Target:
+    name: str
+    model: torch.nn.Module
+    processor: object
+    family: Family
+    runner: Runner
+    placeholder_ids: frozenset[int]  # image placeholder / marker ids: never drafted
+
+    @property
+    def tokenizer(self):
+        return self.processor.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+
+def load_target(name: str, options: LoadOptions = LoadOptions()) -> Target:
+    config = load_config(name, options)
+    vlm = load_vlm(name, options, config)
+    runner = (HybridRunner if has_linear_attention(config) else Runner)(vlm.model, vlm.family)
+    return Target(name, vlm.model, vlm.processor, vlm.family, runner, vlm.placeholder_ids)
