@@ -90,7 +90,7 @@ def generate(
         generated += new_tokens
         # 6. Statistics, then the next draft length.
         stats.new_tokens = len(generated)
-        stats.record_round(len(draft.token_ids), num_accepted, len(new_tokens))
+        stats.record_round(*_counted(len(draft.token_ids), num_accepted, len(new_tokens)))
         stats.record_time(started, first_token_at, clock.now())
         k = _next_draft_length(k, len(draft.token_ids), num_accepted, decode)
         yield _chunk(text, new_tokens, min(num_accepted, len(new_tokens)), stats)
@@ -142,6 +142,14 @@ def _truncate(tokens: list[int], remaining: int, decode: DecodeSettings) -> list
         if token in decode.stop_token_ids:
             return tokens[: i + 1]
     return tokens
+
+
+def _counted(num_drafted: int, num_accepted: int, num_new: int) -> tuple[int, int, int]:
+    """(drafted, accepted, emitted) as the statistics count them: when a stop token inside the
+    accepted draft ends the answer, the draft tokens after it are neither drafted nor accepted."""
+    if num_new < num_accepted + 1:
+        return num_new, num_new, num_new
+    return num_drafted, num_accepted, num_new
 
 
 def _finished(generated: list[int], decode: DecodeSettings, stats: Stats, stop) -> bool:

@@ -84,6 +84,22 @@ def test_stop_token_inside_an_accepted_draft_ends_the_answer():
     assert done.stats.finish_reason == "stop_token"
 
 
+@pytest.mark.parametrize("stop_at", [1, 2, 3, 6])
+def test_drafts_after_the_stop_token_are_not_counted(stop_at):
+    """A perfect drafter whose draft runs past the stop token: the statistics count only the
+    draft tokens that made it into the answer, so accepted <= decode tokens, always."""
+    t = table(4)
+    truth = plain_ids(t)
+    stop_token = truth[stop_at]
+    done = answer(t, ScriptedDrafter(truth), stop_token_ids=frozenset({stop_token}))[-1]
+    stats = done.stats
+    assert done.token_ids == truth[: truth.index(stop_token) + 1]
+    assert stats.accepted <= stats.decode_tokens == len(done.token_ids) - 1
+    assert stats.acceptance == 1.0  # every draft token that counted was right
+    assert sum(stats.accepted_by_position) == stats.accepted <= stats.drafted == sum(stats.drafted_by_position)
+    assert stats.tokens_per_forward == stats.decode_tokens / stats.target_forwards
+
+
 @pytest.mark.parametrize("max_new", [1, 2, 7])
 def test_max_new_tokens_is_exact(max_new):
     t = table(5)
