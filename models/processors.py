@@ -10,6 +10,7 @@ a subclass of the same class whose constructor has no `video_processor` argument
 image processor, the tokenizer and the chat template. It renders prompts, expands image
 placeholders and saves exactly like the stock class; only `videos=` is unsupported.
 
+`image_budget` caps how many tokens one image becomes (a per-call processor option), and
 `image_token_ids` lists the multimodal placeholder ids a processor inserts for images (and
 videos), so that a text-only drafter can drop them and an n-gram drafter never proposes them.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import re
 
 from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
@@ -114,6 +116,36 @@ def build_image_only_processor(
         },
     )
     return image_only_class(image_processor=image_processor, tokenizer=tokenizer, **kwargs)
+
+
+def image_budget(processor: ProcessorMixin, max_image_tokens: int | None) -> dict:
+    """Processor call options that make each image at most about `max_image_tokens` tokens
+    (None: the processor's own limits). Never enlarges what the processor allows.
+
+    - Patchifiers with a pixel range (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): one token is a
+      (patch_size * merge_size)^2-pixel square, so the image is resized to at most
+      max_image_tokens such squares (`size.longest_edge` is a pixel count there).
+    - Tilers (Idefics3 / SmolVLM): an image is its tiles plus one global view, each
+      `image_seq_len` tokens; the resize before tiling is capped so that at most
+      n x n tiles fit, or the image is not split when even one tile would exceed the budget.
+    - Families whose images are a fixed number of tokens (LLaVA, Gemma 3, ...): nothing to cap.
+    """
+    if not max_image_tokens:
+        return {}
+    image_processor = processor.image_processor
+    size = getattr(image_processor, "size", None)
+    patch, merge = getattr(image_processor, "patch_size", None), getattr(image_processor, "merge_size", None)
+    if patch and merge and getattr(size, "longest_edge", None):
+        max_pixels = min(size.longest_edge, max_image_tokens * (patch * merge) ** 2)
+        return {"size": {"longest_edge": max_pixels, "shortest_edge": min(size.shortest_edge or max_pixels, max_pixels)}}
+    tile = (getattr(image_processor, "max_image_size", None) or {}).get("longest_edge")
+    tokens_per_view = getattr(processor, "image_seq_len", None)
+    if tile and tokens_per_view and getattr(size, "longest_edge", None):
+        tiles_per_side = math.isqrt(max(0, max_image_tokens // tokens_per_view - 1))  # one view is global
+        if tiles_per_side < 1:
+            return {"do_image_splitting": False}
+        return {"size": {"longest_edge": min(size.longest_edge, tiles_per_side * tile)}}
+    return {}
 
 
 def image_token_ids(processor: ProcessorMixin) -> set[int]:
