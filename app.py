@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None, block: bool = True, limits=None):
         demo.launch(server_name=config.host, server_port=config.port, share=config.share,
                     inbrowser=config.open_browser, prevent_thread_lock=not block, allowed_paths=[EXAMPLES_DIR],
                     max_file_size=MAX_FILE_BYTES, css=CSS,  # serves uploads and the examples, nothing else
-                    app_kwargs={"middleware": [guard], "lifespan": visitors.lifespan})
+                    app_kwargs={"middleware": [guard], "lifespan": visitors.lifespan},
+                    state_session_capacity=visitors.limits.sessions)
     except OSError as error:  # e.g. the port is taken
         sys.exit(f"error: {error}")
     return demo

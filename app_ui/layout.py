@@ -129,7 +129,7 @@ def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: list,
     def accept(message_value, session: Session, request: gr.Request):  # no outputs: a refusal is a toast
         visitors.touch(session)
         with _user_errors():
-            session.check_not_expired(visitors.limits.idle_s / 60)
+            session.check_not_expired(visitors.limits.idle_s)
             turn = new_turn(message_value, engine, session)
             turn.arrived = _arrival(request)
             _start(session, turn)
@@ -224,16 +224,21 @@ def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, 
     def clear(session):
         _clear(session, visitors)
 
-    trigger.click(chat, [message, *settings, session], [answer_text, statistics], api_name="chat", **GENERATE)
+    # preprocess=False: the values reach Options.checked as sent (a slider would refuse a value out of
+    # its range without naming the parameter); the message's files are still checked by Gradio.
+    trigger.click(chat, [message, *settings, session], [answer_text, statistics], api_name="chat",
+                  preprocess=False, **GENERATE)
     trigger.click(ab, [message, *settings[1:], session], [plain, speculative, speedup, identical,
-                                                            first_difference], api_name="ab", **GENERATE)
+                                                            first_difference], api_name="ab", preprocess=False,
+                  **GENERATE)
     trigger.click(clear, [session], None, api_name="clear", concurrency_limit=None)
 
 
 class ApiMessageData(MultimodalData):
     """The API's message as sent: "text" may be missing or of any type and "files" null (as
     none), so that new_turn names what is wrong instead of Gradio failing without a message.
-    Files are still Gradio's FileData: only files uploaded to this server are taken."""
+    Files are still Gradio's FileData: only files uploaded to this server are taken. With
+    preprocess=False the callback gets this model's dict: {"text": ..., "files": [FileData dicts]}."""
 
     text: object = ""
     files: list[FileData] = []
@@ -296,9 +301,9 @@ def _stop(session: Session) -> None:
 def _clear(session: Session, visitors: Visitors) -> None:
     """A new conversation; a running or waiting answer stops and is not kept; the old
     conversation's uploads are deleted."""
-    files = session.files()
+    files, since = session.files(), session.last_message()
     session.clear()
-    visitors.release(files)
+    visitors.release(files, since)
 
 
 def _arrival(request: gr.Request | None) -> float:
@@ -319,7 +324,7 @@ def _respond(engine: Engine, session: Session, options: Options):
     text_tick, plot_tick = views.Throttle(views.UPDATES_PER_SECOND), views.Throttle(views.PLOT_UPDATES_PER_SECOND)
     side, points = None, []
     try:
-        for side in answer(engine, session, turn, options.checked()):
+        for side in answer(engine, session, turn, options.checked(engine)):
             if side.stats.decode_tokens:
                 points.append((side.stats.new_tokens, round(side.stats.decode_tok_s, 2)))
             if text_tick.ready():
@@ -351,8 +356,8 @@ def _api_chat(engine: Engine, message_value, session: Session, options: Options,
     request stopped while it waited in the queue answers "" with finish_reason "stopped"."""
     started, tick = time.perf_counter(), views.Throttle(views.UPDATES_PER_SECOND)
     with _user_errors():
-        session.check_not_expired(visitors.limits.idle_s / 60)
-        options = options.checked()
+        session.check_not_expired(visitors.limits.idle_s)
+        options = options.checked(engine)
         turn = new_turn(message_value, engine, session)
         turn.arrived = arrived
         for side in answer(engine, session, turn, options, started):
@@ -364,7 +369,7 @@ def _api_chat(engine: Engine, message_value, session: Session, options: Options,
 def _ab_events(engine: Engine, message_value, session: Session, options: Options, arrived: float):
     """run_ab on one message (no chat history), with a stop flag that Stop sets (also while the
     request waits in the queue)."""
-    options = options.checked()
+    options = options.checked(engine)
     turn = new_turn(message_value, engine)
     messages = messages_for(Session(), turn, options.system_prompt)
     drafter = options.drafter_for(engine) if engine.drafters else None  # run_ab says why None cannot do

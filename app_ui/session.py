@@ -90,6 +90,11 @@ class Session:
         turns = self.turns + ([self.pending] if self.pending else [])
         return {path for turn in turns for path in turn.files}
 
+    def last_message(self) -> float:
+        """When its latest message arrived (time.perf_counter()); -inf if none."""
+        turns = self.turns + ([self.pending] if self.pending else [])
+        return max((turn.arrived for turn in turns), default=-math.inf)
+
     def begin(self, arrived: float) -> threading.Event:
         """A new stop flag for a request that arrived at `arrived`: already set if Stop was
         pressed since (while the request waited in the queue)."""
@@ -112,11 +117,13 @@ class Session:
         self.clear()
         self.expired = True
 
-    def check_not_expired(self, idle_minutes: float) -> None:
+    def check_not_expired(self, idle_s: float) -> None:
+        """RequestError, once, when the conversation expired (`idle_s`: the idle time that expires one)."""
         if self.expired:
             self.expired = False
-            raise RequestError(f"this conversation was idle for over {idle_minutes:g} minutes and was cleared to free "
-                               "the server's memory; send your message again to start a new conversation")
+            idle = f"{idle_s / 60:.0f} minutes" if idle_s >= 120 else f"{idle_s:.0f} seconds"
+            raise RequestError(f"this conversation was idle for over {idle} and was cleared to free the server's "
+                               "memory; send your message again to start a new conversation")
 
 
 @dataclass(frozen=True)
@@ -133,9 +140,10 @@ class Options:
     seed: int = 0
     system_prompt: str = ""
 
-    def checked(self) -> Options:
+    def checked(self, engine: Engine) -> Options:
         """The options converted to their types; RequestError names the first that is not of
-        its type (engine.checked_settings then checks the ranges)."""
+        its type or not a choice (engine.checked_settings then checks the ranges)."""
+        choices = {"mode": ["speculative", "plain"], "drafter": [*engine.drafters, "none", "", None]}
         values = {}
         for option in fields(self):
             value = getattr(self, option.name)
@@ -145,9 +153,10 @@ class Options:
                 value = _convert(option.name, value, kind)
             elif option.name == "system_prompt":
                 value = "" if value is None else value
-                check_text(value, None, "system_prompt")
-            elif value is not None and not isinstance(value, str):
-                raise RequestError(f"{option.name} must be a string, got {type(value).__name__}")
+                check_text(value, engine.context_limit(), "system_prompt")
+            elif value not in choices[option.name]:
+                listed = ", ".join(str(choice) for choice in choices[option.name] if choice)
+                raise RequestError(f"{option.name} {value} is not in the list of choices ({listed})"[:300])
             values[option.name] = value
         return Options(**values)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from app_ui.session import Session
 
 MB = 1024 * 1024
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,19 +37,22 @@ class Limits:
     upload_bytes_total: int = 2048 * MB  # on disk at once, all clients
     request_bytes: int = 4 * MB  # any request body but an upload's
     sweep_s: float = 10.0
+    # Gradio keeps its own state for this many sessions, the most recently active (about 115 kB
+    # each, measured: the page's components as that visitor last saw them); an older one is dropped.
+    sessions: int = 1000
 
 
 @dataclass
 class Upload:
     client: str
     size: int
-    created: float  # time.monotonic()
+    created: float  # time.perf_counter() of its latest upload (Gradio stores equal contents at one path)
 
 
 class Visitors:
-    def __init__(self, limits: Limits = Limits(), clock: Callable[[], float] = time.monotonic):
+    def __init__(self, limits: Limits = Limits(), clock: Callable[[], float] = time.perf_counter):
         self.limits = limits
-        self.clock = clock
+        self.clock = clock  # the clock of Turn.arrived
         self.sessions: dict[int, Session] = {}  # id -> live session
         self.uploads: dict[str, Upload] = {}  # path -> who uploaded it
         self.lock = threading.Lock()
@@ -59,15 +64,17 @@ class Visitors:
             self.sessions[id(session)] = session
             session.last_active = self.clock()
 
-    def release(self, files: set[str], session: Session | None = None) -> None:
-        """Delete the uploads among `files` (those of a conversation just cleared) that no other
-        live conversation shows; `session`: also drop it from the live ones."""
+    def release(self, files: set[str], since: float, session: Session | None = None) -> None:
+        """Delete the uploads among `files` (those of a conversation just cleared, whose last
+        message arrived at `since`) that no other live conversation shows and nobody uploaded
+        again after `since` (equal contents share a path); `session`: also drop it from the live
+        ones."""
         with self.lock:
             if session is not None:
                 self.sessions.pop(id(session), None)
             shown = set().union(*(other.files() for other in self.sessions.values()))
             for path in files - shown:
-                if path in self.uploads:
+                if path in self.uploads and self.uploads[path].created <= since:
                     self._delete(path)
 
     def sweep(self) -> None:
@@ -77,9 +84,9 @@ class Visitors:
         with self.lock:
             idle = [s for s in self.sessions.values() if now - s.last_active > self.limits.idle_s and not s.running]
         for session in idle:
-            files = session.files()
+            files, since = session.files(), session.last_message()
             session.expire()
-            self.release(files, session)
+            self.release(files, since, session)
         with self.lock:
             shown = set().union(*(session.files() for session in self.sessions.values()))
             for path, upload in list(self.uploads.items()):
@@ -100,12 +107,13 @@ class Visitors:
             return "the server's upload space is full; try again in a few minutes"
         return None
 
-    def uploaded(self, client: str, paths: list[str]) -> None:
+    def uploaded(self, client: str, paths: list[str], size: int) -> None:
+        """`client` uploaded `paths`, `size` bytes in all (the request's length: Gradio may still be
+        moving the files into place)."""
         now = self.clock()
         with self.lock:
             for path in paths:
-                with contextlib.suppress(OSError):
-                    self.uploads[path] = Upload(client, os.path.getsize(path), now)
+                self.uploads[path] = Upload(client, size // max(1, len(paths)), now)
 
     def held_bytes(self, client: str | None = None) -> int:
         with self.lock:
@@ -127,7 +135,10 @@ class Visitors:
         async def sweep_forever():
             while True:
                 await asyncio.sleep(self.limits.sweep_s)
-                self.sweep()
+                try:
+                    self.sweep()
+                except Exception:  # the next sweep tries again
+                    logger.exception("sweeping visitors failed")
 
         task = asyncio.create_task(sweep_forever())
         try:
@@ -161,7 +172,7 @@ class Guard:
             refusal = self.visitors.admit(client, length)
             if refusal:
                 return await _refuse(send, 429, refusal)
-            return await self.app(scope, receive, _recording_upload(send, self.visitors, client))
+            return await self.app(scope, receive, _recording_upload(send, self.visitors, client, length))
         if length > self.visitors.limits.request_bytes:
             return await _refuse(send, 413, f"the request is {length / MB:.1f} MB; the limit is "
                                             f"{self.visitors.limits.request_bytes / MB:.0f} MB (files go through "
@@ -175,8 +186,8 @@ class Guard:
         return (scope.get("client") or ("unknown",))[0]
 
 
-def _recording_upload(send, visitors: Visitors, client: str):
-    """`send`, noting the paths a successful upload response lists as `client`'s."""
+def _recording_upload(send, visitors: Visitors, client: str, size: int):
+    """`send`, noting the paths a successful upload response lists as `client`'s (`size` bytes)."""
     status, body = [0], []
 
     async def recording(message):
@@ -187,7 +198,7 @@ def _recording_upload(send, visitors: Visitors, client: str):
             if not message.get("more_body"):
                 with contextlib.suppress(ValueError):
                     paths = json.loads(b"".join(body))
-                    visitors.uploaded(client, [p for p in paths if isinstance(p, str)])
+                    visitors.uploaded(client, [p for p in paths if isinstance(p, str)], size)
         await send(message)
 
     return recording
