@@ -177,7 +177,7 @@ def _wire_ab(engine: Engine, gpu: Callable, session: gr.State, settings: list, a
     """`settings` without the mode."""
 
     @gpu
-    def ab_live(message_value, session: Session, *values, request: gr.Request):
+    def ab_live(request: gr.Request, message_value, session: Session, *values):  # Gradio puts the request first
         visitors.touch(session)
         yield from _ab_live(engine, message_value, session, Options("speculative", *values), _arrival(request))
 

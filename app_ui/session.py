@@ -326,5 +326,5 @@ def summary(stats: Stats, plain_tok_s: float | None = None, dropped: int = 0) ->
     if stats.finish_reason == "context":
         line += " · cut: the model's context is full (start a new chat)"
     if dropped:
-        line += f" · the {dropped} oldest turn{'s' if dropped > 1 else ''} no longer fit the context and were left out"
+        line += f" · left out the {dropped} oldest turn{'s' if dropped > 1 else ''}: the conversation outgrew the context"
     return line

@@ -38,7 +38,9 @@ from gradio_client.exceptions import AppError
 from PIL import Image
 
 import app
+from app_ui import layout
 from app_ui import session as session_module
+from app_ui.session import Options, Session, new_turn
 from app_ui.visitors import MB, Limits
 from engine.engine import Engine
 from tests import tiny
@@ -425,3 +427,20 @@ def test_images_are_kept_at_the_size_the_processor_uses_and_it_sees_the_same_pix
         assert fit_to_processor(photo, image_processor).size == expected, type(image_processor).__name__
     tiny_image = tiny.tiny_images(1)[0]
     assert fit_to_processor(tiny_image, processor) is tiny_image  # small enough already: never enlarged
+
+
+def test_in_the_chat_a_stop_while_queued_and_left_out_turns_are_said(server):
+    session = Session()
+    session.pending = new_turn({"text": "Describe the image.", "files": []}, server.engine, session)
+    session.request_stop()  # Stop pressed while the turn waits in the queue
+    *_, (chatbot, *_) = layout._respond(server.engine, session, Options(max_new_tokens=8))
+    assert chatbot[-1]["content"].startswith("**Cannot answer:** stopped before the answer started")
+    assert session.answered() == [] and session.pending is None  # shown, not sent; Retry sends it again
+    chart = [f"{ROOT}/assets/examples/chart.png"]
+    for i in range(5):  # about 600 tokens a turn; the context is 2048
+        session.pending = new_turn({"text": f"Turn {i}: " + "word " * 600, "files": chart if i == 0 else []},
+                                   server.engine, session)
+        *_, (chatbot, *_) = layout._respond(server.engine, session, Options(mode="plain", max_new_tokens=4))
+    assert session.dropped >= 2
+    assert f"left out the {session.dropped} oldest turns: the conversation outgrew the context" in chatbot[-1]["content"]
+    assert session.answered()[0].images == [] and session.num_images() == 0  # the left-out image is freed
