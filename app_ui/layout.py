@@ -317,8 +317,9 @@ def _start(session: Session, turn: Turn) -> None:
 
 
 def _respond(engine: Engine, session: Session, options: Options):
-    """Stream the pending turn's answer into the chat panels, throttled; plots less often."""
-    tokenizer, turn = engine.target.tokenizer, session.pending
+    """Stream the pending turn's answer into the chat panels, throttled; plots less often. A turn
+    that is not answered is shown with the reason, unless the chat was cleared meanwhile."""
+    tokenizer, turn, history = engine.target.tokenizer, session.pending, session.turns
     if turn is None:
         return
     text_tick, plot_tick = views.Throttle(views.UPDATES_PER_SECOND), views.Throttle(views.PLOT_UPDATES_PER_SECOND)
@@ -335,14 +336,14 @@ def _respond(engine: Engine, session: Session, options: Options):
                        views.speed_frame(points) if plots else gr.skip())
         if side is not None and not side.stats.new_tokens:
             turn.error = "stopped before the answer started; nothing was answered (Retry sends it again)"
-            session.turns.append(turn)
+            history.append(turn)
     except (RequestError, ImageError) as error:
         turn.error = str(error)
-        session.turns.append(turn)
+        history.append(turn)
     except Exception as error:
         logger.exception("generation failed")
         turn.error = f"generation failed ({type(error).__name__}: {error}); the conversation is kept, try again"
-        session.turns.append(turn)
+        history.append(turn)
     finally:
         session.pending = None
     stats = side.stats if side else None

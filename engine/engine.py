@@ -133,8 +133,9 @@ CHARS_PER_TOKEN = 16  # a message's text may be this many characters per token o
 
 
 def check_text(text: str, context_limit: int | None, what: str = "the message") -> None:
-    """RequestError when `text` is not a string, not valid Unicode, or longer than the context could
-    ever hold (CHARS_PER_TOKEN characters per token): refused before anything tokenizes it."""
+    """RequestError when `text` is not a string, not valid Unicode, or over CHARS_PER_TOKEN
+    characters per token of the context (a bound far over what a context holds in practice):
+    refused before anything tokenizes it."""
     if not isinstance(text, str):
         raise RequestError(f"{what}: the text must be a string, not {type(text).__name__}")
     if context_limit and len(text) > context_limit * CHARS_PER_TOKEN:
