@@ -444,3 +444,12 @@ def test_in_the_chat_a_stop_while_queued_and_left_out_turns_are_said(server):
     assert session.dropped >= 2
     assert f"left out the {session.dropped} oldest turns: the conversation outgrew the context" in chatbot[-1]["content"]
     assert session.answered()[0].images == [] and session.num_images() == 0  # the left-out image is freed
+
+
+@pytest.mark.parametrize("family", ["idefics3", "llava"])
+def test_typed_image_placeholders_are_text_in_other_families(zoo, family):
+    engine = Engine(zoo.target(family))
+    tokenizer = engine.target.tokenizer
+    spellings = [tokenizer.convert_ids_to_tokens(i) for i in engine.target.placeholder_ids]
+    prompt = engine.prepare([{"role": "user", "content": [{"type": "text", "text": "Look: " + " ".join(spellings)}]}])
+    assert prompt.num_image_tokens == 0 and spellings, spellings  # no placeholder id, no processor error
