@@ -66,10 +66,7 @@ class Engine:
             for part in message["content"]:
                 if part["type"] == "text":
                     check_text(part["text"], limit)
-        messages = neutralize(messages, self.target.tokenizer)
-        messages = [{"role": m["role"], "content": [
-            {**part, "image": fit_to_processor(part["image"], self.target.processor)} if part["type"] == "image"
-            else part for part in m["content"]]} for m in messages]
+        messages = fit_images(neutralize(messages, self.target.tokenizer), self.target.processor)
         images = images_of(messages)
         if len(images) > self.max_images:
             raise RequestError(f"{len(images)} images in the conversation; the limit is {self.max_images}")
@@ -145,6 +142,14 @@ def check_text(text: str, context_limit: int | None, what: str = "the message") 
         text.encode("utf-8")
     except UnicodeEncodeError as error:
         raise RequestError(f"{what} is not valid Unicode (an unpaired surrogate at character {error.start})") from None
+
+
+def fit_images(messages: list[dict], processor) -> list[dict]:
+    """Normalized `messages` with every image shrunk to what `processor` uses (fit_to_processor:
+    unchanged when already that small)."""
+    return [{"role": m["role"], "content": [
+        {**part, "image": fit_to_processor(part["image"], processor)} if part["type"] == "image" else part
+        for part in m["content"]]} for m in messages]
 
 
 def checked_settings(sampling: SamplingSettings, decode: DecodeSettings) -> tuple[SamplingSettings, DecodeSettings]:
