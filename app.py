@@ -24,32 +24,55 @@ def gpu_decorator():
     return spaces.GPU(duration=120) if spaces is not None else (lambda fn: fn)
 
 
-def main(argv: list[str] | None = None, block: bool = True):
+def main(argv: list[str] | None = None, block: bool = True, limits=None):
+    """Start the app; `limits` (app_ui.visitors.Limits): the bounds on what visitors may hold
+    (default: Limits())."""
     from app_ui.setup import SetupError, load_engine, read_config, warm_up
 
-    # 1. Settings from flags, else environment variables, else defaults.
-    config = read_config(argv)
+    # 1. Settings from flags, else environment variables, else defaults; a bad one is one line.
+    try:
+        config = read_config(argv)
+    except SetupError as error:
+        sys.exit(f"error: {error}")
     # 2. Load the target and its drafters; a missing or unusable model is one line, not a traceback.
     try:
         engine = load_engine(config)
     except SetupError as error:
         sys.exit(f"error: {error}")
+    except Exception as error:  # e.g. a truncated weights file, which safetensors reports in its own way
+        sys.exit(f"error: cannot load {config.model} or its drafters: {_one_line(error)}")
     # 3. Keep one-time costs out of the first visitor's statistics (ZeroGPU has no GPU outside requests).
     if not (spaces is not None and os.environ.get("SPACES_ZERO_GPU")):
-        warm_up(engine)
-    # 4. Build the UI and serve it; generations queue (one at a time, see app_ui/layout.py).
+        try:
+            warm_up(engine)
+        except Exception as error:
+            sys.exit(f"error: the model loaded but cannot answer: {_one_line(error)}")
+    # 4. Build the UI and serve it behind the visitors' guard; generations queue (one at a time,
+    #    see app_ui/layout.py); idle conversations and unsent uploads are swept while it runs.
+    from starlette.middleware import Middleware
+
     from app_ui.layout import CSS, EXAMPLES_DIR, build_demo
+    from app_ui.visitors import Guard, Limits, Visitors
     from engine.images import MAX_FILE_BYTES
 
-    demo = build_demo(engine, gpu=gpu_decorator())
+    visitors = Visitors(limits or Limits())
+    demo = build_demo(engine, gpu=gpu_decorator(), visitors=visitors)
     demo.queue(default_concurrency_limit=1)
+    guard = Middleware(Guard, visitors=visitors, forwarded=config.behind_proxy)
     try:
         demo.launch(server_name=config.host, server_port=config.port, share=config.share,
                     inbrowser=config.open_browser, prevent_thread_lock=not block, allowed_paths=[EXAMPLES_DIR],
-                    max_file_size=MAX_FILE_BYTES, css=CSS)  # serves uploads and the examples, nothing else
+                    max_file_size=MAX_FILE_BYTES, css=CSS,  # serves uploads and the examples, nothing else
+                    app_kwargs={"middleware": [guard], "lifespan": visitors.lifespan},
+                    state_session_capacity=visitors.limits.sessions)
     except OSError as error:  # e.g. the port is taken
         sys.exit(f"error: {error}")
     return demo
+
+
+def _one_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 if __name__ == "__main__":

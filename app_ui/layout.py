@@ -4,21 +4,28 @@ close over the `engine` argument of `build_demo`); sessions live in one gr.State
 Events that generate share the concurrency group "generate" with a limit of 1: one generation
 per loaded model at a time, the others wait in Gradio's queue and see their place in it.
 
-API (see the README): /chat, /ab, /stop, /clear.
+API (see the README): /chat, /ab, /stop, /clear. Every callback tells `Visitors` that its session
+is live; a cleared conversation's uploads are deleted (app_ui/visitors.py).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from types import SimpleNamespace
 
 import gradio as gr
+from gradio.components.multimodal_textbox import MultimodalData
+from gradio.data_classes import FileData
+from pydantic import field_validator
 
 from app_ui import views
 from app_ui.session import Options, Session, Turn, answer, messages_for, new_turn
+from app_ui.visitors import Visitors
 from engine.ab import ABProgress, run_ab
 from engine.engine import Engine, RequestError
 from engine.images import ImageError
@@ -51,11 +58,13 @@ CSS = """
 """.replace("DRAFT_COLOUR", DRAFT_COLOUR)
 
 
-def build_demo(engine: Engine, gpu: Callable = lambda fn: fn) -> gr.Blocks:
+def build_demo(engine: Engine, gpu: Callable = lambda fn: fn, visitors: Visitors | None = None) -> gr.Blocks:
     """The app for `engine`. `gpu` wraps every callback that generates (spaces.GPU on ZeroGPU).
-    Launch it with `css=CSS`."""
+    Launch it with `css=CSS`, and with `visitors`' Guard and lifespan (see app.py)."""
+    visitors = visitors or Visitors()
     examples = [{"text": text, "files": [os.path.join(EXAMPLES_DIR, f) for f in files]} for text, files in EXAMPLES]
-    # Uploaded files older than a day are deleted, checked hourly: the upload folder stays bounded.
+    # Gradio's own backstop: its files older than a day are deleted, checked hourly (Visitors deletes
+    # unsent uploads after minutes, and a conversation's uploads when it is cleared or expires).
     with gr.Blocks(title="VLM chat · speculative decoding", fill_width=True, delete_cache=(3600, 86400)) as demo:
         session = gr.State(Session())  # copied for every visitor: a new, empty session each
         gr.Markdown(_header(engine))
@@ -66,9 +75,9 @@ def build_demo(engine: Engine, gpu: Callable = lambda fn: fn) -> gr.Blocks:
             chat = _chat_tab(examples)
         with gr.Tab("A/B: plain vs speculative"):
             ab = _ab_tab(examples)
-        _wire_chat(engine, gpu, session, settings, chat)
-        _wire_ab(engine, gpu, session, settings[1:], ab)
-        _wire_api(engine, gpu, session, settings)
+        _wire_chat(engine, gpu, session, settings, chat, visitors)
+        _wire_ab(engine, gpu, session, settings[1:], ab, visitors)
+        _wire_api(engine, gpu, session, settings, visitors)
     return demo
 
 
@@ -112,13 +121,18 @@ def _ab_tab(examples: list[dict]) -> SimpleNamespace:
     return SimpleNamespace(message=message, stop=stop, panels=[verdict, plain, speculative, table])
 
 
-def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: list, chat: SimpleNamespace) -> None:
+def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: list, chat: SimpleNamespace,
+               visitors: Visitors) -> None:
     """Send: accept the message (or refuse it, saying why), show it at once, then answer it in the
     queue."""
 
-    def accept(message_value, session: Session):  # no outputs: a refusal is a toast, not an overlay
+    def accept(message_value, session: Session, request: gr.Request):  # no outputs: a refusal is a toast
+        visitors.touch(session)
         with _user_errors():
-            _start(session, new_turn(message_value, engine, session))
+            session.check_not_expired(visitors.limits.idle_s)
+            turn = new_turn(message_value, engine, session)
+            turn.arrived = _arrival(request)
+            _start(session, turn)
 
     def show(session: Session):
         return gr.MultimodalTextbox(value=None, interactive=False), views.chatbot_messages(session)
@@ -127,6 +141,7 @@ def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: list,
         if session.pending is None and session.turns:
             last = session.turns.pop()
             _start(session, Turn(last.text, last.files, last.images))
+        visitors.touch(session)
         return gr.MultimodalTextbox(interactive=session.pending is None), views.chatbot_messages(session)
 
     def undo(session: Session):
@@ -135,11 +150,12 @@ def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: list,
         return gr.skip(), views.chatbot_messages(session)
 
     def new_conversation(session: Session):
-        _clear(session)
+        _clear(session, visitors)
         return [], views.stats_markdown(None), [], views.acceptance_frame(None), views.speed_frame([])
 
     @gpu
     def respond(session: Session, *values):
+        visitors.touch(session)
         yield from _respond(engine, session, Options(*values))
 
     respond_event = dict(fn=respond, inputs=[session, *settings], outputs=chat.panels,
@@ -156,53 +172,81 @@ def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: list,
     chat.stop.click(_stop, [session], None, queue=False, api_name="stop")
 
 
-def _wire_ab(engine: Engine, gpu: Callable, session: gr.State, settings: list, ab: SimpleNamespace) -> None:
+def _wire_ab(engine: Engine, gpu: Callable, session: gr.State, settings: list, ab: SimpleNamespace,
+             visitors: Visitors) -> None:
     """`settings` without the mode."""
 
     @gpu
-    def ab_live(message_value, session: Session, *values):
-        yield from _ab_live(engine, message_value, session, Options("speculative", *values))
+    def ab_live(request: gr.Request, message_value, session: Session, *values):  # Gradio puts the request first
+        visitors.touch(session)
+        yield from _ab_live(engine, message_value, session, Options("speculative", *values), _arrival(request))
 
     ab.message.submit(ab_live, [ab.message, session, *settings], ab.panels, show_progress_on=ab.panels[:1],
                       api_visibility="private", **GENERATE)
     ab.stop.click(_stop, [session], None, queue=False, api_visibility="private")
 
 
-def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list) -> None:
+def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, visitors: Visitors) -> None:
     """The API-only endpoints /chat, /ab and /clear (/stop is the Stop button's); explicit
     signatures name the parameters for API clients. Their inputs and outputs are hidden
     components. The message box takes any file type: Gradio's own type check would refuse a
     non-image file without naming it, our image validation names the file and the reason."""
     with gr.Row(visible=False):
         message = gr.MultimodalTextbox(file_count="multiple", label="message")
+        message.data_model = ApiMessageData  # so that new_turn names a missing text or null files
         answer_text, statistics = gr.Textbox(label="answer"), gr.JSON(label="statistics")
         plain, speculative = gr.Textbox(label="plain"), gr.Textbox(label="speculative")
-        speedup, identical = gr.Number(label="speedup"), gr.Checkbox(label="identical")
+        speedup, identical = gr.Number(label="speedup"), gr.JSON(label="identical")  # true, false, null
         first_difference = gr.JSON(label="first_difference")
         trigger = gr.Button()
 
     @gpu
     def chat(message, mode, drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens, seed,
-             system_prompt, session):
+             system_prompt, session, request: gr.Request):
         """Answer a message (text and image files) in this client's conversation; streams the answer
         text and the statistics."""
+        visitors.touch(session)
         options = Options(mode, drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens, seed,
                           system_prompt)
-        yield from _api_chat(engine, message, session, options)
+        yield from _api_chat(engine, message, session, options, _arrival(request), visitors)
 
     @gpu
     def ab(message, drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens, seed, system_prompt,
-           session):
+           session, request: gr.Request):
         """Answer one message (no history) plainly and speculatively: both answers, the decode speedup,
-        whether they are identical and where they first differ (None when identical)."""
+        whether they are identical and where they first differ (None when identical; both None when
+        stopped)."""
+        visitors.touch(session)
         options = Options("speculative", drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens,
                           seed, system_prompt)
-        return _api_ab(engine, message, session, options)
+        return _api_ab(engine, message, session, options, _arrival(request))
 
-    trigger.click(chat, [message, *settings, session], [answer_text, statistics], api_name="chat", **GENERATE)
+    def clear(session):
+        _clear(session, visitors)
+
+    # preprocess=False: the values reach Options.checked as sent (a slider would refuse a value out of
+    # its range without naming the parameter); the message's files are still checked by Gradio.
+    trigger.click(chat, [message, *settings, session], [answer_text, statistics], api_name="chat",
+                  preprocess=False, **GENERATE)
     trigger.click(ab, [message, *settings[1:], session], [plain, speculative, speedup, identical,
-                                                            first_difference], api_name="ab", **GENERATE)
-    trigger.click(_clear, [session], None, api_name="clear", concurrency_limit=None)
+                                                            first_difference], api_name="ab", preprocess=False,
+                  **GENERATE)
+    trigger.click(clear, [session], None, api_name="clear", concurrency_limit=None)
+
+
+class ApiMessageData(MultimodalData):
+    """The API's message as sent: "text" may be missing or of any type and "files" null (as
+    none), so that new_turn names what is wrong instead of Gradio failing without a message.
+    Files are still Gradio's FileData: only files uploaded to this server are taken. With
+    preprocess=False the callback gets this model's dict: {"text": ..., "files": [FileData dicts]}."""
+
+    text: object = ""
+    files: list[FileData] = []
+
+    @field_validator("files", mode="before")
+    @classmethod
+    def _none_is_no_files(cls, files):
+        return [] if files is None else files
 
 
 def _header(engine: Engine) -> str:
@@ -251,29 +295,37 @@ def _user_errors():
 
 
 def _stop(session: Session) -> None:
-    session.stop.set()
+    session.request_stop()
 
 
-def _clear(session: Session) -> None:
-    """A new conversation; a running answer stops and is not kept."""
-    session.stop.set()
-    session.turns = []
+def _clear(session: Session, visitors: Visitors) -> None:
+    """A new conversation; a running or waiting answer stops and is not kept; the old
+    conversation's uploads are deleted."""
+    files, since = session.files(), session.last_message()
+    session.clear()
+    visitors.release(files, since)
+
+
+def _arrival(request: gr.Request | None) -> float:
+    """When the request reached the server (stamped by visitors.Guard), else now."""
+    state = getattr(getattr(request, "request", None), "state", None)
+    return getattr(state, "arrived", None) or time.perf_counter()
 
 
 def _start(session: Session, turn: Turn) -> None:
     session.pending = turn
-    session.stop.clear()
 
 
 def _respond(engine: Engine, session: Session, options: Options):
-    """Stream the pending turn's answer into the chat panels, throttled; plots less often."""
-    tokenizer, turn = engine.target.tokenizer, session.pending
+    """Stream the pending turn's answer into the chat panels, throttled; plots less often. A turn
+    that is not answered is shown with the reason, unless the chat was cleared meanwhile."""
+    tokenizer, turn, history = engine.target.tokenizer, session.pending, session.turns
     if turn is None:
         return
     text_tick, plot_tick = views.Throttle(views.UPDATES_PER_SECOND), views.Throttle(views.PLOT_UPDATES_PER_SECOND)
     side, points = None, []
     try:
-        for side in answer(engine, session, turn, options):
+        for side in answer(engine, session, turn, options.checked(engine)):
             if side.stats.decode_tokens:
                 points.append((side.stats.new_tokens, round(side.stats.decode_tok_s, 2)))
             if text_tick.ready():
@@ -282,13 +334,16 @@ def _respond(engine: Engine, session: Session, options: Options):
                        views.highlighted(side),
                        views.acceptance_frame(side.stats) if plots else gr.skip(),
                        views.speed_frame(points) if plots else gr.skip())
+        if side is not None and not side.stats.new_tokens:
+            turn.error = "stopped before the answer started; nothing was answered (Retry sends it again)"
+            history.append(turn)
     except (RequestError, ImageError) as error:
         turn.error = str(error)
-        session.turns.append(turn)
+        history.append(turn)
     except Exception as error:
         logger.exception("generation failed")
         turn.error = f"generation failed ({type(error).__name__}: {error}); the conversation is kept, try again"
-        session.turns.append(turn)
+        history.append(turn)
     finally:
         session.pending = None
     stats = side.stats if side else None
@@ -296,34 +351,43 @@ def _respond(engine: Engine, session: Session, options: Options):
            views.highlighted(side) if side else [], views.acceptance_frame(stats), views.speed_frame(points))
 
 
-def _api_chat(engine: Engine, message_value, session: Session, options: Options):
-    """/chat: (answer text, statistics dict), streamed; the turn joins the session's history."""
-    tick = views.Throttle(views.UPDATES_PER_SECOND)
+def _api_chat(engine: Engine, message_value, session: Session, options: Options, arrived: float,
+              visitors: Visitors):
+    """/chat: (answer text, statistics dict), streamed; the turn joins the session's history. A
+    request stopped while it waited in the queue answers "" with finish_reason "stopped"."""
+    started, tick = time.perf_counter(), views.Throttle(views.UPDATES_PER_SECOND)
     with _user_errors():
+        session.check_not_expired(visitors.limits.idle_s)
+        options = options.checked(engine)
         turn = new_turn(message_value, engine, session)
-        session.stop.clear()
-        for side in answer(engine, session, turn, options):
+        turn.arrived = arrived
+        for side in answer(engine, session, turn, options, started):
             if tick.ready():
-                yield side.text, views.stats_dict(side.stats)
-    yield side.text, views.stats_dict(side.stats)
+                yield side.text, views.stats_dict(side.stats, session.dropped)
+    yield side.text, views.stats_dict(side.stats, session.dropped)
 
 
-def _ab_events(engine: Engine, message_value, session: Session, options: Options):
-    """run_ab on one message (no chat history), with the session's stop flag."""
+def _ab_events(engine: Engine, message_value, session: Session, options: Options, arrived: float):
+    """run_ab on one message (no chat history), with a stop flag that Stop sets (also while the
+    request waits in the queue)."""
+    options = options.checked(engine)
     turn = new_turn(message_value, engine)
-    session.stop.clear()
     messages = messages_for(Session(), turn, options.system_prompt)
     drafter = options.drafter_for(engine) if engine.drafters else None  # run_ab says why None cannot do
-    for event in run_ab(engine, messages, drafter, options.sampling(), options.decode(), session.stop):
-        if not isinstance(event, ABProgress) and not event.stopped:
-            session.plain_tok_s = event.plain.stats.decode_tok_s
-        yield event
+    stop, session.running = session.begin(arrived), True
+    try:
+        for event in run_ab(engine, messages, drafter, options.sampling(), options.decode(), stop):
+            if not isinstance(event, ABProgress) and not event.stopped:
+                session.plain_tok_s = event.plain.stats.decode_tok_s
+            yield event
+    finally:
+        session.running = False
 
 
-def _ab_live(engine: Engine, message_value, session: Session, options: Options):
+def _ab_live(engine: Engine, message_value, session: Session, options: Options, arrived: float):
     tokenizer, tick = engine.target.tokenizer, views.Throttle(views.UPDATES_PER_SECOND)
     with _user_errors():
-        for event in _ab_events(engine, message_value, session, options):
+        for event in _ab_events(engine, message_value, session, options, arrived):
             done = not isinstance(event, ABProgress)
             if done or tick.ready():
                 verdict = views.ab_markdown(event if done else None, None if done else event.running)
@@ -331,9 +395,11 @@ def _ab_live(engine: Engine, message_value, session: Session, options: Options):
                        views.ab_table(event.plain.stats, event.speculative.stats))
 
 
-def _api_ab(engine: Engine, message_value, session: Session, options: Options):
-    """/ab: plain answer, speculative answer, speedup, identical, first difference (or None)."""
+def _api_ab(engine: Engine, message_value, session: Session, options: Options, arrived: float):
+    """/ab: plain answer, speculative answer, speedup, identical, first difference (or None);
+    stopped: speedup, identical and first difference are None."""
     with _user_errors():
-        *_, result = _ab_events(engine, message_value, session, options)
+        *_, result = _ab_events(engine, message_value, session, options, arrived)
     difference = result.as_dict()["first_difference"]
-    return result.plain.text, result.speculative.text, result.decode_speedup, result.identical, difference
+    identical = None if result.identical is None else json.dumps(result.identical)  # gr.JSON reads "true"
+    return result.plain.text, result.speculative.text, result.decode_speedup, identical, difference

@@ -1,36 +1,51 @@
 """A visitor's conversation and the requests it makes to the engine; no Gradio here.
 
 A `Session` lives in one `gr.State` per browser tab or `gradio_client.Client`, so no answer or
-image of one visitor reaches another. It holds the answered turns (images included), the turn
-being answered, and the stop flag the Stop button sets.
+image of one visitor reaches another. It holds the answered turns (their images shrunk to the
+size the model's processor uses), the turn being answered, and what Stop has asked for.
+
+Policies (the README's "Limits and safety"):
+- Stop applies to the request that is running and to any that arrived before it and still wait
+  in the queue; a Stop sent while nothing was asked is not kept for the next request.
+- A conversation that outgrows the context leaves out its oldest answered turns (their images
+  are freed), enough for the new turn and room for its answer; the chat says how many.
+- A conversation idle for `Visitors`' limit is emptied; its next message is refused once with a
+  message saying so, and the one after starts a new conversation.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from PIL import Image
 
 from engine.ab import Side
-from engine.engine import Engine, RequestError
-from engine.images import load_image
+from engine.engine import ContextError, Engine, RequestError, check_text
+from engine.images import fit_to_processor, load_image
 from engine.loop import DecodeSettings
+from engine.prompt import Prompt
 from engine.sampling import SamplingSettings
 from engine.stats import Stats
+
+ANSWER_ROOM = 256  # tokens kept free for the answer when old turns must make way (at most max_new_tokens)
 
 
 @dataclass
 class Turn:
     text: str
     files: list[str]  # the uploaded files, shown in the history
-    images: list[Image.Image]  # the same files, validated, for the model
+    images: list[Image.Image]  # the same files, validated and shrunk to the processor's size, for the model
     answer: str = ""
     summary: str = ""  # one line of this answer's statistics
     error: str = ""  # why the turn could not be answered; such turns are not sent to the model
+    arrived: float = field(default_factory=time.perf_counter)  # when the request arrived (a Stop after it applies)
+    load_s: float = 0.0  # time spent opening and shrinking its images, part of the answer's time to first token
 
     @property
     def message(self) -> dict:
@@ -48,8 +63,13 @@ class Session:
     def __init__(self):
         self.turns: list[Turn] = []
         self.pending: Turn | None = None  # sent by the UI, not answered yet
-        self.stop = threading.Event()
+        self.stop = threading.Event()  # the running request's stop flag (a new one per request)
+        self.stopped_at = -math.inf  # time.perf_counter() of the latest Stop
+        self.running = False  # a request of this session holds the engine
         self.plain_tok_s: float | None = None  # the latest plain decode speed seen here ("speedup if known")
+        self.dropped = 0  # the oldest answered turns no longer sent to the model (they outgrew the context)
+        self.last_active = time.perf_counter()
+        self.expired = False  # emptied for being idle; the next message says so
 
     def __deepcopy__(self, memo) -> Session:
         # gr.State copies its initial value for every visitor: each gets a new, empty session.
@@ -58,8 +78,52 @@ class Session:
     def answered(self) -> list[Turn]:
         return [turn for turn in self.turns if not turn.error]
 
+    def kept(self) -> list[Turn]:
+        """The answered turns still sent to the model."""
+        return self.answered()[self.dropped:]
+
     def num_images(self) -> int:
-        return sum(len(turn.images) for turn in self.answered())
+        return sum(len(turn.images) for turn in self.kept())
+
+    def files(self) -> set[str]:
+        """Every file this conversation shows."""
+        turns = self.turns + ([self.pending] if self.pending else [])
+        return {path for turn in turns for path in turn.files}
+
+    def last_message(self) -> float:
+        """When its latest message arrived (time.perf_counter()); -inf if none."""
+        turns = self.turns + ([self.pending] if self.pending else [])
+        return max((turn.arrived for turn in turns), default=-math.inf)
+
+    def begin(self, arrived: float) -> threading.Event:
+        """A new stop flag for a request that arrived at `arrived`: already set if Stop was
+        pressed since (while the request waited in the queue)."""
+        self.stop = threading.Event()
+        if self.stopped_at >= arrived:
+            self.stop.set()
+        return self.stop
+
+    def request_stop(self) -> None:
+        self.stopped_at = time.perf_counter()
+        self.stop.set()
+
+    def clear(self) -> None:
+        """A new conversation; a running or waiting answer stops and is not kept."""
+        self.request_stop()
+        self.turns, self.dropped, self.expired = [], 0, False
+
+    def expire(self) -> None:
+        """Free an idle conversation; its next message is told so."""
+        self.clear()
+        self.expired = True
+
+    def check_not_expired(self, idle_s: float) -> None:
+        """RequestError, once, when the conversation expired (`idle_s`: the idle time that expires one)."""
+        if self.expired:
+            self.expired = False
+            idle = f"{idle_s / 60:.0f} minutes" if idle_s >= 120 else f"{idle_s:.0f} seconds"
+            raise RequestError(f"this conversation was idle for over {idle} and was cleared to free the server's "
+                               "memory; send your message again to start a new conversation")
 
 
 @dataclass(frozen=True)
@@ -75,6 +139,26 @@ class Options:
     max_new_tokens: int = 256
     seed: int = 0
     system_prompt: str = ""
+
+    def checked(self, engine: Engine) -> Options:
+        """The options converted to their types; RequestError names the first that is not of
+        its type or not a choice (engine.checked_settings then checks the ranges)."""
+        choices = {"mode": ["speculative", "plain"], "drafter": [*engine.drafters, "none", "", None]}
+        values = {}
+        for option in fields(self):
+            value = getattr(self, option.name)
+            kind = {"draft_tokens": int, "max_new_tokens": int, "seed": int, "adaptive": bool,
+                    "temperature": float, "top_p": float}.get(option.name)
+            if kind is not None:
+                value = _convert(option.name, value, kind)
+            elif option.name == "system_prompt":
+                value = "" if value is None else value
+                check_text(value, engine.context_limit(), "system_prompt")
+            elif value not in choices[option.name]:
+                listed = ", ".join(str(choice) for choice in choices[option.name] if choice)
+                raise RequestError(f"{option.name} {value} is not in the list of choices ({listed})"[:300])
+            values[option.name] = value
+        return Options(**values)
 
     def sampling(self) -> SamplingSettings:
         return SamplingSettings(temperature=float(self.temperature), top_p=float(self.top_p), seed=int(self.seed))
@@ -95,14 +179,34 @@ class Options:
         return drafter
 
 
+def _convert(name: str, value, kind: type):
+    """`value` as `kind` (a whole-valued float counts as an int); RequestError naming `name`."""
+    if kind is bool and isinstance(value, bool):
+        return value
+    if kind in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if kind is float:
+            return float(value)
+        if isinstance(value, int) or (math.isfinite(value) and value == int(value)):
+            return int(value)
+    wanted = {int: "a whole number", float: "a number", bool: "true or false"}[kind]
+    raise RequestError(f"{name} must be {wanted}, got {value!r}")
+
+
 def new_turn(message: dict | str | None, engine: Engine, session: Session | None = None) -> Turn:
     """A MultimodalTextbox value ({"text": ..., "files": [...]}) made into a turn whose images
-    are validated; RequestError / ImageError name the file or the limit."""
+    are validated and shrunk to the processor's size; RequestError / ImageError name the file,
+    the field or the limit. Checks the text before opening any image."""
+    arrived = time.perf_counter()
     if isinstance(message, str):
         message = {"text": message, "files": []}
+    if message is not None and not isinstance(message, dict):
+        raise RequestError(f"message must be {{'text': ..., 'files': [...]}}, got {type(message).__name__}")
     message = message or {}
-    text = (message.get("text") or "").strip()
-    files = [_path(file) for file in message.get("files") or []]
+    text, files = message.get("text") or "", message.get("files") or []
+    check_text(text, engine.context_limit())
+    if not isinstance(files, list):
+        raise RequestError(f"message 'files' must be a list of files, got {type(files).__name__}")
+    text, files = text.strip(), [_path(file) for file in files]
     if not text and not files:
         raise RequestError("the message is empty: type a question, add images, or both")
     earlier = session.num_images() if session else 0
@@ -110,39 +214,85 @@ def new_turn(message: dict | str | None, engine: Engine, session: Session | None
         where = f" ({earlier} earlier in this conversation; start a new chat to free them)" if earlier else ""
         raise RequestError(f"{len(files)} images in this message{where}: the limit is {engine.max_images} "
                            "images per conversation")
-    images = [load_image(path, name=os.path.basename(path)) for path in files]
-    return Turn(text, files, images)
+    images = [fit_to_processor(load_image(path, name=os.path.basename(path)), engine.target.processor)
+              for path in files]
+    return Turn(text, files, images, arrived=arrived, load_s=time.perf_counter() - arrived)
 
 
 def _path(file) -> str:
     """A file as Gradio hands it over: a path, or a dict with one (gradio_client, FileData)."""
     if isinstance(file, dict):
-        return file.get("path") or file.get("name") or ""
-    return getattr(file, "path", file)
+        path = file.get("path") or file.get("name") or ""
+    else:
+        path = getattr(file, "path", file)
+    if not isinstance(path, str) or not path:
+        raise RequestError(f"message 'files' must hold uploaded files, got {file!r}"[:200])
+    return path
 
 
-def messages_for(session: Session, turn: Turn, system_prompt: str = "") -> list[dict]:
-    """The engine's chat messages: system prompt, the answered turns, then `turn`."""
+def messages_for(session: Session, turn: Turn, system_prompt: str = "", dropped: int | None = None) -> list[dict]:
+    """The engine's chat messages: system prompt, the answered turns (less the `dropped` oldest;
+    default: the session's), then `turn`."""
     messages = [{"role": "system", "content": [{"type": "text", "text": system_prompt.strip()}]}] \
         if system_prompt.strip() else []
-    for earlier in session.answered():
+    for earlier in session.answered()[session.dropped if dropped is None else dropped:]:
         messages.append({"role": "user", "content": earlier.content()})
         messages.append({"role": "assistant", "content": [{"type": "text", "text": earlier.answer}]})
     messages.append({"role": "user", "content": turn.content()})
     return messages
 
 
-def answer(engine: Engine, session: Session, turn: Turn, options: Options) -> Iterator[Side]:
+def fit_to_context(engine: Engine, session: Session, turn: Turn, options: Options) -> tuple[Prompt, int]:
+    """The prompt for `turn`, and how many of the oldest answered turns it leaves out: as few as
+    leave room for the answer (max_new_tokens, at most ANSWER_ROOM). Leaving them out is
+    kept (later turns never bring them back) and frees their images. A turn that does not fit
+    even alone raises ContextError."""
+    history, limit = session.answered(), engine.context_limit()
+    room = min(int(options.max_new_tokens), ANSWER_ROOM)
+    prompts: dict[int, Prompt | None] = {}
+
+    def fits(dropped: int) -> bool:
+        try:
+            prompts[dropped] = engine.prepare(messages_for(session, turn, options.system_prompt, dropped))
+        except ContextError:
+            prompts[dropped] = None
+            if dropped == len(history):
+                raise
+            return False
+        return not limit or len(prompts[dropped].input_ids) + room <= limit
+
+    low, high = min(session.dropped, len(history)), len(history)
+    if not fits(low):
+        while low + 1 < high:  # fits(high) is assumed; the first that fits is in (low, high]
+            middle = (low + high) // 2
+            low, high = (low, middle) if fits(middle) else (middle, high)
+        low = high
+        if prompts.get(low) is None:
+            fits(low)  # raises ContextError when the turn alone is over the context
+    for earlier in history[session.dropped:low]:
+        earlier.images = []  # no longer sent: free them
+    session.dropped = low
+    return prompts[low], low
+
+
+def answer(engine: Engine, session: Session, turn: Turn, options: Options, started: float | None = None
+           ) -> Iterator[Side]:
     """Stream the answer to `turn` (the live Side after every chunk) and keep the turn in the
     session's history when it ends: finished, stopped by `session.stop`, or closed by the
-    caller (a cancelled request keeps what was answered so far). A request that fails (out of
-    memory, say) leaves the history as it was, so the turn can be sent again. A chat cleared
-    meanwhile (`session.turns` replaced) does not get the turn."""
-    history = session.turns
-    events = engine.stream(messages_for(session, turn, options.system_prompt), drafter=options.drafter_for(engine),
-                           sampling=options.sampling(), decode=options.decode(), stop=session.stop)
+    caller (a cancelled request keeps what was answered so far). A request stopped before it
+    started, or that fails (out of memory, say), leaves the history as it was, so the turn can
+    be sent again. A chat cleared meanwhile (`session.turns` replaced) does not get the turn.
+    `started` (time.perf_counter()): when the request started (default: now, less the time its
+    images took to load when the turn was accepted)."""
+    started = time.perf_counter() - turn.load_s if started is None else started
+    history, stop = session.turns, session.begin(turn.arrived)
     side, failed = Side(options.mode), False
+    session.running = True
     try:
+        drafter = options.drafter_for(engine)
+        prompt = None if stop.is_set() else fit_to_context(engine, session, turn, options)[0]
+        events = engine.stream(prompt or messages_for(session, turn, options.system_prompt), drafter=drafter,
+                               sampling=options.sampling(), decode=options.decode(), stop=stop, started=started)
         with closing(events):
             for event in events:
                 side.update(event)
@@ -151,7 +301,8 @@ def answer(engine: Engine, session: Session, turn: Turn, options: Options) -> It
         failed = True
         raise
     finally:  # GeneratorExit (the caller closed the stream) is not an Exception: the turn is kept
-        if side.stats is not None and not failed:
+        session.running = False
+        if side.stats is not None and side.stats.new_tokens and not failed:
             record(session, turn, side, history)
 
 
@@ -159,16 +310,21 @@ def record(session: Session, turn: Turn, side: Side, history: list[Turn]) -> Non
     stats = side.stats
     if stats.mode == "plain" and stats.finish_reason != "stopped" and stats.decode_tokens:
         session.plain_tok_s = stats.decode_tok_s
-    turn.answer, turn.summary = side.text, summary(stats, session.plain_tok_s)
+    turn.answer, turn.summary = side.text, summary(stats, session.plain_tok_s, session.dropped)
     history.append(turn)
 
 
-def summary(stats: Stats, plain_tok_s: float | None = None) -> str:
-    """Stats.summary() with the speedup over the latest plain answer, when there is one."""
+def summary(stats: Stats, plain_tok_s: float | None = None, dropped: int = 0) -> str:
+    """Stats.summary() with the speedup over the latest plain answer, when there is one, and
+    what the context cut."""
     line = stats.summary()
     if stats.mode == "speculative" and plain_tok_s:
         first, _, rest = line.partition(" · ")
         line = f"{first} ({stats.decode_tok_s / plain_tok_s:.2f}× plain) · {rest}"
     if stats.finish_reason == "stopped":
         line += " · stopped"
+    if stats.finish_reason == "context":
+        line += " · cut: the model's context is full (start a new chat)"
+    if dropped:
+        line += f" · left out the {dropped} oldest turn{'s' if dropped > 1 else ''}: the conversation outgrew the context"
     return line

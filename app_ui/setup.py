@@ -16,9 +16,11 @@ a flag wins over its variable:
     --port     VLM_PORT      default 7860, or the next free port
     --share    VLM_SHARE=1   a public gradio.live link
     --no-browser  VLM_NO_BROWSER=1   do not open the browser (never opened on a Space)
-    --max-images  VLM_MAX_IMAGES     images per conversation (default 8)
+    --max-images  VLM_MAX_IMAGES     images per conversation (default 8, at most 64)
     --trust-remote-code  VLM_TRUST_REMOTE_CODE=1   run a checkpoint's own Python code (off: such a
                              model is refused with a message naming this flag)
+
+A bad value, of a flag or a variable, raises SetupError naming it (app.py prints one line).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from dataclasses import dataclass, replace
 from PIL import Image
 
 from engine.build import TRUE, EngineSpec, add_model_flags, spec_from_args
+from models.loading import DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError
+from models.presets import PRESETS
 
 
 class SetupError(Exception):
@@ -43,6 +47,7 @@ class Config:
     port: int | None = None
     share: bool = False
     open_browser: bool = True
+    behind_proxy: bool = False  # on a Space: a client's address is the first of X-Forwarded-For
 
     @property
     def model(self) -> str:
@@ -62,30 +67,76 @@ class Config:
 
 
 def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
+    """The app's settings: flags, else VLM_* variables, else defaults. A bad flag or variable
+    raises SetupError naming it (one line); --help prints the usage and exits."""
     on_space = bool(environ.get("SPACE_ID"))
 
     def env(name: str, default=None):
         return environ.get(f"VLM_{name}") or default
 
-    parser = argparse.ArgumentParser(prog="python app.py", description="Chat with a VLM; speculative decoding.")
+    parser = _Parser(prog="python app.py", description="Chat with a VLM; speculative decoding.")
     add_model_flags(parser, env=env)
     parser.add_argument("--host", default=env("HOST", environ.get("GRADIO_SERVER_NAME")
                                              or ("0.0.0.0" if on_space else "127.0.0.1")))
-    parser.add_argument("--port", type=int, default=int(env("PORT", environ.get("GRADIO_SERVER_PORT") or 0)) or None)
+    parser.add_argument("--port", type=_whole("--port", 1, 65535))
     parser.add_argument("--share", action="store_true", default=env("SHARE", "").lower() in TRUE)
     parser.add_argument("--no-browser", action="store_true", default=on_space or env("NO_BROWSER", "").lower() in TRUE)
-    parser.add_argument("--max-images", type=int, default=int(env("MAX_IMAGES", 8)))
+    parser.add_argument("--max-images", type=_whole("--max-images", 1, MAX_IMAGES))
     args = parser.parse_args(argv)
-    spec = spec_from_args(args, max_images=args.max_images)
+    _check_variables(args)
+
+    port_variable = env("PORT") or environ.get("GRADIO_SERVER_PORT")
+    port = args.port if args.port is not None else (
+        _whole("VLM_PORT", 1, 65535)(port_variable) if port_variable else None)
+    max_images = args.max_images if args.max_images is not None else (
+        _whole("VLM_MAX_IMAGES", 1, MAX_IMAGES)(env("MAX_IMAGES")) if env("MAX_IMAGES") else 8)
+    try:
+        spec = spec_from_args(args, max_images=max_images)
+    except LoadError as error:
+        raise SetupError(str(error)) from None
     if spec.drafters and "ngram" not in spec.drafters:
         spec = replace(spec, drafters=spec.drafters + ("ngram",))  # the app always offers n-gram: it costs nothing
-    return Config(spec, args.host, args.port, args.share, not args.no_browser)
+    return Config(spec, args.host, port, args.share, not args.no_browser, behind_proxy=on_space)
+
+
+MAX_IMAGES = 64
+# Flags whose value a variable may give (argparse checks a flag's value, not a default's).
+VARIABLE_CHOICES = {"preset": ("PRESET", sorted(PRESETS)), "dtype": ("DTYPE", DTYPES),
+                    "device": ("DEVICE", DEVICES), "drafter_dtype": ("DRAFTER_DTYPE", DRAFTER_DTYPES),
+                    "quantization": ("QUANTIZATION", QUANTIZATIONS)}
+
+
+def _check_variables(args: argparse.Namespace) -> None:
+    """A value that came from a VLM_ variable must be one of its flag's choices."""
+    for dest, (name, choices) in VARIABLE_CHOICES.items():
+        value = getattr(args, dest)
+        if value is not None and value not in choices:
+            raise SetupError(f"VLM_{name}: {value!r} is not one of {', '.join(choices)}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors raise SetupError (one line, exit status 1 in app.py) instead of printing the usage."""
+
+    def error(self, message: str):
+        raise SetupError(message)
+
+
+def _whole(name: str, low: int, high: int):
+    """A reader of the flag or variable `name` that takes a whole number from `low` to `high`."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise SetupError(f"{name}: {value!r} is not a whole number") from None
+        if not low <= number <= high:
+            raise SetupError(f"{name}: {number} is not from {low} to {high}")
+        return number
+    return parse
 
 
 def load_engine(config: Config):
     """The engine with every drafter of the config (engine/build.py: keyed "text", "vlm", "ngram"...)."""
     from engine.build import build_engine
-    from models.loading import LoadError
 
     try:
         return build_engine(config.spec)

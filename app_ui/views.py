@@ -14,7 +14,8 @@ from engine.stats import Stats
 UPDATES_PER_SECOND = 15  # text and statistics; the plots refresh less often
 PLOT_UPDATES_PER_SECOND = 2
 DRAFT_LABEL = "accepted draft tokens"  # the HighlightedText category of tokens the drafter proposed
-FINISH_REASONS = {"stop_token": "end of answer", "max_new_tokens": "max new tokens reached", "stopped": "stopped"}
+FINISH_REASONS = {"stop_token": "end of answer", "max_new_tokens": "max new tokens reached", "stopped": "stopped",
+                  "context": "the model's context is full"}
 
 
 class Throttle:
@@ -32,12 +33,13 @@ class Throttle:
         return True
 
 
-def stats_dict(stats: Stats | None) -> dict:
-    """The API's statistics: always the same keys (Stats' fields plus `summary`)."""
+def stats_dict(stats: Stats | None, dropped_turns: int = 0) -> dict:
+    """The API's statistics: always the same keys (Stats' fields plus `summary` and
+    `dropped_turns`, the oldest turns of the conversation left out to fit the context)."""
     values = (stats or Stats()).as_dict()
     values = {key: round(value, 4) if isinstance(value, float) else value for key, value in values.items()}
     values["tok_s_curve"] = [round(value, 2) for value in values["tok_s_curve"]]
-    return {**values, "summary": stats.summary() if stats else ""}
+    return {**values, "summary": stats.summary() if stats else "", "dropped_turns": dropped_turns}
 
 
 def stats_markdown(stats: Stats | None, plain_tok_s: float | None = None) -> str:
@@ -64,7 +66,7 @@ def _stat_rows(stats: Stats) -> list[tuple[str, str]]:
     prefill = f"{stats.prefill_tokens} tokens ({stats.prefill_image_tokens} image) in {stats.prefill_s * 1000:.0f} ms"
     return [
         ("Decode speed", f"**{stats.decode_tok_s:.1f} tok/s**"),
-        ("Time to first token", f"{stats.ttft_s * 1000:.0f} ms"),
+        ("Time to first token", f"{stats.ttft_s * 1000:.0f} ms (images and prompt {stats.prepare_s * 1000:.0f} ms)"),
         ("Prefill", prefill),
         ("Decode", f"{stats.decode_tokens} tokens in {stats.decode_s:.2f} s"),
         ("Whole answer", f"{stats.new_tokens} tokens in {stats.total_s:.2f} s"),
@@ -141,7 +143,7 @@ def ab_markdown(result: ABResult | None, running: str | None = None) -> str:
     if result is None:
         return f"*Running the {running} side…*" if running else "*Run a turn to compare plain and speculative decoding.*"
     if result.stopped:
-        return "**Stopped** before both sides finished; no speedup to report."
+        return "**Stopped** before both sides finished; no speedup or comparison to report."
     parts = []
     if result.decode_speedup is not None:
         parts.append(f"**Speedup {result.decode_speedup:.2f}×** in decode tokens/s")

@@ -18,8 +18,9 @@ Conventions:
   above 1 means the speculative answer finished sooner.
 - identical compares token ids. With greedy sampling it must be True (the engine's exactness
   guarantee); with temperature > 0 the two sides draw differently and usually differ.
-- A stop (the `stop` event) ends the A/B early: the result has stopped=True, no speedup, and
-  the speculative side may not have run (its `done` is False).
+- A stop (the `stop` event) ends the A/B early: the result has stopped=True, no speedup, no
+  comparison (identical and first_difference are None: the answers were not both finished),
+  and the speculative side may not have run (its `done` is False).
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ class ABResult:
     speculative: Side
     decode_speedup: float | None
     time_ratio: float | None
-    identical: bool
-    first_difference: Difference | None  # None when identical
+    identical: bool | None  # None when stopped
+    first_difference: Difference | None  # None when identical or stopped
     stopped: bool = False
 
     def as_dict(self) -> dict:
@@ -124,6 +125,8 @@ def compare(tokenizer, plain: Side, speculative: Side) -> ABResult:
     """Speedup and identity of two finished sides (see the module's conventions)."""
     stopped = not (plain.done and speculative.done) or "stopped" in (
         plain.stats.finish_reason, speculative.stats.finish_reason)
+    if stopped:
+        return ABResult(plain, speculative, None, None, identical=None, first_difference=None, stopped=True)
     index = first_difference_index(plain.token_ids, speculative.token_ids)
     difference = None if index is None else Difference(
         index=index,
@@ -132,12 +135,10 @@ def compare(tokenizer, plain: Side, speculative: Side) -> ABResult:
         speculative=tokenizer.decode(speculative.token_ids[index:index + DIFFERENCE_TOKENS],
                                      skip_special_tokens=True),
     )
-    decode_speedup = time_ratio = None
-    if not stopped:
-        decode_speedup = _ratio(speculative.stats.decode_tok_s, plain.stats.decode_tok_s)
-        time_ratio = _ratio(plain.stats.total_s, speculative.stats.total_s)
+    decode_speedup = _ratio(speculative.stats.decode_tok_s, plain.stats.decode_tok_s)
+    time_ratio = _ratio(plain.stats.total_s, speculative.stats.total_s)
     return ABResult(plain, speculative, decode_speedup, time_ratio, identical=index is None,
-                    first_difference=difference, stopped=stopped)
+                    first_difference=difference)
 
 
 def first_difference_index(a: list[int], b: list[int]) -> int | None:

@@ -12,7 +12,9 @@ models share one device and one set of threads.
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from dataclasses import replace
 from collections.abc import Iterator
 
@@ -20,13 +22,19 @@ import torch
 
 from engine.drafters.base import Drafter
 from engine.loop import Chunk, DecodeSettings, Done, generate
-from engine.prompt import Prompt, encode_vlm, images_of, normalize
+from engine.images import fit_to_processor
+from engine.prompt import Prompt, encode_vlm, images_of, neutralize, normalize
 from engine.sampling import SamplingSettings
+from engine.stats import Stats
 from engine.target import Target
 
 
 class RequestError(ValueError):
     """The request cannot be answered as sent (too many images, too long...); says why."""
+
+
+class ContextError(RequestError):
+    """The prompt does not fit the model's context."""
 
 
 class Engine:
@@ -51,7 +59,16 @@ class Engine:
         return getattr(self.target.model.config.get_text_config(), "max_position_embeddings", None)
 
     def prepare(self, messages: list[dict]) -> Prompt:
+        """The conversation made ready for the target: text checked and its markup neutralized,
+        images shrunk to the processor's size, then rendered, tokenized and processed. Raises
+        RequestError (ContextError when the prompt does not fit the context)."""
         messages = normalize(messages)
+        limit = self.context_limit()
+        for message in messages:
+            for part in message["content"]:
+                if part["type"] == "text":
+                    check_text(part["text"], limit)
+        messages = fit_images(neutralize(messages, self.target.tokenizer), self.target.processor)
         images = images_of(messages)
         if len(images) > self.max_images:
             raise RequestError(f"{len(images)} images in the conversation; the limit is {self.max_images}")
@@ -60,36 +77,108 @@ class Engine:
         except ValueError as error:  # e.g. Qwen's processor refuses an aspect ratio over 200:1
             raise RequestError(f"the model's processor cannot prepare this message: {error}") from None
         prompt = Prompt(messages, images, inputs, self.target.placeholder_ids)
-        limit = self.context_limit()
         if limit and len(prompt.input_ids) >= limit:
-            raise RequestError(f"the prompt is {len(prompt.input_ids)} tokens ({prompt.num_image_tokens} of them for "
+            raise ContextError(f"the prompt is {len(prompt.input_ids)} tokens ({prompt.num_image_tokens} of them for "
                                f"images); the model's context is {limit}: send fewer or smaller images or a shorter "
-                               "message, or start a new chat")
+                               "message")
         return prompt
 
     def stream(
         self,
-        messages: list[dict],
+        messages: list[dict] | Prompt,
         drafter: str | None = None,
         sampling: SamplingSettings = SamplingSettings(),
         decode: DecodeSettings = DecodeSettings(),
         stop: threading.Event | None = None,
+        started: float | None = None,
     ) -> Iterator[Chunk | Done]:
-        """Answer the conversation's last user turn. drafter=None decodes plainly."""
+        """Answer the conversation's last user turn (messages, or a Prompt from `prepare`).
+        drafter=None decodes plainly. `started`: the request's start (time.perf_counter()),
+        default now; `ttft_s` and `total_s` count from it, so image and prompt processing
+        are included (`prepare_s`). A request stopped before it starts ends at once, with no
+        answer; an answer that fills the context ends with finish_reason "context"."""
+        started = time.perf_counter() if started is None else started
         if drafter is not None and drafter not in self.drafters:
             raise RequestError(f"unknown drafter {drafter!r}; loaded: {', '.join(self.drafters) or 'none'}")
-        prompt = self.prepare(messages)
+        sampling, decode = checked_settings(sampling, decode)
+        if stop is not None and stop.is_set():
+            yield Done("", [], Stats(mode="speculative" if drafter else "plain", finish_reason="stopped",
+                                     drafter=self.drafters[drafter].name if drafter else None))
+            return
+        prompt = messages if isinstance(messages, Prompt) else self.prepare(messages)
         if not decode.stop_token_ids:
             decode = replace(decode, stop_token_ids=self.stop_token_ids())
         room = self.context_limit() - len(prompt.input_ids) if self.context_limit() else None
-        if room is not None and decode.max_new_tokens > room:  # the answer must fit the context too
+        cut_by_context = room is not None and decode.max_new_tokens >= room
+        if cut_by_context:  # the answer must fit the context too
             decode = replace(decode, max_new_tokens=room)
         with self.lock:
+            prepare_s = time.perf_counter() - started  # waiting for the lock included
             try:
-                yield from generate(self.target.runner, self.target.tokenizer, prompt,
-                                    self.drafters.get(drafter) if drafter else None, sampling, decode, stop)
+                for event in generate(self.target.runner, self.target.tokenizer, prompt,
+                                      self.drafters.get(drafter) if drafter else None, sampling, decode, stop):
+                    count_from_request(event.stats, prepare_s, cut_by_context)
+                    yield event
             except torch.OutOfMemoryError:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()  # this request's caches are gone; the next one starts clean
                 raise RequestError("out of memory while answering; try fewer or smaller images, a shorter "
                                    "conversation or fewer new tokens") from None
+
+
+MIN_TEMPERATURE = 1e-3  # below it sampling is greedy in effect, and logits / T can overflow: decode greedily
+MAX_DRAFT_TOKENS = 64
+CHARS_PER_TOKEN = 16  # a message's text may be this many characters per token of context, checked before tokenizing
+
+
+def check_text(text: str, context_limit: int | None, what: str = "the message") -> None:
+    """RequestError when `text` is not a string, not valid Unicode, or over CHARS_PER_TOKEN
+    characters per token of the context (a bound far over what a context holds in practice):
+    refused before anything tokenizes it."""
+    if not isinstance(text, str):
+        raise RequestError(f"{what}: the text must be a string, not {type(text).__name__}")
+    if context_limit and len(text) > context_limit * CHARS_PER_TOKEN:
+        raise RequestError(f"{what} is {len(text):,} characters; the model's context ({context_limit:,} tokens) "
+                           f"takes at most {context_limit * CHARS_PER_TOKEN:,}: send a shorter text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(f"{what} is not valid Unicode (an unpaired surrogate at character {error.start})") from None
+
+
+def fit_images(messages: list[dict], processor) -> list[dict]:
+    """Normalized `messages` with every image shrunk to what `processor` uses (fit_to_processor:
+    unchanged when already that small)."""
+    return [{"role": m["role"], "content": [
+        {**part, "image": fit_to_processor(part["image"], processor)} if part["type"] == "image" else part
+        for part in m["content"]]} for m in messages]
+
+
+def checked_settings(sampling: SamplingSettings, decode: DecodeSettings) -> tuple[SamplingSettings, DecodeSettings]:
+    """The settings, or RequestError naming the first one out of range; a temperature under
+    MIN_TEMPERATURE decodes greedily."""
+    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
+        raise RequestError(f"temperature must be 0 (greedy) or more, got {sampling.temperature}")
+    if not (math.isfinite(sampling.top_p) and 0 < sampling.top_p <= 1):
+        raise RequestError(f"top_p must be over 0 and at most 1, got {sampling.top_p}")
+    if sampling.top_k < 0:
+        raise RequestError(f"top_k must be 0 (off) or more, got {sampling.top_k}")
+    if sampling.seed is not None and not 0 <= sampling.seed < 2**63:
+        raise RequestError(f"seed must be a whole number from 0 to 2**63 - 1, got {sampling.seed}")
+    if decode.max_new_tokens < 1:
+        raise RequestError(f"max_new_tokens must be at least 1, got {decode.max_new_tokens}")
+    if not 1 <= decode.draft_tokens <= MAX_DRAFT_TOKENS:
+        raise RequestError(f"draft_tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {decode.draft_tokens}")
+    if 0 < sampling.temperature < MIN_TEMPERATURE:
+        sampling = replace(sampling, temperature=0.0)
+    return sampling, decode
+
+
+def count_from_request(stats: Stats, prepare_s: float, cut_by_context: bool) -> None:
+    """Times from the request's start rather than the prefill's: `prepare_s` (images and prompt
+    processing) is in `ttft_s` and `total_s`. An answer cut at the context's end says so."""
+    if stats.prepare_s != prepare_s:
+        stats.prepare_s = prepare_s
+        stats.ttft_s = prepare_s + stats.prefill_s
+    if cut_by_context and stats.finish_reason == "max_new_tokens":
+        stats.finish_reason = "context"

@@ -9,11 +9,15 @@ Limits (configurable through the arguments; the app and CLI use the defaults):
   decoded) never allocates its pixels. 40 megapixels covers any camera photo.
 Handled rather than refused: animated images (first frame), CMYK, 16-bit and 32-bit
 grayscale, palette and transparent images (composited on white), EXIF rotation.
+
+`fit_to_processor` shrinks an image to the size the model's processor would resize it to, so a
+conversation keeps a few hundred kilobytes per photo instead of its full resolution.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 
 import numpy as np
@@ -91,3 +95,58 @@ def to_rgb(image: Image.Image) -> Image.Image:
         background = Image.new("RGBA", image.size, (255, 255, 255, 255))
         image = Image.alpha_composite(background, image.convert("RGBA"))
     return image.convert("RGB")
+
+
+def fit_to_processor(image: Image.Image, processor) -> Image.Image:
+    """`image` shrunk to what `processor` (a VLM processor, or its image processor) resizes it
+    to anyway; never enlarged, and unchanged when it is small enough or the processor crops
+    from the full resolution (pan-and-scan, any-resolution grids). Idempotent.
+
+    Qwen-VL processors (`smart_resize`: a pixel budget, sides multiple of patch x merge) get
+    exactly the size and resampling the processor uses, so its output is bit-for-bit the same
+    as for the full image; processors that resize to a longest or shortest edge, or to a fixed
+    height and width, get the largest image that still covers that size."""
+    images = getattr(processor, "image_processor", processor)
+    size = _size_dict(getattr(images, "size", None))
+    if getattr(images, "do_pan_and_scan", False) or getattr(images, "image_grid_pinpoints", None) \
+            or not getattr(images, "do_resize", True) or not size:
+        return image
+    width, height = image.size
+    if getattr(images, "merge_size", None) and getattr(images, "patch_size", None) and size.get("longest_edge"):
+        new_size = _smart_size(width, height, images.patch_size * images.merge_size, size["longest_edge"])
+    elif size.get("longest_edge"):
+        new_size = _scaled(width, height, size["longest_edge"] / max(width, height))
+    elif size.get("shortest_edge"):
+        new_size = _scaled(width, height, size["shortest_edge"] / min(width, height))
+    elif size.get("height") and size.get("width"):
+        new_size = _scaled(width, height, max(size["height"] / height, size["width"] / width))
+    else:
+        return image
+    if new_size is None or new_size[0] * new_size[1] >= width * height:
+        return image
+    return image.resize(new_size, Image.Resampling(int(getattr(images, "resample", None) or Image.Resampling.BICUBIC)))
+
+
+def _size_dict(size) -> dict:
+    if size is None:
+        return {}
+    items = size.items() if isinstance(size, dict) else vars(size).items()
+    return {key: value for key, value in items if isinstance(value, (int, float)) and value > 0}
+
+
+def _smart_size(width: int, height: int, factor: int, max_pixels: int) -> tuple[int, int] | None:
+    """Qwen-VL's `smart_resize` when it shrinks (over `max_pixels`); None when it would not, or
+    when it refuses the aspect ratio (over 200:1: the processor says so itself)."""
+    if max(width, height) > 200 * min(width, height):
+        return None
+    if round(height / factor) * factor * round(width / factor) * factor <= max_pixels:
+        return None
+    beta = math.sqrt(height * width / max_pixels)
+    return (max(factor, math.floor(width / beta / factor) * factor),
+            max(factor, math.floor(height / beta / factor) * factor))
+
+
+def _scaled(width: int, height: int, scale: float) -> tuple[int, int] | None:
+    if scale >= 1:
+        return None
+    return max(1, math.ceil(width * scale)), max(1, math.ceil(height * scale))

@@ -5,10 +5,16 @@ Messages follow the transformers chat format, with PIL images in the content:
      {"role": "user", "content": [{"type": "image", "image": <PIL.Image>}, {"type": "text", "text": "..."}]},
      {"role": "assistant", "content": [{"type": "text", "text": "..."}]}, ...]
 A plain string is accepted as the content of a text-only message.
+
+Text that spells a token the tokenizer adds whole (`<|im_end|>`, `<|image_pad|>`, `<image>`...)
+is broken up by `neutralize` so that it tokenizes as plain text: typed text never forges a
+chat turn or becomes an image placeholder.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +46,32 @@ def normalize(messages: list[dict]) -> list[dict]:
             content = [{"type": "text", "text": content}]
         out.append({"role": message["role"], "content": list(content)})
     return out
+
+
+BREAK = "\u200b"  # zero-width space: put inside a special token's spelling, it tokenizes as text
+
+
+def neutralize(messages: list[dict], tokenizer) -> list[dict]:
+    """Normalized `messages` with every spelling of the tokenizer's markup tokens in their text
+    broken by BREAK after its first character: "<|im_end|>" becomes "<" BREAK "|im_end|>"."""
+    pattern = _markup_pattern(tokenizer)
+    if pattern is None:
+        return messages
+    return [{"role": m["role"], "content": [
+        {**part, "text": pattern.sub(lambda match: match[0][0] + BREAK + match[0][1:], part["text"])}
+        if part["type"] == "text" else part for part in m["content"]]} for m in messages]
+
+
+@functools.lru_cache(maxsize=16)
+def _markup_pattern(tokenizer) -> re.Pattern | None:
+    """The added tokens that are markup (a letter or digit and a symbol, e.g. <|im_start|>,
+    <image>, [INST], <row_1_col_1>), longest first; None if the tokenizer has none."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    spellings = {token.content for token in added
+                 if re.search(r"[^\W_]", token.content) and re.search(r"[^\w\s]", token.content)}
+    if not spellings:
+        return None
+    return re.compile("|".join(re.escape(text) for text in sorted(spellings, key=len, reverse=True)))
 
 
 def images_of(messages: list[dict]) -> list[Image.Image]:

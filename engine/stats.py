@@ -2,7 +2,8 @@
 
 Conventions:
 - The first answer token comes from the prefill pass. `ttft_s` runs from the request's start
-  (prompt processing included) to that token.
+  to that token: `prepare_s` (decoding, shrinking and processing the images, rendering and
+  tokenizing the prompt) plus `prefill_s`. `total_s` also counts from the request's start.
 - `target_forwards` counts decode/verify passes of the target after prefill. Each yields the
   accepted draft tokens plus one bonus token, so `tokens_per_forward` =
   decode_tokens / target_forwards COUNTS THE BONUS TOKEN (as vLLM's mean accepted length
@@ -42,6 +43,7 @@ class Stats:
     prefill_tokens: int = 0
     prefill_image_tokens: int = 0
     prefill_s: float = 0.0
+    prepare_s: float = 0.0  # from the request's start to the prefill (set by Engine.stream)
     ttft_s: float = 0.0
     decode_tokens: int = 0
     decode_s: float = 0.0
@@ -57,7 +59,7 @@ class Stats:
     drafted_by_position: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)  # k used in each round
     fallback_reason: str | None = None
-    finish_reason: str | None = None  # "stop_token", "max_new_tokens", "stopped"
+    finish_reason: str | None = None  # "stop_token", "max_new_tokens", "context" (the context is full), "stopped"
     tok_s_curve: list[float] = field(default_factory=list)  # running decode tok/s after each round
 
     def record_round(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
@@ -77,7 +79,7 @@ class Stats:
         self.tokens_per_forward = self.decode_tokens / self.target_forwards
 
     def record_time(self, started: float, first_token_at: float, now: float) -> None:
-        self.total_s = now - started
+        self.total_s = now - started + self.prepare_s
         self.decode_s = now - first_token_at
         self.decode_tok_s = self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
         self.tok_s_curve.append(round(self.decode_tok_s, 2))

@@ -82,4 +82,4 @@ def test_answers_are_cut_to_fit_the_context(engine, monkeypatch):
     monkeypatch.setattr(engine, "context_limit", lambda: prompt_len + 5)
     done = final(engine.stream(conversation(1), "text", decode=DecodeSettings(max_new_tokens=50, draft_tokens=4,
                                                                                stop_token_ids=frozenset({-1}))))
-    assert len(done.token_ids) == 5 and done.stats.finish_reason == "max_new_tokens"
+    assert len(done.token_ids) == 5 and done.stats.finish_reason == "context"  # cut by the context, and says so

@@ -72,6 +72,14 @@ RSS_PER_REQUEST_BYTES = 20 * 2**10
 def server(zoo):
     """The app as `python app.py --model M --drafter D --no-browser` starts it (no --host, no
     --share, no related environment variables), and the engine it built, for fault injection."""
+    served = launch_app(zoo)
+    yield served
+    served.demo.close()
+
+
+def launch_app(zoo, **main_options) -> SimpleNamespace:
+    """`app.main` with the tiny Qwen2-VL target and its text drafter, as a user starts it;
+    `url`, `demo`, and the `engine` it built."""
     built = {}
     load_engine = setup.load_engine
 
@@ -84,9 +92,8 @@ def server(zoo):
             patch.delenv(name, raising=False)
         patch.setattr(setup, "load_engine", keep)
         demo = app.main(["--model", str(zoo.dir("qwen2_vl")), "--drafter", str(zoo.dir("qwen2_vl", "text_drafter")),
-                         "--port", str(free_port()), "--no-browser"], block=False)
-    yield SimpleNamespace(url=demo.local_url, demo=demo, engine=built["engine"])
-    demo.close()
+                         "--port", str(free_port()), "--no-browser"], block=False, **main_options)
+    return SimpleNamespace(url=demo.local_url, demo=demo, engine=built["engine"])
 
 
 @pytest.fixture(scope="module")
