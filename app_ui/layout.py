@@ -24,23 +24,48 @@ from gradio.data_classes import FileData
 from pydantic import field_validator
 
 from app_ui import views
-from app_ui.session import Options, Session, Turn, answer, messages_for, new_turn
+from app_ui.session import Options, Session, Turn, answer, messages_for, new_turn, question_of
 from app_ui.visitors import Visitors
 from engine.ab import ABProgress, run_ab
 from engine.engine import Engine, RequestError
 from engine.images import ImageError
+from models.presets import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 
 EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "examples")
-EXAMPLES = [  # (text, files): the demo model's synthetic pictures first, then photographs for real VLMs
-    ("Describe each image.", ["two_scenes_a.png", "two_scenes_b.png"]),
+# (text, files): the bundled demo model answers each of these correctly (tests/test_app.py runs
+# them); photographs only for other models, which can read them.
+DEMO_EXAMPLES = [
     ("Describe the image.", ["scene.png"]),
     ("What does this chart show?", ["chart.png"]),
     ("Read the text in the image.", ["card.png"]),
+    ("Which image has more shapes?", ["two_scenes_a.png", "two_scenes_b.png"]),
     ("How many purple shapes are there in all the images? Answer in a sentence.", ["count_a.png", "count_b.png"]),
-    ("What is in each picture?", ["chelsea.png", "rocket.jpg"]),
 ]
+PHOTO_EXAMPLES = [
+    ("Describe this photo.", ["chelsea.png"]),
+    ("What is in each picture?", ["chelsea.png", "rocket.jpg"]),
+    ("What does this chart show?", ["chart.png"]),
+]
+DEMO_NOTE = ("The bundled demo model is tiny (3.6 M parameters, trained here from scratch): it knows only "
+             "synthetic pictures of coloured shapes, bar charts and text cards like the examples below, and "
+             "gives confident nonsense about photographs. Start the app with `--preset` or `--model` for a "
+             "real VLM.")
+# Plain words for each kind of drafter (the dropdown); the preset's first drafter is the default.
+DRAFTER_LABELS = {"vlm": "Small VLM: sees the images", "text_lm": "Text-only LM: reads the text, not the images",
+                  "ngram": "N-gram lookup: no model, repeats earlier text",
+                  "mtp": "MTP head: reads the target's hidden states",
+                  "dflash": "Block drafter: a whole draft in one pass",
+                  "shared_cache": "Assistant: shares the target's cache"}
+# Phones: the settings sidebar starts closed (Gradio opens it at any width).
+CLOSE_SIDEBAR_ON_PHONES = """() => {
+  if (window.innerWidth < 768) {
+    const sidebar = document.querySelector('.sidebar.open');
+    if (sidebar) sidebar.querySelector('.toggle-button').click();
+  }
+}"""
+FOCUS_INPUT = "() => { document.querySelector('#chat-input textarea')?.focus(); }"
 DRAFT_COLOUR = "#86efac"  # accepted draft tokens
 GENERATE = {"concurrency_id": "generate", "concurrency_limit": 1}
 INSTANT = {"concurrency_limit": None, "api_visibility": "private", "show_progress": "hidden"}  # quick, not limited
@@ -48,7 +73,8 @@ INSTANT = {"concurrency_limit": None, "api_visibility": "private", "show_progres
 # between the spans; font-size 0 hides the whitespace, so the tint moves to the text itself.
 CSS = """
 .stats table { width: 100%; font-size: 0.9em; }
-.stats td:first-child { white-space: nowrap; }
+.stats td:first-child, .stats th { white-space: nowrap; }
+#ab-table { overflow-x: auto; }
 #tokens { max-height: 360px; overflow-y: auto; }
 .tokens .textfield, .tokens .token-container, .tokens .token {
   font-size: 0; margin: 0 !important; padding: 0 !important;
@@ -62,7 +88,8 @@ def build_demo(engine: Engine, gpu: Callable = lambda fn: fn, visitors: Visitors
     """The app for `engine`. `gpu` wraps every callback that generates (spaces.GPU on ZeroGPU).
     Launch it with `css=CSS`, and with `visitors`' Guard and lifespan (see app.py)."""
     visitors = visitors or Visitors()
-    examples = [{"text": text, "files": [os.path.join(EXAMPLES_DIR, f) for f in files]} for text, files in EXAMPLES]
+    examples = [{"text": text, "files": [os.path.join(EXAMPLES_DIR, f) for f in files]}
+                for text, files in (DEMO_EXAMPLES if is_demo(engine) else PHOTO_EXAMPLES)]
     # Gradio's own backstop: its files older than a day are deleted, checked hourly (Visitors deletes
     # unsent uploads after minutes, and a conversation's uploads when it is cleared or expires).
     with gr.Blocks(title="VLM chat · speculative decoding", fill_width=True, delete_cache=(3600, 86400)) as demo:
@@ -70,36 +97,41 @@ def build_demo(engine: Engine, gpu: Callable = lambda fn: fn, visitors: Visitors
         gr.Markdown(_header(engine))
         with gr.Sidebar(label="Settings", open=True, width=300):
             gr.Markdown("### Settings")
-            settings = _settings(engine)  # Options' fields in order: mode first
+            settings = _settings(engine)  # {Options field: its control}
+        demo.load(None, js=CLOSE_SIDEBAR_ON_PHONES)
         with gr.Tab("Chat"):
             chat = _chat_tab(examples)
         with gr.Tab("A/B: plain vs speculative"):
             ab = _ab_tab(examples)
         _wire_chat(engine, gpu, session, settings, chat, visitors)
-        _wire_ab(engine, gpu, session, settings[1:], ab, visitors)
+        _wire_ab(engine, gpu, session, {k: v for k, v in settings.items() if k != "mode"}, ab, visitors)
         _wire_api(engine, gpu, session, settings, visitors)
     return demo
 
 
 def _chat_tab(examples: list[dict]) -> SimpleNamespace:
+    """The chat, then the live statistics (beside it on a wide screen, below it on a phone, in a
+    section that folds), then the examples."""
     with gr.Row(equal_height=False):
         with gr.Column(scale=3):
             chatbot = gr.Chatbot(label="Chat", height=540, elem_id="chatbot", buttons=["copy"],
                                  placeholder="Drop one or more images and ask a question.")
             message = _message_box("chat-input")
             with gr.Row():
-                stop = gr.Button("Stop", variant="stop", size="sm", elem_id="chat-stop")
+                stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="chat-stop", interactive=False)
                 new_chat = gr.Button("New chat", size="sm", elem_id="chat-new")
-            gr.Examples(examples, inputs=[message], label="Examples (click, then send)")
         with gr.Column(scale=2):
-            stats = gr.Markdown(views.stats_markdown(None), elem_id="stats", elem_classes=["stats"], container=True)
-            tokens = gr.HighlightedText(label="Latest answer, by where each token came from", elem_id="tokens",
-                                        elem_classes=["tokens"],
-                                        color_map={views.DRAFT_LABEL: DRAFT_COLOUR}, show_legend=True)
-            acceptance_plot = gr.BarPlot(views.acceptance_frame(None), x="draft position", y="acceptance",
-                                         y_lim=[0, 1], title="Acceptance by draft position", height=220)
-            speed_plot = gr.LinePlot(views.speed_frame([]), x="tokens", y="tok/s",
-                                     title="Decode tokens/s over the answer", height=220)
+            with gr.Accordion("Live statistics", open=True, elem_id="stats-section"):
+                stats = gr.Markdown(views.stats_markdown(None), elem_id="stats", elem_classes=["stats"],
+                                    container=True)
+                tokens = gr.HighlightedText(label="Latest answer, by where each token came from", elem_id="tokens",
+                                            elem_classes=["tokens"],
+                                            color_map={views.DRAFT_LABEL: DRAFT_COLOUR}, show_legend=True)
+                acceptance_plot = gr.BarPlot(views.acceptance_frame(None), x="draft position", y="acceptance",
+                                             y_lim=[0, 1], title="Acceptance by draft position", height=220)
+                speed_plot = gr.LinePlot(views.speed_frame([]), x="tokens", y="tok/s",
+                                         title="Decode tokens/s over the answer", height=220)
+    gr.Examples(examples, inputs=[message], label="Examples (click, then send)")
     return SimpleNamespace(chatbot=chatbot, message=message, stop=stop, new_chat=new_chat,
                            panels=[chatbot, stats, tokens, acceptance_plot, speed_plot])
 
@@ -121,54 +153,76 @@ def _ab_tab(examples: list[dict]) -> SimpleNamespace:
     return SimpleNamespace(message=message, stop=stop, panels=[verdict, plain, speculative, table])
 
 
-def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: list, chat: SimpleNamespace,
+def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: dict, chat: SimpleNamespace,
                visitors: Visitors) -> None:
-    """Send: accept the message (or refuse it, saying why), show it at once, then answer it in the
-    queue."""
+    """Send: accept the message (or refuse it, saying why, with the message left in the box and
+    a refused file taken out of it), show it at once, then answer it in the queue. The box stays
+    open while an answer streams, and has the focus again when it ends."""
 
     def accept(message_value, session: Session, request: gr.Request):  # no outputs: a refusal is a toast
         visitors.touch(session)
+        session.refused_files = []
         with _user_errors():
+            if session.pending is not None or session.running:
+                raise RequestError("an answer is still streaming: wait for it, or press Stop (your message "
+                                   "stays in the box)")
             session.check_not_expired(visitors.limits.idle_s)
-            turn = new_turn(message_value, engine, session)
+            try:
+                turn = new_turn(message_value, engine, session)
+            except ImageError as error:
+                session.refused_files = _named_files(message_value, str(error))
+                raise ImageError(f"{error} (taken out of the message; your text stays)") from None
             turn.arrived = _arrival(request)
             _start(session, turn)
 
-    def show(session: Session):
-        return gr.MultimodalTextbox(value=None, interactive=False), views.chatbot_messages(session)
+    def drop_refused(message_value, session: Session):
+        if not session.refused_files or not isinstance(message_value, dict):
+            return gr.skip()
+        files = [f for f in message_value.get("files") or [] if _path_of(f) not in session.refused_files]
+        return {"text": message_value.get("text") or "", "files": files}
 
-    def retry(session: Session):
+    def show(session: Session):
+        return (gr.MultimodalTextbox(value=None), views.chatbot_messages(session),
+                gr.Button(variant="stop", interactive=True))
+
+    def retry(session: Session, temperature, seed):
+        """The last turn again; with sampling, from the next seed (the same seed gives the same answer)."""
         if session.pending is None and session.turns:
             last = session.turns.pop()
             _start(session, Turn(last.text, last.files, last.images))
+            if _number(temperature) > 0:
+                seed = int(_number(seed)) + 1
         visitors.touch(session)
-        return gr.MultimodalTextbox(interactive=session.pending is None), views.chatbot_messages(session)
+        return views.chatbot_messages(session), seed, gr.Button(variant="stop", interactive=True)
 
     def undo(session: Session):
-        if session.pending is None and session.turns:
-            return session.turns.pop().message, views.chatbot_messages(session)
-        return gr.skip(), views.chatbot_messages(session)
+        message = session.turns.pop().message if session.pending is None and session.turns else gr.skip()
+        return (message, views.chatbot_messages(session), views.stats_markdown(None), [],
+                views.acceptance_frame(None), views.speed_frame([]))
 
     def new_conversation(session: Session):
         _clear(session, visitors)
-        return [], views.stats_markdown(None), [], views.acceptance_frame(None), views.speed_frame([])
+        return None, [], views.stats_markdown(None), [], views.acceptance_frame(None), views.speed_frame([])
 
     @gpu
     def respond(session: Session, *values):
         visitors.touch(session)
-        yield from _respond(engine, session, Options(*values))
+        yield from _respond(engine, session, Options(**dict(zip(settings, values))))
 
-    respond_event = dict(fn=respond, inputs=[session, *settings], outputs=chat.panels,
+    respond_event = dict(fn=respond, inputs=[session, *settings.values()], outputs=[*chat.panels, chat.message],
                          show_progress_on=[chat.chatbot], api_visibility="private", **GENERATE)
-    unlock = dict(fn=lambda: gr.MultimodalTextbox(interactive=True), outputs=[chat.message], **INSTANT)
-    chat.message.submit(accept, [chat.message, session], None, **INSTANT) \
-        .success(show, [session], [chat.message, chat.chatbot], **INSTANT) \
-        .success(**respond_event).then(**unlock)
-    chat.chatbot.retry(retry, [session], [chat.message, chat.chatbot], **INSTANT) \
-        .success(**respond_event).then(**unlock)
-    chat.chatbot.undo(undo, [session], [chat.message, chat.chatbot], **INSTANT)
-    chat.new_chat.click(new_conversation, [session], chat.panels, **INSTANT)
-    chat.chatbot.clear(new_conversation, [session], chat.panels, **INSTANT)
+    idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[chat.stop],
+                js=FOCUS_INPUT, **INSTANT)
+    accepted = chat.message.submit(accept, [chat.message, session], None, **INSTANT)
+    accepted.failure(drop_refused, [chat.message, session], [chat.message], **INSTANT)
+    accepted.success(show, [session], [chat.message, chat.chatbot, chat.stop], **INSTANT) \
+        .success(**respond_event).then(**idle)
+    chat.chatbot.retry(retry, [session, settings["temperature"], settings["seed"]],
+                       [chat.chatbot, settings["seed"], chat.stop], **INSTANT) \
+        .success(**respond_event).then(**idle)
+    chat.chatbot.undo(undo, [session], [chat.message, *chat.panels], **INSTANT)
+    chat.new_chat.click(new_conversation, [session], [chat.message, *chat.panels], **INSTANT)
+    chat.chatbot.clear(new_conversation, [session], [chat.message, *chat.panels], **INSTANT)
     chat.stop.click(_stop, [session], None, queue=False, api_name="stop")
 
 
@@ -179,9 +233,10 @@ def _wire_ab(engine: Engine, gpu: Callable, session: gr.State, settings: list, a
     @gpu
     def ab_live(request: gr.Request, message_value, session: Session, *values):  # Gradio puts the request first
         visitors.touch(session)
-        yield from _ab_live(engine, message_value, session, Options("speculative", *values), _arrival(request))
+        options = Options(mode="speculative", **dict(zip(settings, values)))
+        yield from _ab_live(engine, message_value, session, options, _arrival(request))
 
-    ab.message.submit(ab_live, [ab.message, session, *settings], ab.panels, show_progress_on=ab.panels[:1],
+    ab.message.submit(ab_live, [ab.message, session, *settings.values()], ab.panels, show_progress_on=ab.panels[:1],
                       api_visibility="private", **GENERATE)
     ab.stop.click(_stop, [session], None, queue=False, api_visibility="private")
 
@@ -202,23 +257,25 @@ def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, 
 
     @gpu
     def chat(message, mode, drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens, seed,
-             system_prompt, session, request: gr.Request):
+             system_prompt, max_image_tokens, session, request: gr.Request):
         """Answer a message (text and image files) in this client's conversation; streams the answer
         text and the statistics."""
         visitors.touch(session)
-        options = Options(mode, drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens, seed,
-                          system_prompt)
+        options = Options(mode=mode, drafter=drafter, draft_tokens=draft_tokens, adaptive=adaptive,
+                          temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
+                          system_prompt=system_prompt, max_image_tokens=max_image_tokens)
         yield from _api_chat(engine, message, session, options, _arrival(request), visitors)
 
     @gpu
     def ab(message, drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens, seed, system_prompt,
-           session, request: gr.Request):
+           max_image_tokens, session, request: gr.Request):
         """Answer one message (no history) plainly and speculatively: both answers, the decode speedup,
         whether they are identical and where they first differ (None when identical; both None when
         stopped)."""
         visitors.touch(session)
-        options = Options("speculative", drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens,
-                          seed, system_prompt)
+        options = Options(mode="speculative", drafter=drafter, draft_tokens=draft_tokens, adaptive=adaptive,
+                          temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
+                          system_prompt=system_prompt, max_image_tokens=max_image_tokens)
         return _api_ab(engine, message, session, options, _arrival(request))
 
     def clear(session):
@@ -226,9 +283,10 @@ def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, 
 
     # preprocess=False: the values reach Options.checked as sent (a slider would refuse a value out of
     # its range without naming the parameter); the message's files are still checked by Gradio.
-    trigger.click(chat, [message, *settings, session], [answer_text, statistics], api_name="chat",
+    trigger.click(chat, [message, *settings.values(), session], [answer_text, statistics], api_name="chat",
                   preprocess=False, **GENERATE)
-    trigger.click(ab, [message, *settings[1:], session], [plain, speculative, speedup, identical,
+    trigger.click(ab, [message, *[c for name, c in settings.items() if name != "mode"], session],
+                  [plain, speculative, speedup, identical,
                                                             first_difference], api_name="ab", preprocess=False,
                   **GENERATE)
     trigger.click(clear, [session], None, api_name="clear", concurrency_limit=None)
@@ -249,29 +307,52 @@ class ApiMessageData(MultimodalData):
         return [] if files is None else files
 
 
+def is_demo(engine: Engine) -> bool:
+    """The target is the bundled demo model."""
+    return os.path.abspath(engine.target.name) == os.path.abspath(DEFAULT_MODEL)
+
+
 def _header(engine: Engine) -> str:
-    drafters = ", ".join(f"`{key}` ({d.kind})" for key, d in engine.drafters.items()) or "none (plain decoding only)"
     name = engine.target.name.rstrip("/").rsplit("/", 2)
-    return (f"## Chat with a vision-language model, faster with speculative decoding\n"
-            f"Target `{'/'.join(name[-2:])}` ({engine.target.family.name}) · drafters: {drafters} · "
-            f"up to {engine.max_images} images per conversation. The panel beside the chat updates live.")
+    drafters = ", ".join(DRAFTER_LABELS.get(d.kind, d.kind).split(":")[0] for d in engine.drafters.values())
+    lines = [f"## Chat with a vision-language model, faster with speculative decoding",
+             f"Target `{'/'.join(name[-2:])}` ({engine.target.family.name}) · drafters: "
+             f"{drafters or 'none (plain decoding only)'} · up to {engine.max_images} images per conversation."]
+    if is_demo(engine):
+        lines.append(f"*{DEMO_NOTE}*")
+    return "\n\n".join(lines)
 
 
-def _settings(engine: Engine) -> list:
-    """The request settings, in the order of `Options`' fields (the API's parameters too)."""
-    choices = [(f"{key} · {drafter.kind}", key) for key, drafter in engine.drafters.items()] or [("none", "none")]
+def _settings(engine: Engine) -> dict:
+    """The request settings, keyed by Options' field names (the API's parameter names too); the
+    drafter controls are off in plain mode."""
+    choices = [(_drafter_label(drafter, key == engine.default_drafter), key)
+               for key, drafter in engine.drafters.items()] or [("none", "none")]
     defaults = Options()
-    return [
-        gr.Radio(["speculative", "plain"], value="speculative" if engine.drafters else "plain", label="Decoding"),
-        gr.Dropdown(choices, value=choices[0][1], label="Drafter"),
-        gr.Slider(1, 8, value=defaults.draft_tokens, step=1, label="Draft length (tokens per draft)"),
-        gr.Checkbox(defaults.adaptive, label="Adaptive draft length"),
-        gr.Slider(0, 1.5, value=defaults.temperature, step=0.05, label="Temperature (0 = greedy)"),
-        gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="Top-p"),
-        gr.Slider(1, 1024, value=defaults.max_new_tokens, step=1, label="Max new tokens"),
-        gr.Number(defaults.seed, precision=0, label="Seed (sampling)"),
-        gr.Textbox(defaults.system_prompt, label="System prompt (optional)", lines=2),
-    ]
+    speculative = bool(engine.drafters)
+    settings = {
+        "mode": gr.Radio(["speculative", "plain"], value="speculative" if speculative else "plain", label="Decoding"),
+        "drafter": gr.Dropdown(choices, value=choices[0][1], label="Drafter", interactive=speculative),
+        "draft_tokens": gr.Slider(1, 8, value=defaults.draft_tokens, step=1, label="Draft length (tokens per draft)",
+                                  interactive=speculative),
+        "adaptive": gr.Checkbox(defaults.adaptive, label="Adaptive draft length", interactive=speculative),
+        "temperature": gr.Slider(0, 1.5, value=defaults.temperature, step=0.05, label="Temperature (0 = greedy)"),
+        "top_p": gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="Top-p"),
+        "max_new_tokens": gr.Slider(1, 1024, value=defaults.max_new_tokens, step=1, label="Max new tokens"),
+        "seed": gr.Number(defaults.seed, precision=0, label="Seed (sampling; Retry takes the next)"),
+        "system_prompt": gr.Textbox(defaults.system_prompt, label="System prompt (optional)", lines=2),
+        "max_image_tokens": gr.Slider(0, 4096, value=engine.max_image_tokens or 0, step=16,
+                                      label="Tokens per image at most (0 = the model's own limit)"),
+    }
+    drafter_controls = [settings[name] for name in ("drafter", "draft_tokens", "adaptive")]
+    settings["mode"].change(lambda mode: [gr.update(interactive=mode == "speculative" and speculative)] * 3,
+                            [settings["mode"]], drafter_controls, **INSTANT)
+    return settings
+
+
+def _drafter_label(drafter, default: bool) -> str:
+    label = DRAFTER_LABELS.get(drafter.kind, drafter.kind)
+    return f"{label} (default)" if default else label
 
 
 def _message_box(elem_id: str) -> gr.MultimodalTextbox:
@@ -292,6 +373,23 @@ def _user_errors():
     except Exception as error:
         logger.exception("request failed")
         raise gr.Error(f"internal error: {type(error).__name__}: {error}") from error
+
+
+def _named_files(message_value, error: str) -> list[str]:
+    """The message's files that an ImageError names (its message starts with the file's name)."""
+    files = message_value.get("files") or [] if isinstance(message_value, dict) else []
+    return [_path_of(f) for f in files if error.startswith(os.path.basename(_path_of(f)) + ":")]
+
+
+def _path_of(file) -> str:
+    return file.get("path", "") if isinstance(file, dict) else str(getattr(file, "path", file))
+
+
+def _number(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _stop(session: Session) -> None:
@@ -317,29 +415,33 @@ def _start(session: Session, turn: Turn) -> None:
 
 
 def _respond(engine: Engine, session: Session, options: Options):
-    """Stream the pending turn's answer into the chat panels, throttled; plots less often. A turn
-    that is not answered is shown with the reason, unless the chat was cleared meanwhile."""
-    tokenizer, turn, history = engine.target.tokenizer, session.pending, session.turns
+    """Stream the pending turn's answer into the chat panels (and, last, the message box),
+    throttled; plots less often. A refused turn (too long for the context, say) goes back into the
+    message box, text and images, with the reason in a notice; the conversation is unchanged. A
+    turn stopped before it started, or that failed, is shown with the reason, unless the chat was
+    cleared meanwhile."""
+    turn, history = session.pending, session.turns
     if turn is None:
         return
     text_tick, plot_tick = views.Throttle(views.UPDATES_PER_SECOND), views.Throttle(views.PLOT_UPDATES_PER_SECOND)
-    side, points = None, []
+    side, points, returned = None, [], gr.skip()
+    plain_tok_s = session.plain_speed_for(turn)
     try:
         for side in answer(engine, session, turn, options.checked(engine)):
             if side.stats.decode_tokens:
                 points.append((side.stats.new_tokens, round(side.stats.decode_tok_s, 2)))
             if text_tick.ready():
                 plots = plot_tick.ready()
-                yield (views.chatbot_messages(session, side), views.stats_markdown(side.stats, session.plain_tok_s),
+                yield (views.chatbot_messages(session, side), views.stats_markdown(side.stats, plain_tok_s),
                        views.highlighted(side),
                        views.acceptance_frame(side.stats) if plots else gr.skip(),
-                       views.speed_frame(points) if plots else gr.skip())
+                       views.speed_frame(points) if plots else gr.skip(), gr.skip())
         if side is not None and not side.stats.new_tokens:
             turn.error = "stopped before the answer started; nothing was answered (Retry sends it again)"
             history.append(turn)
     except (RequestError, ImageError) as error:
-        turn.error = str(error)
-        history.append(turn)
+        gr.Warning(f"Cannot answer: {error}. Your message is back in the box.")
+        returned = turn.message
     except Exception as error:
         logger.exception("generation failed")
         turn.error = f"generation failed ({type(error).__name__}: {error}); the conversation is kept, try again"
@@ -347,8 +449,9 @@ def _respond(engine: Engine, session: Session, options: Options):
     finally:
         session.pending = None
     stats = side.stats if side else None
-    yield (views.chatbot_messages(session), views.stats_markdown(stats, session.plain_tok_s),
-           views.highlighted(side) if side else [], views.acceptance_frame(stats), views.speed_frame(points))
+    yield (views.chatbot_messages(session), views.stats_markdown(stats, plain_tok_s),
+           views.highlighted(side) if side else [], views.acceptance_frame(stats), views.speed_frame(points),
+           returned)
 
 
 def _api_chat(engine: Engine, message_value, session: Session, options: Options, arrived: float,
@@ -376,9 +479,10 @@ def _ab_events(engine: Engine, message_value, session: Session, options: Options
     drafter = options.drafter_for(engine) if engine.drafters else None  # run_ab says why None cannot do
     stop, session.running = session.begin(arrived), True
     try:
-        for event in run_ab(engine, messages, drafter, options.sampling(), options.decode(), stop):
+        prompt = engine.prepare(messages, options.max_image_tokens)  # both sides answer this same prompt
+        for event in run_ab(engine, prompt, drafter, options.sampling(), options.decode(), stop):
             if not isinstance(event, ABProgress) and not event.stopped:
-                session.plain_tok_s = event.plain.stats.decode_tok_s
+                session.plain_tok_s, session.plain_question = event.plain.stats.decode_tok_s, question_of(turn)
             yield event
     finally:
         session.running = False

@@ -66,7 +66,9 @@ class Session:
         self.stop = threading.Event()  # the running request's stop flag (a new one per request)
         self.stopped_at = -math.inf  # time.perf_counter() of the latest Stop
         self.running = False  # a request of this session holds the engine
-        self.plain_tok_s: float | None = None  # the latest plain decode speed seen here ("speedup if known")
+        self.refused_files: list[str] = []  # the files of the latest refused message that were the reason
+        self.plain_tok_s: float | None = None  # the plain decode speed of `plain_question`, once measured
+        self.plain_question: tuple | None = None  # (text, files) of the latest plain answer
         self.dropped = 0  # the oldest answered turns no longer sent to the model (they outgrew the context)
         self.last_active = time.perf_counter()
         self.expired = False  # emptied for being idle; the next message says so
@@ -107,6 +109,10 @@ class Session:
         self.stopped_at = time.perf_counter()
         self.stop.set()
 
+    def plain_speed_for(self, turn: Turn) -> float | None:
+        """The plain decode speed measured on this turn's question, if it was answered plainly."""
+        return self.plain_tok_s if self.plain_question == question_of(turn) else None
+
     def clear(self) -> None:
         """A new conversation; a running or waiting answer stops and is not kept."""
         self.request_stop()
@@ -139,6 +145,7 @@ class Options:
     max_new_tokens: int = 256
     seed: int = 0
     system_prompt: str = ""
+    max_image_tokens: int | None = None  # tokens per image at most; None: the engine's default; 0: the processor's own
 
     def checked(self, engine: Engine) -> Options:
         """The options converted to their types; RequestError names the first that is not of
@@ -149,7 +156,11 @@ class Options:
             value = getattr(self, option.name)
             kind = {"draft_tokens": int, "max_new_tokens": int, "seed": int, "adaptive": bool,
                     "temperature": float, "top_p": float}.get(option.name)
-            if kind is not None:
+            if option.name == "max_image_tokens":
+                value = None if value is None else _convert(option.name, value, int)
+                if value is not None and value < 0:
+                    raise RequestError(f"max_image_tokens must be 0 (the model's own limit) or more, got {value}")
+            elif kind is not None:
                 value = _convert(option.name, value, kind)
             elif option.name == "system_prompt":
                 value = "" if value is None else value
@@ -253,7 +264,8 @@ def fit_to_context(engine: Engine, session: Session, turn: Turn, options: Option
 
     def fits(dropped: int) -> bool:
         try:
-            prompts[dropped] = engine.prepare(messages_for(session, turn, options.system_prompt, dropped))
+            prompts[dropped] = engine.prepare(messages_for(session, turn, options.system_prompt, dropped),
+                                              options.max_image_tokens)
         except ContextError:
             prompts[dropped] = None
             if dropped == len(history):
@@ -292,7 +304,8 @@ def answer(engine: Engine, session: Session, turn: Turn, options: Options, start
         drafter = options.drafter_for(engine)
         prompt = None if stop.is_set() else fit_to_context(engine, session, turn, options)[0]
         events = engine.stream(prompt or messages_for(session, turn, options.system_prompt), drafter=drafter,
-                               sampling=options.sampling(), decode=options.decode(), stop=stop, started=started)
+                               sampling=options.sampling(), decode=options.decode(), stop=stop, started=started,
+                               max_image_tokens=options.max_image_tokens)
         with closing(events):
             for event in events:
                 side.update(event)
@@ -309,9 +322,15 @@ def answer(engine: Engine, session: Session, turn: Turn, options: Options, start
 def record(session: Session, turn: Turn, side: Side, history: list[Turn]) -> None:
     stats = side.stats
     if stats.mode == "plain" and stats.finish_reason != "stopped" and stats.decode_tokens:
-        session.plain_tok_s = stats.decode_tok_s
-    turn.answer, turn.summary = side.text, summary(stats, session.plain_tok_s, session.dropped)
+        session.plain_tok_s, session.plain_question = stats.decode_tok_s, question_of(turn)
+    turn.answer = side.text
+    turn.summary = summary(stats, session.plain_speed_for(turn), session.dropped)  # speedups on one question
     history.append(turn)
+
+
+def question_of(turn: Turn) -> tuple:
+    """What makes two turns the same question: the text and the files' names."""
+    return turn.text, tuple(os.path.basename(path) for path in turn.files)
 
 
 def summary(stats: Stats, plain_tok_s: float | None = None, dropped: int = 0) -> str:
@@ -323,6 +342,8 @@ def summary(stats: Stats, plain_tok_s: float | None = None, dropped: int = 0) ->
         line = f"{first} ({stats.decode_tok_s / plain_tok_s:.2f}× plain) · {rest}"
     if stats.finish_reason == "stopped":
         line += " · stopped"
+    if stats.finish_reason == "max_new_tokens":
+        line += " · cut at max new tokens"
     if stats.finish_reason == "context":
         line += " · cut: the model's context is full (start a new chat)"
     if dropped:

@@ -75,7 +75,10 @@ def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
         return environ.get(f"VLM_{name}") or default
 
     parser = _Parser(prog="python app.py", description="Chat with a VLM; speculative decoding.")
-    add_model_flags(parser, env=env)
+    try:
+        add_model_flags(parser, env=env)
+    except LoadError as error:
+        raise SetupError(str(error)) from None
     parser.add_argument("--host", default=env("HOST", environ.get("GRADIO_SERVER_NAME")
                                              or ("0.0.0.0" if on_space else "127.0.0.1")))
     parser.add_argument("--port", type=_whole("--port", 1, 65535))

@@ -48,7 +48,7 @@ def stats_markdown(stats: Stats | None, plain_tok_s: float | None = None) -> str
         return "*Statistics appear here while an answer streams.*"
     rows = _stat_rows(stats)
     if stats.mode == "speculative" and plain_tok_s:
-        rows[0] = (rows[0][0], f"{rows[0][1]} ({stats.decode_tok_s / plain_tok_s:.2f}× the latest plain answer)")
+        rows[0] = (rows[0][0], f"{rows[0][1]} ({stats.decode_tok_s / plain_tok_s:.2f}× plain on this question)")
     return _table(["Statistic", "This answer"], rows)
 
 
@@ -63,7 +63,9 @@ def ab_table(plain: Stats | None, speculative: Stats | None) -> str:
 
 def _stat_rows(stats: Stats) -> list[tuple[str, str]]:
     drafter = f"{stats.drafter_kind}: {_short(stats.drafter)}" if stats.drafter else "none (plain decoding)"
-    prefill = f"{stats.prefill_tokens} tokens ({stats.prefill_image_tokens} image) in {stats.prefill_s * 1000:.0f} ms"
+    budget = f", at most {stats.max_image_tokens} per image" if stats.max_image_tokens else ""
+    prefill = (f"{stats.prefill_tokens} tokens ({stats.prefill_image_tokens} image{budget}) in "
+               f"{stats.prefill_s * 1000:.0f} ms")
     return [
         ("Decode speed", f"**{stats.decode_tok_s:.1f} tok/s**"),
         ("Time to first token", f"{stats.ttft_s * 1000:.0f} ms (images and prompt {stats.prepare_s * 1000:.0f} ms)"),
@@ -120,7 +122,7 @@ def chatbot_messages(session: Session, live: Side | None = None) -> list[dict]:
     turn last, with the answer streaming in (`live`)."""
     messages = []
     for turn in session.turns:
-        messages += [_user_message(turn), _assistant_message(turn)]
+        messages += [_user_message(turn), *_assistant_messages(turn)]
     if session.pending is not None:
         messages.append(_user_message(session.pending))
         if live is not None and live.text:
@@ -132,10 +134,13 @@ def _user_message(turn: Turn) -> dict:
     return {"role": "user", "content": [{"path": path} for path in turn.files] + ([turn.text] if turn.text else [])}
 
 
-def _assistant_message(turn: Turn) -> dict:
+def _assistant_messages(turn: Turn) -> list[dict]:
+    """The answer, then its statistics as a collapsed note of their own (so that the answer's copy
+    button copies the answer alone)."""
     if turn.error:
-        return {"role": "assistant", "content": f"**Cannot answer:** {turn.error}"}
-    return {"role": "assistant", "content": f"{turn.answer}\n\n<sub>{turn.summary}</sub>"}
+        return [{"role": "assistant", "content": f"**Cannot answer:** {turn.error}"}]
+    return [{"role": "assistant", "content": turn.answer},
+            {"role": "assistant", "content": turn.summary, "metadata": {"title": f"⚡ {turn.summary}", "status": "done"}}]
 
 
 def ab_markdown(result: ABResult | None, running: str | None = None) -> str:
@@ -147,6 +152,8 @@ def ab_markdown(result: ABResult | None, running: str | None = None) -> str:
     parts = []
     if result.decode_speedup is not None:
         parts.append(f"**Speedup {result.decode_speedup:.2f}×** in decode tokens/s")
+        if result.decode_speedup < 1:
+            parts.append(_slowdown(result.speculative.stats))
     if result.time_ratio is not None:
         parts.append(f"whole answer {result.time_ratio:.2f}× as fast")
     if result.identical:
@@ -156,6 +163,14 @@ def ab_markdown(result: ABResult | None, running: str | None = None) -> str:
         parts.append(f"answers **differ** from token {d.index} (character {d.char_index}): "
                      f"plain `{_code(d.plain)}` vs speculative `{_code(d.speculative)}`")
     return " · ".join(parts)
+
+
+def _slowdown(stats: Stats | None) -> str:
+    """Why speculative decoding came out slower than plain, in one line."""
+    acceptance = f"{stats.acceptance:.0%}" if stats and stats.acceptance is not None else "too few"
+    return (f"slower than plain: the target kept {acceptance} of the drafted tokens, too few to pay for drafting "
+            "them (sampling at temperature > 0 accepts fewer than greedy decoding; the small VLM drafter is accepted "
+            "most often)")
 
 
 def _code(text: str) -> str:

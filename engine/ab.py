@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 from engine.engine import Engine, RequestError
 from engine.loop import Chunk, DecodeSettings, Done
+from engine.prompt import Prompt
 from engine.sampling import SamplingSettings
 from engine.stats import Stats
 
@@ -100,14 +101,15 @@ class ABResult:
 
 def run_ab(
     engine: Engine,
-    messages: list[dict],
+    messages: list[dict] | Prompt,
     drafter: str | None = None,
     sampling: SamplingSettings = SamplingSettings(),
     decode: DecodeSettings = DecodeSettings(),
     stop: threading.Event | None = None,
 ) -> Iterator[ABProgress | ABResult]:
-    """Answer the conversation's last user turn plainly, then with `drafter` (default: the
-    engine's default drafter); an ABProgress after every chunk, then one ABResult."""
+    """Answer the conversation's last user turn (messages, or a Prompt from engine.prepare)
+    plainly, then with `drafter` (default: the engine's default drafter); an ABProgress after
+    every chunk, then one ABResult."""
     drafter = drafter or engine.default_drafter
     if drafter is None:
         raise RequestError("A/B needs a drafter and none is loaded")

@@ -22,10 +22,13 @@ from engine.drafters.base import Drafter
 from engine.drafters.registry import load_drafter
 from engine.engine import Engine
 from engine.target import load_target
-from models.loading import DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError, LoadOptions
+from models.loading import DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError, LoadOptions, resolve_device
 from models.presets import PRESETS, resolve
 
 TRUE = ("1", "true", "yes", "on")
+# The default budget of tokens per image on a CPU (0.3 megapixels on Qwen2.5-VL): a 12 MP phone photo is
+# ~15,500 tokens at Qwen2.5-VL's own limit, minutes of prefill on a CPU; on a GPU the processor's own limit.
+CPU_IMAGE_TOKENS = 384
 DRAFTER_KEYS = {"text_lm": "text", "vlm": "vlm", "shared_cache": "assistant"}  # else the kind itself
 
 
@@ -38,6 +41,7 @@ class EngineSpec:
     options: LoadOptions = field(default_factory=LoadOptions)
     preset: str | None = None  # set when the models came from a preset (not --model)
     max_images: int = 8
+    max_image_tokens: int | None = CPU_IMAGE_TOKENS  # each image's budget of tokens; None: the processor's own
 
 
 def add_model_flags(parser: argparse.ArgumentParser, env: Callable[[str], str | None] = lambda name: None) -> None:
@@ -61,6 +65,9 @@ def add_model_flags(parser: argparse.ArgumentParser, env: Callable[[str], str | 
     parser.add_argument("--device", default=flag_default("DEVICE", LoadOptions.device), choices=DEVICES)
     parser.add_argument("--quantization", default=flag_default("QUANTIZATION"), choices=QUANTIZATIONS,
                         help="load the target in 4 or 8 bits (bitsandbytes)")
+    parser.add_argument("--max-image-tokens", type=int, default=_int_or_none(flag_default("MAX_IMAGE_TOKENS")),
+                        help=f"at most about this many tokens per image (0: the model's processor's own limit; "
+                             f"default: {CPU_IMAGE_TOKENS} on a CPU, the processor's own on a GPU)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         default=(flag_default("TRUST_REMOTE_CODE", "")).lower() in TRUE,
                         help="run a checkpoint's own Python code (off: such a model is refused, naming this flag)")
@@ -76,7 +83,25 @@ def spec_from_args(args: argparse.Namespace, max_images: int = 8) -> EngineSpec:
         raise LoadError(str(error)) from None
     options = LoadOptions(dtype=args.dtype, device=args.device, quantization=args.quantization,
                           trust_remote_code=args.trust_remote_code, drafter_dtype=args.drafter_dtype)
-    return EngineSpec(target, tuple(names), options, None if args.model else (args.preset or "demo"), max_images)
+    return EngineSpec(target, tuple(names), options, None if args.model else (args.preset or "demo"), max_images,
+                      image_token_budget(getattr(args, "max_image_tokens", None), options))
+
+
+def image_token_budget(flag: int | None, options: LoadOptions) -> int | None:
+    """--max-image-tokens as the engine takes it: 0 means the processor's own limit (None); not
+    given, CPU_IMAGE_TOKENS on a CPU and the processor's own limit on a GPU."""
+    if flag is None:
+        return CPU_IMAGE_TOKENS if resolve_device(options.device) == "cpu" else None
+    if flag < 0:
+        raise LoadError(f"--max-image-tokens {flag}: use 0 (the processor's own limit) or a positive number")
+    return flag or None
+
+
+def _int_or_none(value: str | None) -> int | None:
+    try:
+        return None if value in (None, "") else int(value)
+    except ValueError:
+        raise LoadError(f"VLM_MAX_IMAGE_TOKENS: {value!r} is not a whole number") from None
 
 
 def build_engine(spec: EngineSpec) -> Engine:
@@ -96,7 +121,7 @@ def build_engine(spec: EngineSpec) -> Engine:
             continue
         drafter = load_drafter(name, target, spec.options)
         drafters[drafter_key(drafter, drafters)] = drafter
-    return Engine(target, drafters, max_images=spec.max_images)
+    return Engine(target, drafters, max_images=spec.max_images, max_image_tokens=spec.max_image_tokens)
 
 
 def drafter_key(drafter: Drafter, taken: dict) -> str:

@@ -38,10 +38,12 @@ class ContextError(RequestError):
 
 
 class Engine:
-    def __init__(self, target: Target, drafters: dict[str, Drafter] | None = None, max_images: int = 8):
+    def __init__(self, target: Target, drafters: dict[str, Drafter] | None = None, max_images: int = 8,
+                 max_image_tokens: int | None = None):
         self.target = target
         self.drafters = dict(drafters or {})
         self.max_images = max_images
+        self.max_image_tokens = max_image_tokens  # default budget of tokens per image; None: the processor's own
         self.lock = threading.Lock()  # one generation per loaded model at a time
 
     @property
@@ -58,10 +60,12 @@ class Engine:
     def context_limit(self) -> int | None:
         return getattr(self.target.model.config.get_text_config(), "max_position_embeddings", None)
 
-    def prepare(self, messages: list[dict]) -> Prompt:
+    def prepare(self, messages: list[dict], max_image_tokens: int | None = None) -> Prompt:
         """The conversation made ready for the target: text checked and its markup neutralized,
-        images shrunk to the processor's size, then rendered, tokenized and processed. Raises
-        RequestError (ContextError when the prompt does not fit the context)."""
+        images shrunk to the processor's size, then rendered, tokenized and processed, each image
+        at most about `max_image_tokens` tokens (None: the engine's default; 0: the processor's own
+        limit). Raises RequestError (ContextError when the prompt does not fit the context)."""
+        budget = self.max_image_tokens if max_image_tokens is None else (max_image_tokens or None)
         messages = normalize(messages)
         limit = self.context_limit()
         for message in messages:
@@ -73,10 +77,10 @@ class Engine:
         if len(images) > self.max_images:
             raise RequestError(f"{len(images)} images in the conversation; the limit is {self.max_images}")
         try:
-            inputs = encode_vlm(self.target.processor, messages)
+            inputs = encode_vlm(self.target.processor, messages, budget)
         except ValueError as error:  # e.g. Qwen's processor refuses an aspect ratio over 200:1
             raise RequestError(f"the model's processor cannot prepare this message: {error}") from None
-        prompt = Prompt(messages, images, inputs, self.target.placeholder_ids)
+        prompt = Prompt(messages, images, inputs, self.target.placeholder_ids, budget)
         if limit and len(prompt.input_ids) >= limit:
             raise ContextError(f"the prompt is {len(prompt.input_ids)} tokens ({prompt.num_image_tokens} of them for "
                                f"images); the model's context is {limit}: send fewer or smaller images or a shorter "
@@ -91,6 +95,7 @@ class Engine:
         decode: DecodeSettings = DecodeSettings(),
         stop: threading.Event | None = None,
         started: float | None = None,
+        max_image_tokens: int | None = None,
     ) -> Iterator[Chunk | Done]:
         """Answer the conversation's last user turn (messages, or a Prompt from `prepare`).
         drafter=None decodes plainly. `started`: the request's start (time.perf_counter()),
@@ -105,7 +110,7 @@ class Engine:
             yield Done("", [], Stats(mode="speculative" if drafter else "plain", finish_reason="stopped",
                                      drafter=self.drafters[drafter].name if drafter else None))
             return
-        prompt = messages if isinstance(messages, Prompt) else self.prepare(messages)
+        prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, max_image_tokens)
         if not decode.stop_token_ids:
             decode = replace(decode, stop_token_ids=self.stop_token_ids())
         room = self.context_limit() - len(prompt.input_ids) if self.context_limit() else None

@@ -58,7 +58,8 @@ def generate(
     sampler = Sampler(sampling)
     stats = Stats(mode="speculative" if drafter else "plain",
                   drafter=drafter.name if drafter else None, drafter_kind=drafter.kind if drafter else None,
-                  prefill_tokens=len(prompt.input_ids), prefill_image_tokens=prompt.num_image_tokens)
+                  prefill_tokens=len(prompt.input_ids), prefill_image_tokens=prompt.num_image_tokens,
+                  max_image_tokens=prompt.max_image_tokens)
     text = TextStream(tokenizer)
     # 1. Prefill the target (its logits give the first token; it keeps what the drafter reads)
     #    and the drafter (a session of its own for this request).

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from models.processors import image_budget
+
 
 @dataclass
 class Prompt:
@@ -27,6 +29,7 @@ class Prompt:
     images: list[Image.Image]
     target_inputs: dict[str, torch.Tensor]  # processor outputs; input_ids (1, S)
     placeholder_ids: frozenset[int]  # image placeholder / marker ids of the target's family
+    max_image_tokens: int | None = None  # the budget each image was processed with (None: the processor's own)
 
     @property
     def input_ids(self) -> list[int]:
@@ -98,11 +101,13 @@ def render(processor_or_tokenizer, messages: list[dict]) -> str:
     return processor_or_tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
 
 
-def encode_vlm(processor, messages: list[dict]) -> dict[str, torch.Tensor]:
-    """Processor outputs for a VLM: input_ids (1, S), attention_mask, pixel values, grids..."""
+def encode_vlm(processor, messages: list[dict], max_image_tokens: int | None = None) -> dict[str, torch.Tensor]:
+    """Processor outputs for a VLM: input_ids (1, S), attention_mask, pixel values, grids...; each
+    image at most about `max_image_tokens` tokens (models.processors.image_budget)."""
     text = render(processor, messages)
     images = images_of(messages)
-    inputs = processor(text=[text], images=images or None, return_tensors="pt")
+    budget = image_budget(processor, max_image_tokens) if images else {}
+    inputs = processor(text=[text], images=images or None, return_tensors="pt", **budget)
     return {name: value for name, value in inputs.items() if isinstance(value, torch.Tensor)}
 
 

@@ -42,6 +42,7 @@ class Stats:
     drafter_kind: str | None = None
     prefill_tokens: int = 0
     prefill_image_tokens: int = 0
+    max_image_tokens: int | None = None  # the budget of tokens per image (None: the processor's own limit)
     prefill_s: float = 0.0
     prepare_s: float = 0.0  # from the request's start to the prefill (set by Engine.stream)
     ttft_s: float = 0.0

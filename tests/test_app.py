@@ -171,12 +171,15 @@ def test_bad_requests_are_explained_and_the_conversation_goes_on(url, engine, tm
     assert answer == expected.text
 
 
-def test_in_the_ui_a_turn_that_cannot_be_answered_says_why_in_the_chat(engine):
+def test_in_the_ui_a_refused_turn_goes_back_into_the_box_with_the_reason(engine):
+    """A message over the context: the reason is a notice, the text (and images) go back into the
+    message box, and the conversation is as it was."""
     session = Session()
-    session.pending = new_turn({"text": "word " * 2100, "files": []}, engine, session)
-    *_, (chatbot, *_) = layout._respond(engine, session, Options(max_new_tokens=4))
-    assert "Cannot answer" in chatbot[-1]["content"] and "the model's context is 2048" in chatbot[-1]["content"]
-    assert session.pending is None and session.answered() == []  # shown, but never sent to the model
+    session.pending = new_turn({"text": "word " * 2100, "files": [IMAGES[0]]}, engine, session)
+    with pytest.warns(UserWarning, match="Cannot answer: .*the model's context is 2048"):
+        *_, (chatbot, *_, box) = layout._respond(engine, session, Options(max_new_tokens=4))
+    assert box == {"text": ("word " * 2100).strip(), "files": [IMAGES[0]]}
+    assert chatbot == [] and session.pending is None and session.turns == []  # never sent to the model
 
 
 def test_missing_model_is_one_line_not_a_traceback(tmp_path):

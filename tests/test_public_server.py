@@ -109,7 +109,7 @@ def call(url: str, data: list, api: str = "chat") -> tuple[str, object]:
 def settings(text: str, files: list[str] = (), **changes) -> list:
     """The positional /chat data: message and every setting (defaults as the API's, 3 new tokens)."""
     values = dict(mode="speculative", drafter="text", draft_tokens=4, adaptive=False, temperature=0.0, top_p=1.0,
-                  max_new_tokens=3, seed=0, system_prompt="")
+                  max_new_tokens=3, seed=0, system_prompt="", max_image_tokens=None)
     values.update(changes)
     files = [{"path": path, "meta": {"_type": "gradio.FileData"}} for path in files]
     return [{"text": text, "files": files}, *values.values()]
@@ -120,7 +120,9 @@ def settings(text: str, files: list[str] = (), **changes) -> list:
 def test_memory_per_visitor_is_bounded_and_idle_visitors_expire(server, engine, photos):
     def visit(i: int) -> list[str]:
         paths = upload(server.url, [photos[(i + k) % 4] for k in range(PHOTOS_PER_VISITOR)]).json()
-        kind, (answer, stats) = call(server.url, settings(f"Visitor {i}: what is in these photos?", paths))
+        kind, outputs = call(server.url, settings(f"Visitor {i}: what is in these photos?", paths))
+        assert kind == "complete", outputs
+        answer, stats = outputs
         assert kind == "complete" and stats["prefill_image_tokens"] > 0, (kind, answer)
         return paths
 
@@ -235,9 +237,9 @@ def test_ttft_counts_image_and_prompt_processing_and_follow_ups_reuse_shrunk_ima
 
     prepare = server.engine.prepare
 
-    def spy(messages):
+    def spy(messages, *budget):
         seen.append([part["image"].size for m in messages for part in m["content"] if part["type"] == "image"])
-        return prepare(messages)
+        return prepare(messages, *budget)
 
     monkeypatch.setattr(session_module, "load_image", slow_load)
     monkeypatch.setattr(server.engine, "prepare", spy)
@@ -254,7 +256,7 @@ def test_ttft_counts_image_and_prompt_processing_and_follow_ups_reuse_shrunk_ima
 
 def test_a_huge_message_is_refused_before_anything_tokenizes_it(server, monkeypatch):
     calls = []
-    monkeypatch.setattr(server.engine, "prepare", lambda messages: calls.append(messages))
+    monkeypatch.setattr(server.engine, "prepare", lambda messages, *budget: calls.append(messages))
     client = Client(server.url, verbose=False)
     with pytest.raises(AppError, match=r"the message is 1,000,000 characters; the model's context \(2,048 tokens\) "
                                        r"takes at most 32,768"):
@@ -302,7 +304,7 @@ def _user(text: str) -> dict:
 def test_typed_chat_markup_and_image_placeholders_are_plain_text(server, monkeypatch):
     prompts = []
     prepare = server.engine.prepare
-    monkeypatch.setattr(server.engine, "prepare", lambda messages: prompts.append(prepare(messages)) or prompts[-1])
+    monkeypatch.setattr(server.engine, "prepare", lambda messages, *budget: prompts.append(prepare(messages, *budget)) or prompts[-1])
     tokenizer = server.engine.target.tokenizer
     markup = {name: tokenizer.convert_tokens_to_ids(name) for name in ("<|im_start|>", "<|im_end|>", "<|image_pad|>")}
     client = Client(server.url, verbose=False)

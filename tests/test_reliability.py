@@ -237,8 +237,8 @@ def test_odd_images_are_handled_and_the_model_gets_them_upright_in_rgb(server, e
     seen = []
     prepare = server.engine.prepare
 
-    def spy(messages):  # the images the app's engine actually encodes
-        prompt = prepare(messages)
+    def spy(messages, *budget):  # the images the app's engine actually encodes
+        prompt = prepare(messages, *budget)
         seen.append(prompt.images)
         return prompt
 
@@ -483,15 +483,15 @@ def test_out_of_memory_in_the_target_ends_the_request_with_a_message_and_the_eng
     assert answer == expected.text
 
 
-def test_in_the_chat_an_out_of_memory_turn_is_shown_once_with_the_reason(server, monkeypatch):
+def test_in_the_chat_an_out_of_memory_turn_goes_back_into_the_box_with_the_reason(server, monkeypatch):
     session = Session()
     runner = server.engine.target.runner
     monkeypatch.setattr(runner, "extend", fail_on_call(runner.extend, 2, torch.OutOfMemoryError("simulated")))
     session.pending = new_turn({"text": "Describe the image.", "files": [EXAMPLE]}, server.engine, session)
-    *_, (chatbot, *_) = layout._respond(server.engine, session, Options(max_new_tokens=8))
-    assert len(session.turns) == 1 and session.answered() == []  # shown, never sent to the model again
-    assert chatbot[-1]["content"].startswith("**Cannot answer:** out of memory while answering")
-    assert len(chatbot) == 2 and session.pending is None
+    with pytest.warns(UserWarning, match="Cannot answer: out of memory while answering"):
+        *_, (chatbot, *_, box) = layout._respond(server.engine, session, Options(max_new_tokens=8))
+    assert box == {"text": "Describe the image.", "files": [EXAMPLE]}  # to send again as it was
+    assert session.turns == [] and chatbot == [] and session.pending is None
 
 
 # --- models that fail to load ---------------------------------------------------------------------

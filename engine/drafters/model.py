@@ -68,7 +68,8 @@ class ModelDrafter:
 
     def begin(self, prompt: Prompt, target: CacheState) -> ModelSession:
         messages = prompt.messages
-        inputs = encode_vlm(self.encoder, messages) if self.kind == "vlm" else encode_text(self.encoder, messages)
+        inputs = (encode_vlm(self.encoder, messages, prompt.max_image_tokens) if self.kind == "vlm"
+                  else encode_text(self.encoder, messages))
         prompt_len = inputs["input_ids"].shape[1]
         if self.max_positions and prompt_len >= self.max_positions:
             raise DrafterUnavailable(f"prompt of {prompt_len} tokens exceeds the drafter's {self.max_positions} positions")
