@@ -479,8 +479,8 @@ def _ab_events(engine: Engine, message_value, session: Session, options: Options
     drafter = options.drafter_for(engine) if engine.drafters else None  # run_ab says why None cannot do
     stop, session.running = session.begin(arrived), True
     try:
-        prompt = engine.prepare(messages, options.max_image_tokens)  # both sides answer this same prompt
-        for event in run_ab(engine, prompt, drafter, options.sampling(), options.decode(), stop):
+        for event in run_ab(engine, messages, drafter, options.sampling(), options.decode(), stop,
+                            options.max_image_tokens):
             if not isinstance(event, ABProgress) and not event.stopped:
                 session.plain_tok_s, session.plain_question = event.plain.stats.decode_tok_s, question_of(turn)
             yield event

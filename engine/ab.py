@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass, field
 
 from engine.engine import Engine, RequestError
 from engine.loop import Chunk, DecodeSettings, Done
-from engine.prompt import Prompt
 from engine.sampling import SamplingSettings
 from engine.stats import Stats
 
@@ -101,15 +100,16 @@ class ABResult:
 
 def run_ab(
     engine: Engine,
-    messages: list[dict] | Prompt,
+    messages: list[dict],
     drafter: str | None = None,
     sampling: SamplingSettings = SamplingSettings(),
     decode: DecodeSettings = DecodeSettings(),
     stop: threading.Event | None = None,
+    max_image_tokens: int | None = None,
 ) -> Iterator[ABProgress | ABResult]:
-    """Answer the conversation's last user turn (messages, or a Prompt from engine.prepare)
-    plainly, then with `drafter` (default: the engine's default drafter); an ABProgress after
-    every chunk, then one ABResult."""
+    """Answer the conversation's last user turn plainly, then with `drafter` (default: the
+    engine's default drafter), each image at most `max_image_tokens` tokens (engine.prepare);
+    an ABProgress after every chunk, then one ABResult."""
     drafter = drafter or engine.default_drafter
     if drafter is None:
         raise RequestError("A/B needs a drafter and none is loaded")
@@ -117,7 +117,8 @@ def run_ab(
     for side, side_drafter in ((plain, None), (speculative, drafter)):
         if stop is not None and stop.is_set():
             break
-        for event in engine.stream(messages, drafter=side_drafter, sampling=sampling, decode=decode, stop=stop):
+        for event in engine.stream(messages, drafter=side_drafter, sampling=sampling, decode=decode, stop=stop,
+                                   max_image_tokens=max_image_tokens):
             side.update(event)
             yield ABProgress(side.mode, plain, speculative)
     yield compare(engine.target.tokenizer, plain, speculative)

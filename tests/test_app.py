@@ -223,3 +223,20 @@ def test_highlighted_spans_follow_token_origins(engine):
     labels = [label for _, label in spans]
     assert all(a != b for a, b in zip(labels, labels[1:]))
     assert side.stats.accepted > 0 or views.DRAFT_LABEL not in labels
+
+
+def test_the_image_token_budget_is_a_setting_of_the_api(url):
+    """max_image_tokens caps the tokens of each image (0: the processor's own limit); the
+    statistics say which budget applied; a negative budget is refused by name."""
+    client = Client(url, verbose=False)
+    photo = f"{ROOT}/assets/examples/rocket.jpg"
+    image_tokens = {}
+    for budget in (0, 4):
+        client.predict(api_name="/clear")
+        _, stats = client.predict(message("Describe it.", [photo]), max_image_tokens=budget, max_new_tokens=2,
+                                  api_name="/chat")
+        image_tokens[budget] = stats["prefill_image_tokens"]
+        assert stats["max_image_tokens"] == (budget or None)
+    assert image_tokens[4] < image_tokens[0]
+    with pytest.raises(AppError, match="max_image_tokens"):
+        client.predict(message("Hi"), max_image_tokens=-1, api_name="/chat")

@@ -43,15 +43,22 @@ def url(zoo):
 
 
 @pytest.fixture(scope="module")
-def page(url):
+def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1440, "height": 1000})
-        page.goto(url)
-        yield page
+        yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def page(url, browser):
+    """A desktop window."""
+    page = browser.new_page(viewport={"width": 1440, "height": 1000})
+    page.goto(url)
+    yield page
+    page.close()
 
 
 def send(page, box_id: str, text: str, files: list[str]) -> None:
@@ -89,3 +96,58 @@ def test_ab_tab_compares_plain_and_speculative(page):
     expect(verdict).to_contain_text("identical")
     expect(page.locator("#ab-table")).to_contain_text("Speculative")
     page.screenshot(path=os.path.join(SCREENSHOTS, "ab.png"), full_page=True)
+
+
+def test_plain_mode_turns_off_the_drafter_controls(page):
+    from playwright.sync_api import expect
+
+    page.get_by_role("tab", name="Chat").click()
+    drafter = page.get_by_label("Drafter")
+    expect(drafter).to_be_enabled()
+    page.get_by_role("radio", name="plain").check()
+    expect(drafter).to_be_disabled()
+    page.get_by_role("radio", name="speculative").check()
+    expect(drafter).to_be_enabled()
+
+
+def test_retry_with_sampling_takes_the_next_seed(page):
+    """At temperature > 0 Retry samples from the next seed (the same seed would repeat the answer)."""
+    from playwright.sync_api import expect
+
+    page.get_by_role("tab", name="Chat").click()
+    seed = page.get_by_label("Seed (sampling; Retry takes the next)")
+    temperature = page.get_by_label("number input for Temperature (0 = greedy)")
+    temperature.fill("1")
+    temperature.press("Enter")
+    temperature.blur()
+    before = int(seed.input_value())
+    page.locator("#chatbot button[aria-label=Retry]").last.click()
+    expect(seed).to_have_value(str(before + 1), timeout=30_000)
+    expect(page.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    temperature.fill("0")
+    temperature.press("Enter")
+
+
+@pytest.fixture(scope="module")
+def phone(url, browser):
+    page = browser.new_page(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
+    page.goto(url)
+    yield page
+    page.close()
+
+
+def test_phone_layout_puts_the_chat_first_and_keeps_the_input(phone):
+    """390 x 844: the settings sidebar starts closed; the chat, then the folding statistics, then
+    the examples; after an answer the message box has the focus again."""
+    from playwright.sync_api import expect
+
+    expect(phone.locator(".sidebar.open")).to_have_count(0, timeout=30_000)
+    chat, stats = phone.locator("#chatbot").bounding_box(), phone.locator("#stats-section").bounding_box()
+    examples = phone.get_by_text("Examples (click, then send)").bounding_box()
+    assert chat["y"] < stats["y"] < examples["y"], (chat, stats, examples)
+    send(phone, "chat-input", "What does this chart show?", ["chart.png"])
+    expect(phone.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    expect(phone.locator("#chat-input textarea")).to_be_focused(timeout=10_000)
+    expect(phone.locator("#chat-input textarea")).to_be_editable()
+    os.makedirs(SCREENSHOTS, exist_ok=True)
+    phone.screenshot(path=os.path.join(SCREENSHOTS, "phone.png"), full_page=True)

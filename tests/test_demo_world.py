@@ -131,3 +131,30 @@ def test_eval_command_prints_the_documented_json(capsys):
     assert sum(c["questions"] for c in per_kind.values()) == 3
     assert sum(c["right"] for c in per_kind.values()) / 3 == result["rows"][0]["accuracy"]
     assert all(0 <= r["acceptance"] <= 1 for r in result["rows"][1:])
+
+
+def test_the_apps_demo_examples_are_answered_right():
+    """Every example the app offers with the bundled model gets a right answer (greedy, float32):
+    the examples show what the model knows, not its mistakes."""
+    from app_ui.layout import DEMO_EXAMPLES, EXAMPLES_DIR
+    from engine.build import EngineSpec, build_engine
+    from engine.images import load_image
+    from engine.loop import DecodeSettings
+    from models.loading import LoadOptions
+    from models.presets import PRESETS
+
+    expected = {  # read off the pictures in assets/examples
+        "Describe the image.": ["four shapes", "orange diamond", "orange triangle", "green square", "orange circle"],
+        "What does this chart show?": ["value of 4", "value of 8", "value of 7"],
+        "Read the text in the image.": ["yam", "17"],
+        "Which image has more shapes?": ["second"],
+        "How many purple shapes are there in all the images? Answer in a sentence.": ["two purple shapes"],
+    }
+    torch.set_num_threads(1)
+    engine = build_engine(EngineSpec(PRESETS["demo"].target, (), LoadOptions(dtype="float32", device="cpu")))
+    assert [text for text, _ in DEMO_EXAMPLES] == list(expected)
+    for text, files in DEMO_EXAMPLES:
+        content = [{"type": "image", "image": load_image(f"{EXAMPLES_DIR}/{f}")} for f in files]
+        messages = [{"role": "user", "content": content + [{"type": "text", "text": text}]}]
+        done = list(engine.stream(messages, decode=DecodeSettings(max_new_tokens=160)))[-1]
+        assert all(words in done.text.lower() for words in expected[text]), (text, done.text)
