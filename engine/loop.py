@@ -7,6 +7,7 @@ decodes one token. The CLI, the app, the A/B mode and the benchmark all consume 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -60,16 +61,17 @@ def generate(
                   drafter=drafter.name if drafter else None, drafter_kind=drafter.kind if drafter else None,
                   prefill_tokens=len(prompt.input_ids), prefill_image_tokens=prompt.num_image_tokens)
     text = TextStream(tokenizer)
-    # 1. Prefill the target (its logits give the first token; it keeps what the drafter reads)
-    #    and the drafter (a session of its own for this request).
+    # 1. Prefill the target (its logits give the first token, yielded at once; it keeps what
+    #    the drafter reads), then the drafter (a session of its own for this request), only if
+    #    the answer goes on.
     logits, state = target.prefill(prompt.target_inputs, drafter.reads if drafter else NO_READS)
-    session = _begin(drafter, prompt, state, stats)
     first_token, _ = sampler.next_token(logits)
     first_token_at = clock.now()
     stats.prefill_s = stats.ttft_s = first_token_at - started
     generated = [first_token]
     stats.new_tokens = 1
     yield _chunk(text, [first_token], 0, stats)
+    session = _begin(drafter, prompt, state, stats) if not _finished(generated, decode, stats, stop) else None
     k = decode.draft_tokens
     while not _finished(generated, decode, stats, stop):
         remaining = decode.max_new_tokens - len(generated)
@@ -110,12 +112,15 @@ def _begin(drafter: Drafter | None, prompt: Prompt, state: CacheState, stats: St
     """The drafter's session for this request; None (plain decoding) when it cannot serve it."""
     if drafter is None:
         return None
+    started = time.perf_counter()
     try:
         return drafter.begin(prompt, state)
     except Exception as error:  # any drafter failure falls back to plain decoding
         stats.fallback_reason = _reason(error, "at prefill")
         state.stop_reading()
         return None
+    finally:
+        stats.drafter_prefill_s = time.perf_counter() - started
 
 
 def _propose(session: DraftSession | None, generated, k, sampler, stats) -> Draft | None:

@@ -43,6 +43,7 @@ class Stats:
     prefill_image_tokens: int = 0
     prefill_s: float = 0.0
     ttft_s: float = 0.0
+    drafter_prefill_s: float = 0.0  # the drafter's own prefill (begin), after the first token
     decode_tokens: int = 0
     decode_s: float = 0.0
     decode_tok_s: float = 0.0
