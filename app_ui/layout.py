@@ -216,11 +216,14 @@ def _header(engine: Engine) -> str:
 def _settings(engine: Engine) -> list:
     """The request settings, in the order of `Options`' fields (the API's parameters too)."""
     choices = [(f"{key} · {drafter.kind}", key) for key, drafter in engine.drafters.items()] or [("none", "none")]
+    if len(engine.drafters) > 1:  # engine/auto.py: per request, the drafter that has delivered the most
+        auto = ("auto · by measured speed", "auto")
+        choices = [auto] + choices if engine.auto else choices + [auto]
     defaults = Options()
     return [
         gr.Radio(["speculative", "plain"], value="speculative" if engine.drafters else "plain", label="Decoding"),
         gr.Dropdown(choices, value=choices[0][1], label="Drafter"),
-        gr.Slider(1, 8, value=defaults.draft_tokens, step=1, label="Draft length (tokens per draft)"),
+        gr.Slider(0, 8, value=defaults.draft_tokens, step=1, label="Draft length (0 = chosen from measured cost)"),
         gr.Checkbox(defaults.adaptive, label="Adaptive draft length"),
         gr.Slider(0, 1.5, value=defaults.temperature, step=0.05, label="Temperature (0 = greedy)"),
         gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="Top-p"),

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.drafters.base import Drafter
 from engine.drafters.registry import load_drafter
-from engine.engine import Engine
+from engine.engine import AUTO, Engine
 from engine.target import load_target
 from models.loading import DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError, LoadOptions
 from models.presets import PRESETS, resolve
@@ -38,6 +38,7 @@ class EngineSpec:
     options: LoadOptions = field(default_factory=LoadOptions)
     preset: str | None = None  # set when the models came from a preset (not --model)
     max_images: int = 8
+    auto: bool = False  # `--drafter auto`: each request picks among the drafters (engine/auto.py)
 
 
 def add_model_flags(parser: argparse.ArgumentParser, env: Callable[[str], str | None] = lambda name: None) -> None:
@@ -51,7 +52,8 @@ def add_model_flags(parser: argparse.ArgumentParser, env: Callable[[str], str | 
                         help="hub id or local folder of the target VLM (default: the preset's)")
     parser.add_argument("--drafter", action="append", default=None,
                         help="a drafter: hub id or folder (text LM, VLM of the target's family, DFlash or Gemma 4 "
-                             "assistant), 'ngram', 'mtp' (the target's own MTP layers) or 'none'; repeat, or "
+                             "assistant), 'ngram', 'mtp' (the target's own MTP layers), 'auto' (load the others, "
+                             "or the preset's, and pick one per request by measured speed) or 'none'; repeat, or "
                              "separate with commas (default: the preset's; ngram with --model)")
     parser.add_argument("--dtype", default=flag_default("DTYPE", LoadOptions.dtype), choices=DTYPES,
                         help="the target's dtype (default float32: plain and speculative greedy answers identical)")
@@ -72,11 +74,15 @@ def spec_from_args(args: argparse.Namespace, max_images: int = 8) -> EngineSpec:
     drafters = args.drafter or ([args.drafter_env] if getattr(args, "drafter_env", None) else None)
     try:
         target, names = resolve(args.preset, args.model, drafters)
+        auto = AUTO in names  # every other named drafter (or the preset's) is loaded to choose from
+        if auto:
+            names = [name for name in names if name != AUTO] or resolve(args.preset, args.model, None)[1]
     except ValueError as error:
         raise LoadError(str(error)) from None
     options = LoadOptions(dtype=args.dtype, device=args.device, quantization=args.quantization,
                           trust_remote_code=args.trust_remote_code, drafter_dtype=args.drafter_dtype)
-    return EngineSpec(target, tuple(names), options, None if args.model else (args.preset or "demo"), max_images)
+    return EngineSpec(target, tuple(names), options, None if args.model else (args.preset or "demo"), max_images,
+                      auto)
 
 
 def build_engine(spec: EngineSpec) -> Engine:
@@ -96,7 +102,7 @@ def build_engine(spec: EngineSpec) -> Engine:
             continue
         drafter = load_drafter(name, target, spec.options)
         drafters[drafter_key(drafter, drafters)] = drafter
-    return Engine(target, drafters, max_images=spec.max_images)
+    return Engine(target, drafters, max_images=spec.max_images, auto=spec.auto)
 
 
 def drafter_key(drafter: Drafter, taken: dict) -> str:

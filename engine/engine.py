@@ -18,6 +18,8 @@ from collections.abc import Iterator
 
 import torch
 
+from engine.auto import DrafterChooser
+from engine.draft_length import PassCosts
 from engine.drafters.base import Drafter
 from engine.loop import Chunk, DecodeSettings, Done, generate
 from engine.prompt import Prompt, encode_vlm, images_of, normalize
@@ -25,20 +27,27 @@ from engine.sampling import SamplingSettings
 from engine.target import Target
 
 
+AUTO = "auto"  # the drafter name that picks one per request
+
+
 class RequestError(ValueError):
     """The request cannot be answered as sent (too many images, too long...); says why."""
 
 
 class Engine:
-    def __init__(self, target: Target, drafters: dict[str, Drafter] | None = None, max_images: int = 8):
+    def __init__(self, target: Target, drafters: dict[str, Drafter] | None = None, max_images: int = 8,
+                 auto: bool = False):
         self.target = target
         self.drafters = dict(drafters or {})
         self.max_images = max_images
+        self.auto = auto and bool(self.drafters)  # the default drafter is "auto" (engine/auto.py)
         self.lock = threading.Lock()  # one generation per loaded model at a time
+        self.costs = PassCosts()  # measured pass costs: the draft length (engine/draft_length.py)
+        self.chooser = DrafterChooser(list(self.drafters))  # what each drafter delivered: "auto"
 
     @property
     def default_drafter(self) -> str | None:
-        return next(iter(self.drafters), None)
+        return AUTO if self.auto else next(iter(self.drafters), None)
 
     def stop_token_ids(self) -> frozenset[int]:
         ids = set()
@@ -75,10 +84,14 @@ class Engine:
         decode: DecodeSettings = DecodeSettings(),
         stop: threading.Event | None = None,
     ) -> Iterator[Chunk | Done]:
-        """Answer the conversation's last user turn. drafter=None decodes plainly."""
-        if drafter is not None and drafter not in self.drafters:
+        """Answer the conversation's last user turn. drafter=None decodes plainly; "auto" picks
+        one of the loaded drafters by what each has delivered (engine/auto.py)."""
+        if drafter is not None and drafter not in self.drafters and not (drafter == AUTO and self.drafters):
             raise RequestError(f"unknown drafter {drafter!r}; loaded: {', '.join(self.drafters) or 'none'}")
         prompt = self.prepare(messages)
+        auto_choice = None
+        if drafter == AUTO:
+            drafter, auto_choice = self.chooser.choose(len(prompt.images))
         if not decode.stop_token_ids:
             decode = replace(decode, stop_token_ids=self.stop_token_ids())
         room = self.context_limit() - len(prompt.input_ids) if self.context_limit() else None
@@ -86,8 +99,14 @@ class Engine:
             decode = replace(decode, max_new_tokens=room)
         with self.lock:
             try:
-                yield from generate(self.target.runner, self.target.tokenizer, prompt,
-                                    self.drafters.get(drafter) if drafter else None, sampling, decode, stop)
+                for event in generate(self.target.runner, self.target.tokenizer, prompt,
+                                      self.drafters.get(drafter) if drafter else None, sampling, decode, stop,
+                                      self.costs):
+                    event.stats.auto_choice = auto_choice
+                    if isinstance(event, Done) and drafter:
+                        self.chooser.record(drafter, len(prompt.images), event.stats.decode_tokens,
+                                            event.stats.decode_tok_s)
+                    yield event
             except torch.OutOfMemoryError:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()  # this request's caches are gone; the next one starts clean
