@@ -22,7 +22,7 @@ from engine.drafters.base import Drafter
 from engine.drafters.registry import load_drafter
 from engine.engine import AUTO, Engine
 from engine.target import load_target
-from models.loading import DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError, LoadOptions
+from models.loading import DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError, LoadOptions, fitted_options
 from models.presets import PRESETS, resolve
 
 TRUE = ("1", "true", "yes", "on")
@@ -55,11 +55,12 @@ def add_model_flags(parser: argparse.ArgumentParser, env: Callable[[str], str | 
                              "assistant), 'ngram', 'mtp' (the target's own MTP layers), 'auto' (load the others, "
                              "or the preset's, and pick one per request by measured speed) or 'none'; repeat, or "
                              "separate with commas (default: the preset's; ngram with --model)")
-    parser.add_argument("--dtype", default=flag_default("DTYPE", LoadOptions.dtype), choices=DTYPES,
-                        help="the target's dtype (default float32: plain and speculative greedy answers identical)")
+    parser.add_argument("--dtype", default=flag_default("DTYPE", "fit"), choices=DTYPES,
+                        help='the target\'s dtype; "fit" (default): float32 (plain and speculative greedy answers '
+                             'identical) when its float32 weights take at most 40%% of the memory, else bfloat16')
     parser.add_argument("--drafter-dtype", default=flag_default("DRAFTER_DTYPE", LoadOptions.drafter_dtype),
                         choices=DRAFTER_DTYPES,
-                        help='"auto" (default): float32 on a CPU for drafters under 1B parameters, else --dtype')
+                        help='"auto" (default): float32 on a CPU for drafters under 10M parameters, else --dtype')
     parser.add_argument("--device", default=flag_default("DEVICE", LoadOptions.device), choices=DEVICES)
     parser.add_argument("--quantization", default=flag_default("QUANTIZATION"), choices=QUANTIZATIONS,
                         help="load the target in 4 or 8 bits (bitsandbytes)")
@@ -94,13 +95,16 @@ def build_engine(spec: EngineSpec) -> Engine:
             raise LoadError(f"the {spec.preset!r} preset's model is not in {spec.target} (the bundled demo model is "
                             "trained by `bash scripts/train_demo.sh`); or pass --model DIR_OR_HUB_ID")
         raise LoadError(f"--model {spec.target}: no such folder")
-    target = load_target(spec.target, spec.options)
+    options, reason = fitted_options(spec.target, spec.options)
+    if reason:
+        print(f"dtype {reason}", file=sys.stderr)
+    target = load_target(spec.target, options)
     drafters: dict[str, Drafter] = {}
     for name in spec.drafters:
         if spec.preset and _looks_local(name) and not os.path.isdir(name):
             print(f"warning: skipping the preset's drafter {name}: not on disk", file=sys.stderr)
             continue
-        drafter = load_drafter(name, target, spec.options)
+        drafter = load_drafter(name, target, options)
         drafters[drafter_key(drafter, drafters)] = drafter
     return Engine(target, drafters, max_images=spec.max_images, auto=spec.auto)
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from measure.bench_rows import Measurement, cost_model, run_this, run_transformers
+from models.loading import dtype_name
 from engine.loop import DecodeSettings
 
 
@@ -136,7 +137,7 @@ def machine_info(dtype: str, engine=None) -> dict:
     """Machine, threads, versions, and the dtype each model actually runs in."""
     import transformers
 
-    drafter_dtypes = {short(d.name): str(next(d.runner.model.parameters()).dtype).removeprefix("torch.")
+    drafter_dtypes = {short(d.name): dtype_name(d.runner.model)
                       for d in (engine.drafters.values() if engine else ()) if d.kind in ("text_lm", "vlm")}
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "dtype": dtype,
@@ -245,7 +246,8 @@ def main(argv=None) -> int:
                 row.runs.append(measurement)
         print(f"request {index}/{len(requests)} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens or 4)
-    info = machine_info(args.dtype, engine)
+    dtype = dtype_name(engine.target.model)  # --dtype fit resolved
+    info = machine_info(dtype, engine)
     table = [summarize(row, rows[0], costs) for row in rows]
     print_table(table, info)
     print("cost model: target forward over n tokens " + ", ".join(f"t({n}) {t * 1000:.1f}"
@@ -256,7 +258,7 @@ def main(argv=None) -> int:
         print(f"plot: {args.plot}")
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"machine": info, "dtype": args.dtype, "costs": costs, "rows": table}, file, indent=1)
+            json.dump({"machine": info, "dtype": dtype, "costs": costs, "rows": table}, file, indent=1)
     return 0
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def measure(preset: str, quick: bool, dtype: str, device: str, max_new_tokens: i
     from measure.bench_rows import cost_model, run_this, run_transformers
     from measure.replay import ReplayDrafter, record_fixed_point
     from measure.shapes import build_preset
-    from models.loading import LoadOptions
+    from models.loading import LoadOptions, dtype_name
 
     target_dir, drafter_dir = build_preset(preset, quick)
     options = LoadOptions(dtype=dtype, device=device)
@@ -76,7 +76,7 @@ def measure(preset: str, quick: bool, dtype: str, device: str, max_new_tokens: i
            "image_tokens": prompt.num_image_tokens, "t_s": t,
            "t_ratio": {n: t[n] / t[1] for n in t},
            "drafter_parameters": _parameters(engine.drafters["text"].runner.model),
-           "drafter_dtype": str(next(engine.drafters["text"].runner.model.parameters()).dtype).removeprefix("torch."),
+           "drafter_dtype": dtype_name(engine.drafters["text"].runner.model),
            "draft_step_s": costs["draft_step_s"]["text"], "prefill": prefill_split(engine, prompt, repeats)}
     plain = run_this(engine, None, messages, decode, 1)
     generate = run_transformers(engine, None, messages, decode, 1)

@@ -151,3 +151,4 @@ def test_replay_drafter_is_accepted_at_its_rate(monkeypatch, acceptance):
     assert stats.accepted / (stats.accepted + rejections) == pytest.approx(acceptance, abs=0.06)
     drafter = ReplayDrafter(list(range(1000)), acceptance, 2000, seed=5)
     assert drafter.corrupted_positions() / 1000 == pytest.approx(1 - acceptance, abs=0.04)
+
