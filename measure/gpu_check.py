@@ -40,7 +40,8 @@ def exactness(device: str, dtype: str) -> dict:
 
 def exactness_short(family: str = "qwen2_5_vl") -> dict:
     """In this process, on the CPU in float32: one family's plain and speculative greedy answers
-    (text LM, VLM and n-gram drafters; 0, 1 and 2 images) must be identical."""
+    (text LM, VLM and n-gram drafters; 1 and 2 images) must be identical (CI runs the whole
+    exactness suite on the CPU anyway: this checks the check)."""
     import tempfile
     from pathlib import Path
 
@@ -49,7 +50,7 @@ def exactness_short(family: str = "qwen2_5_vl") -> dict:
 
     started = time.perf_counter()
     zoo, failures, cases = TinyZoo(Path(tempfile.mkdtemp())), [], 0
-    for num_images in (0, 1, 2):
+    for num_images in (1, 2):
         plain = run(zoo, family, None, conversation(num_images)).token_ids
         for drafter in DRAFTERS:
             cases += 1
