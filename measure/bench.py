@@ -113,6 +113,9 @@ def summarize(row: Row, plain: Row, costs: dict) -> dict:
         "speedup_vs_plain": {"min": min(speedups), "median": statistics.median(speedups), "max": max(speedups)},
     }
     lengths = [k for r in runs for k in r.draft_lengths]
+    if row.drafter == "auto":
+        out["auto_picked"] = {short(name): sum(r.drafter_used == name for r in runs)
+                              for name in dict.fromkeys(r.drafter_used for r in runs)}
     out["mean_draft_length"] = statistics.mean(lengths) if lengths else None
     if row.mode == "speculative" and tpf and row.drafter in costs.get("draft_step_s", {}):
         step, t = costs["draft_step_s"][row.drafter], costs["t_s"]
@@ -250,6 +253,9 @@ def main(argv=None) -> int:
     info = machine_info(dtype, engine)
     table = [summarize(row, rows[0], costs) for row in rows]
     print_table(table, info)
+    for r in table:
+        if r.get("auto_picked"):
+            print("auto picked: " + ", ".join(f"{name} {count}x" for name, count in r["auto_picked"].items()))
     print("cost model: target forward over n tokens " + ", ".join(f"t({n}) {t * 1000:.1f}"
                                                                  for n, t in costs["t_s"].items())
           + " ms; draft step " + ", ".join(f"{labels[key]} {t * 1000:.1f} ms" for key, t in costs["draft_step_s"].items()))

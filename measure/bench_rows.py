@@ -31,6 +31,7 @@ class Measurement:
     accepted_by_position: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
     rejected_rounds: int = 0
+    drafter_used: str | None = None  # with drafter "auto": the one it picked
     error: str | None = None
 
 
@@ -40,7 +41,7 @@ def run_this(engine, drafter: str | None, messages, decode: DecodeSettings, requ
     return Measurement(request_id, done.token_ids, s.ttft_s, s.total_s, s.decode_tok_s,
                        s.tokens_per_forward if drafter else None, s.drafted, s.accepted,
                        s.drafted_by_position, s.accepted_by_position, s.draft_lengths if drafter else [],
-                       s.rejected_rounds)
+                       s.rejected_rounds, s.drafter)
 
 
 class _TimingStreamer:
