@@ -68,7 +68,7 @@ def measure(preset: str, quick: bool, dtype: str, device: str, max_new_tokens: i
     prompt = engine.prepare(messages)
     decode = DecodeSettings(max_new_tokens=max_new_tokens, stop_token_ids=frozenset({-1}))  # never stops early
     run_this(engine, None, messages, replace(decode, max_new_tokens=2), 0)  # warm-up: pages the weights in
-    repeats = 3 if quick else 4
+    repeats = 3
     costs = cost_model(engine, messages, FIXED_K, repeats=repeats, max_tokens=9)
     t = costs["t_s"]
     out = {"preset": preset, "quick": quick, "dtype": dtype, "device": str(target.runner.device),
@@ -171,6 +171,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--image-size", type=int, default=224, help="the photo's side in pixels (default 224)")
+    parser.add_argument("--acceptances", default=",".join(map(str, ACCEPTANCES)),
+                        help="replay acceptances, comma-separated (default 1.0,0.8,0.6,0.2)")
     parser.add_argument("--quick", action="store_true", help="shrunken shapes (2 layers, hidden 64): seconds")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child process: one preset
@@ -182,7 +184,8 @@ def main(argv=None) -> int:
     results = []
     for preset in presets:
         if args.quick or args.one:
-            results.append(measure(preset, args.quick, args.dtype, args.device, args.max_new_tokens, args.image_size))
+            results.append(measure(preset, args.quick, args.dtype, args.device, args.max_new_tokens, args.image_size,
+                                   tuple(float(a) for a in args.acceptances.split(","))))
         else:
             results.append(_in_child(preset, args))
         print(f"{preset} measured", file=sys.stderr)
@@ -207,7 +210,7 @@ def _in_child(preset: str, args) -> dict:
     build_preset(preset)  # already built: returns the folders
     command = [sys.executable, "-m", "measure.realscale", "--one", "--preset", preset, "--dtype", args.dtype,
                "--device", args.device, "--max-new-tokens", str(args.max_new_tokens),
-               "--image-size", str(args.image_size)]
+               "--image-size", str(args.image_size), "--acceptances", args.acceptances]
     with tempfile.TemporaryFile("w+") as out:
         subprocess.run(command, check=True, stdout=out)
         out.seek(0)

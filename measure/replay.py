@@ -66,3 +66,56 @@ def record_fixed_point(answer_with, plain_answer: list[int], tries: int = 3) -> 
             break
         recording = answer
     return recording
+
+
+def main(argv=None) -> int:
+    """A long answer with a weak drafter against plain decoding, on the bundled model (or
+    --preset / --model): the replay drafter at --acceptance, with k fixed and k from cost.
+
+        python -m measure.replay [--acceptance 0.1] [--max-new-tokens 256] [--repeats 5] [--dtype bfloat16]
+
+    The answer never stops early (no stop token), so it runs on repetitively past its end; rows
+    are interleaved per repeat, medians reported."""
+    import argparse
+    import statistics
+    from dataclasses import replace
+
+    from engine.build import add_model_flags, build_engine, spec_from_args
+    from engine.loop import DecodeSettings
+    from measure.bench import demo_requests, messages_of
+    from measure.bench_rows import run_this
+
+    parser = argparse.ArgumentParser(prog="python -m measure.replay", description=main.__doc__.split("\n\n")[0])
+    add_model_flags(parser)
+    parser.add_argument("--acceptance", type=float, default=0.1)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    engine = build_engine(replace(spec_from_args(args), drafters=()))
+    messages = messages_of(demo_requests(1)[0])
+    decode = DecodeSettings(max_new_tokens=args.max_new_tokens, stop_token_ids=frozenset({-1}))
+    plain = run_this(engine, None, messages, decode, 0)  # also the warm-up
+    engine.drafters["replay"] = ReplayDrafter(plain.token_ids, args.acceptance, engine.target.vocab_size,
+                                              engine.target.placeholder_ids)
+    rows = {"plain": (None, None), "replay, k = 4": ("replay", 4), "replay, k from cost": ("replay", None)}
+    speeds = {name: [] for name in rows}
+    runs = {}
+    for _ in range(args.repeats):
+        for name, (drafter, k) in rows.items():
+            runs[name] = run_this(engine, drafter, messages, replace(decode, draft_tokens=k), 0)
+            speeds[name].append(runs[name].decode_tok_s)
+    plain_speed = statistics.median(speeds["plain"])
+    print(f"{args.max_new_tokens}-token answer, replay drafter at acceptance {args.acceptance}, "
+          f"{args.repeats} interleaved repeats (median decode tok/s)")
+    for name, values in speeds.items():
+        m = runs[name]
+        print(f"| {name} | {statistics.median(values):.1f} tok/s | {statistics.median(values) / plain_speed:.3f}x plain "
+              f"| drafted {m.drafted}, accepted {m.accepted}, plain steps {m.draft_lengths.count(0)} of "
+              f"{len(m.draft_lengths)} | identical: {m.token_ids == plain.token_ids} |")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
