@@ -328,13 +328,16 @@ def _settings(engine: Engine) -> dict:
     drafter controls are off in plain mode."""
     choices = [(_drafter_label(drafter, key == engine.default_drafter), key)
                for key, drafter in engine.drafters.items()] or [("none", "none")]
+    if len(engine.drafters) > 1:  # engine/auto.py: per request, the drafter that has delivered the most
+        auto = ("Auto: the drafter that has been fastest" + (" (default)" if engine.auto else ""), "auto")
+        choices = [auto] + choices if engine.auto else choices + [auto]
     defaults = Options()
     speculative = bool(engine.drafters)
     settings = {
         "mode": gr.Radio(["speculative", "plain"], value="speculative" if speculative else "plain", label="Decoding"),
         "drafter": gr.Dropdown(choices, value=choices[0][1], label="Drafter", interactive=speculative),
-        "draft_tokens": gr.Slider(1, 8, value=defaults.draft_tokens, step=1, label="Draft length (tokens per draft)",
-                                  interactive=speculative),
+        "draft_tokens": gr.Slider(0, 8, value=defaults.draft_tokens, step=1,
+                                  label="Draft length (0 = chosen from measured cost)", interactive=speculative),
         "adaptive": gr.Checkbox(defaults.adaptive, label="Adaptive draft length", interactive=speculative),
         "temperature": gr.Slider(0, 1.5, value=defaults.temperature, step=0.05, label="Temperature (0 = greedy)"),
         "top_p": gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="Top-p"),

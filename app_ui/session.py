@@ -138,8 +138,8 @@ class Options:
 
     mode: str = "speculative"  # or "plain"
     drafter: str | None = None  # a key of engine.drafters; None or "none": the engine's default
-    draft_tokens: int = 4
-    adaptive: bool = False
+    draft_tokens: int = 0  # 0: chosen each round from measured cost (engine/draft_length.py)
+    adaptive: bool = False  # the +2/-1 rule from draft_tokens (or 4)
     temperature: float = 0.0
     top_p: float = 1.0
     max_new_tokens: int = 256
@@ -175,7 +175,7 @@ class Options:
         return SamplingSettings(temperature=float(self.temperature), top_p=float(self.top_p), seed=int(self.seed))
 
     def decode(self) -> DecodeSettings:
-        return DecodeSettings(max_new_tokens=int(self.max_new_tokens), draft_tokens=int(self.draft_tokens),
+        return DecodeSettings(max_new_tokens=int(self.max_new_tokens), draft_tokens=int(self.draft_tokens) or None,
                               adaptive=bool(self.adaptive))
 
     def drafter_for(self, engine: Engine) -> str | None:

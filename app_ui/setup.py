@@ -7,10 +7,11 @@ a flag wins over its variable:
     --model    VLM_MODEL     target VLM: hub id or folder (overrides the preset's)
     --drafter  VLM_DRAFTER   drafter: hub id, folder, "ngram" or "none"; repeat the flag, or
                              separate with commas (default: the preset's, or ngram with --model)
-    --dtype    VLM_DTYPE     float32 (default, exact A/B), bfloat16, float16, auto
+    --dtype    VLM_DTYPE     fit (default: float32, exact A/B, when it takes at most 40% of the
+                             memory, else bfloat16), float32, bfloat16, float16, auto
     --device   VLM_DEVICE    auto (default), cpu, cuda
     --quantization  VLM_QUANTIZATION  4bit or 8bit (bitsandbytes; default none)
-    --drafter-dtype  VLM_DRAFTER_DTYPE  auto (default: float32 on a CPU for drafters under 1B
+    --drafter-dtype  VLM_DRAFTER_DTYPE  auto (default: float32 on a CPU for drafters under 10M
                              parameters, else --dtype), float32, bfloat16, float16
     --host     VLM_HOST      default 127.0.0.1 (0.0.0.0 on a Space)
     --port     VLM_PORT      default 7860, or the next free port

@@ -76,6 +76,8 @@ def _stat_rows(stats: Stats) -> list[tuple[str, str]]:
         ("Acceptance", "—" if stats.acceptance is None else f"{stats.acceptance:.0%}"),
         ("Tokens per target forward", "—" if stats.tokens_per_forward is None else f"{stats.tokens_per_forward:.2f}"),
         ("Mode · drafter", f"{stats.mode} · {drafter}"),
+        ("Drafter choice", stats.auto_choice or "—"),
+        ("Draft length", stats.draft_length_reason or "—"),
         ("Fell back to plain", stats.fallback_reason or "no"),
         ("Status", FINISH_REASONS.get(stats.finish_reason, "generating…")),
     ]

@@ -33,8 +33,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--draft-tokens", type=int, default=4)
-    parser.add_argument("--adaptive", action="store_true", help="adapt the draft length to acceptance")
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="draft exactly K tokens a round (default: k chosen each round from measured cost)")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="the +2/-1 rule from --draft-tokens (or 4): +2 after a full acceptance, -1 after a "
+                             "rejection")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     return parser.parse_args(argv)
 
@@ -54,8 +57,10 @@ def main(argv=None) -> int:
     try:
         images = [load_image(path) for path in args.image]
         spec = spec_from_args(args)
-        # The command line answers with one drafter: the first named (or the preset's first).
-        spec = replace(spec, drafters=spec.drafters[:1] if args.mode == "speculative" else ())
+        # The command line answers with one drafter: the first named (or the preset's first), or
+        # with --drafter auto the one that `auto` picks among them all.
+        spec = replace(spec, drafters=(spec.drafters if spec.auto else spec.drafters[:1])
+                       if args.mode == "speculative" else ())
         engine = build_engine(spec)
         content = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": args.prompt}]
         events = engine.stream(

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 from engine.drafters.base import Drafter
 from engine.drafters.registry import load_drafter
-from engine.engine import Engine
+from engine.engine import AUTO, Engine
 from engine.target import load_target
-from models.loading import DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError, LoadOptions, resolve_device
+from models.loading import (DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError, LoadOptions, fitted_options,
+                            resolve_device)
 from models.presets import PRESETS, resolve
 
 TRUE = ("1", "true", "yes", "on")
@@ -42,6 +43,7 @@ class EngineSpec:
     preset: str | None = None  # set when the models came from a preset (not --model)
     max_images: int = 8
     max_image_tokens: int | None = CPU_IMAGE_TOKENS  # each image's budget of tokens; None: the processor's own
+    auto: bool = False  # `--drafter auto`: each request picks among the drafters (engine/auto.py)
 
 
 def add_model_flags(parser: argparse.ArgumentParser, env: Callable[[str], str | None] = lambda name: None) -> None:
@@ -55,13 +57,15 @@ def add_model_flags(parser: argparse.ArgumentParser, env: Callable[[str], str | 
                         help="hub id or local folder of the target VLM (default: the preset's)")
     parser.add_argument("--drafter", action="append", default=None,
                         help="a drafter: hub id or folder (text LM, VLM of the target's family, DFlash or Gemma 4 "
-                             "assistant), 'ngram', 'mtp' (the target's own MTP layers) or 'none'; repeat, or "
+                             "assistant), 'ngram', 'mtp' (the target's own MTP layers), 'auto' (load the others, "
+                             "or the preset's, and pick one per request by measured speed) or 'none'; repeat, or "
                              "separate with commas (default: the preset's; ngram with --model)")
-    parser.add_argument("--dtype", default=flag_default("DTYPE", LoadOptions.dtype), choices=DTYPES,
-                        help="the target's dtype (default float32: plain and speculative greedy answers identical)")
+    parser.add_argument("--dtype", default=flag_default("DTYPE", "fit"), choices=DTYPES,
+                        help='the target\'s dtype; "fit" (default): float32 (plain and speculative greedy answers '
+                             'identical) when its float32 weights take at most 40%% of the memory, else bfloat16')
     parser.add_argument("--drafter-dtype", default=flag_default("DRAFTER_DTYPE", LoadOptions.drafter_dtype),
                         choices=DRAFTER_DTYPES,
-                        help='"auto" (default): float32 on a CPU for drafters under 1B parameters, else --dtype')
+                        help='"auto" (default): float32 on a CPU for drafters under 10M parameters, else --dtype')
     parser.add_argument("--device", default=flag_default("DEVICE", LoadOptions.device), choices=DEVICES)
     parser.add_argument("--quantization", default=flag_default("QUANTIZATION"), choices=QUANTIZATIONS,
                         help="load the target in 4 or 8 bits (bitsandbytes)")
@@ -79,12 +83,15 @@ def spec_from_args(args: argparse.Namespace, max_images: int = 8) -> EngineSpec:
     drafters = args.drafter or ([args.drafter_env] if getattr(args, "drafter_env", None) else None)
     try:
         target, names = resolve(args.preset, args.model, drafters)
+        auto = AUTO in names  # every other named drafter (or the preset's) is loaded to choose from
+        if auto:
+            names = [name for name in names if name != AUTO] or resolve(args.preset, args.model, None)[1]
     except ValueError as error:
         raise LoadError(str(error)) from None
     options = LoadOptions(dtype=args.dtype, device=args.device, quantization=args.quantization,
                           trust_remote_code=args.trust_remote_code, drafter_dtype=args.drafter_dtype)
     return EngineSpec(target, tuple(names), options, None if args.model else (args.preset or "demo"), max_images,
-                      image_token_budget(getattr(args, "max_image_tokens", None), options))
+                      image_token_budget(getattr(args, "max_image_tokens", None), options), auto)
 
 
 def image_token_budget(flag: int | None, options: LoadOptions) -> int | None:
@@ -113,15 +120,19 @@ def build_engine(spec: EngineSpec) -> Engine:
             raise LoadError(f"the {spec.preset!r} preset's model is not in {spec.target} (the bundled demo model is "
                             "trained by `bash scripts/train_demo.sh`); or pass --model DIR_OR_HUB_ID")
         raise LoadError(f"--model {spec.target}: no such folder")
-    target = load_target(spec.target, spec.options)
+    options, reason = fitted_options(spec.target, spec.options)
+    if reason:
+        print(f"dtype {reason}", file=sys.stderr)
+    target = load_target(spec.target, options)
     drafters: dict[str, Drafter] = {}
     for name in spec.drafters:
         if spec.preset and _looks_local(name) and not os.path.isdir(name):
             print(f"warning: skipping the preset's drafter {name}: not on disk", file=sys.stderr)
             continue
-        drafter = load_drafter(name, target, spec.options)
+        drafter = load_drafter(name, target, options)
         drafters[drafter_key(drafter, drafters)] = drafter
-    return Engine(target, drafters, max_images=spec.max_images, max_image_tokens=spec.max_image_tokens)
+    return Engine(target, drafters, max_images=spec.max_images, max_image_tokens=spec.max_image_tokens,
+                  auto=spec.auto)
 
 
 def drafter_key(drafter: Drafter, taken: dict) -> str:

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 
 import torch
 
+from engine.auto import DrafterChooser
+from engine.draft_length import PassCosts
 from engine.drafters.base import Drafter
 from engine.loop import Chunk, DecodeSettings, Done, generate
 from engine.images import fit_to_processor
@@ -27,6 +29,9 @@ from engine.prompt import Prompt, encode_vlm, images_of, neutralize, normalize
 from engine.sampling import SamplingSettings
 from engine.stats import Stats
 from engine.target import Target
+
+
+AUTO = "auto"  # the drafter name that picks one per request
 
 
 class RequestError(ValueError):
@@ -39,16 +44,19 @@ class ContextError(RequestError):
 
 class Engine:
     def __init__(self, target: Target, drafters: dict[str, Drafter] | None = None, max_images: int = 8,
-                 max_image_tokens: int | None = None):
+                 max_image_tokens: int | None = None, auto: bool = False):
         self.target = target
         self.drafters = dict(drafters or {})
         self.max_images = max_images
         self.max_image_tokens = max_image_tokens  # default budget of tokens per image; None: the processor's own
+        self.auto = auto and bool(self.drafters)  # the default drafter is "auto" (engine/auto.py)
         self.lock = threading.Lock()  # one generation per loaded model at a time
+        self.costs = PassCosts()  # measured pass costs: the draft length (engine/draft_length.py)
+        self.chooser = DrafterChooser(list(self.drafters))  # what each drafter delivered: "auto"
 
     @property
     def default_drafter(self) -> str | None:
-        return next(iter(self.drafters), None)
+        return AUTO if self.auto else next(iter(self.drafters), None)
 
     def stop_token_ids(self) -> frozenset[int]:
         ids = set()
@@ -98,19 +106,24 @@ class Engine:
         max_image_tokens: int | None = None,
     ) -> Iterator[Chunk | Done]:
         """Answer the conversation's last user turn (messages, or a Prompt from `prepare`).
-        drafter=None decodes plainly. `started`: the request's start (time.perf_counter()),
+        drafter=None decodes plainly; "auto" picks one of the loaded drafters by what each has
+        delivered (engine/auto.py). `started`: the request's start (time.perf_counter()),
         default now; `ttft_s` and `total_s` count from it, so image and prompt processing
         are included (`prepare_s`). A request stopped before it starts ends at once, with no
         answer; an answer that fills the context ends with finish_reason "context"."""
         started = time.perf_counter() if started is None else started
-        if drafter is not None and drafter not in self.drafters:
+        if drafter is not None and drafter not in self.drafters and not (drafter == AUTO and self.drafters):
             raise RequestError(f"unknown drafter {drafter!r}; loaded: {', '.join(self.drafters) or 'none'}")
         sampling, decode = checked_settings(sampling, decode)
         if stop is not None and stop.is_set():
+            name = self.drafters[drafter].name if drafter in self.drafters else drafter
             yield Done("", [], Stats(mode="speculative" if drafter else "plain", finish_reason="stopped",
-                                     drafter=self.drafters[drafter].name if drafter else None))
+                                     drafter=name))
             return
         prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, max_image_tokens)
+        auto_choice = None
+        if drafter == AUTO:
+            drafter, auto_choice = self.chooser.choose(len(prompt.images))
         if not decode.stop_token_ids:
             decode = replace(decode, stop_token_ids=self.stop_token_ids())
         room = self.context_limit() - len(prompt.input_ids) if self.context_limit() else None
@@ -121,8 +134,13 @@ class Engine:
             prepare_s = time.perf_counter() - started  # waiting for the lock included
             try:
                 for event in generate(self.target.runner, self.target.tokenizer, prompt,
-                                      self.drafters.get(drafter) if drafter else None, sampling, decode, stop):
+                                      self.drafters.get(drafter) if drafter else None, sampling, decode, stop,
+                                      self.costs):
                     count_from_request(event.stats, prepare_s, cut_by_context)
+                    event.stats.auto_choice = auto_choice
+                    if isinstance(event, Done) and drafter:
+                        self.chooser.record(drafter, len(prompt.images), event.stats.decode_tokens,
+                                            event.stats.decode_tok_s)
                     yield event
             except torch.OutOfMemoryError:
                 if torch.cuda.is_available():

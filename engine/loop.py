@@ -7,9 +7,11 @@ decodes one token. The CLI, the app, the A/B mode and the benchmark all consume 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from engine.draft_length import DraftLength, PassCosts
 from engine.drafters.base import Draft, Drafter, DrafterUnavailable, DraftSession
 from engine.prompt import Prompt
 from engine.runner import NO_READS, CacheState, Runner
@@ -20,8 +22,8 @@ from engine.stats import Clock, Stats
 @dataclass(frozen=True)
 class DecodeSettings:
     max_new_tokens: int = 256
-    draft_tokens: int = 4  # k; with adaptive, the starting k
-    adaptive: bool = False  # longer drafts after full acceptance, shorter after a rejection
+    draft_tokens: int | None = None  # k fixed; None: chosen each round from measured cost (draft_length.py)
+    adaptive: bool = False  # the +2/-1 rule from draft_tokens (or 4): longer after a full acceptance
     max_draft_tokens: int = 8
     stop_token_ids: frozenset[int] = frozenset()
 
@@ -52,7 +54,10 @@ def generate(
     sampling: SamplingSettings,
     decode: DecodeSettings,
     stop: threading.Event | None = None,
+    costs: PassCosts | None = None,
 ) -> Iterator[Chunk | Done]:
+    """Answer `prompt`; `costs`, the engine's measured pass costs, are read and updated to choose
+    the draft length (engine/draft_length.py)."""
     clock = Clock(target.device)
     started = clock.now()
     sampler = Sampler(sampling)
@@ -61,26 +66,32 @@ def generate(
                   prefill_tokens=len(prompt.input_ids), prefill_image_tokens=prompt.num_image_tokens,
                   max_image_tokens=prompt.max_image_tokens)
     text = TextStream(tokenizer)
-    # 1. Prefill the target (its logits give the first token; it keeps what the drafter reads)
-    #    and the drafter (a session of its own for this request).
+    # 1. Prefill the target (its logits give the first token, yielded at once; it keeps what
+    #    the drafter reads), then the drafter (a session of its own for this request), only if
+    #    the answer goes on.
     logits, state = target.prefill(prompt.target_inputs, drafter.reads if drafter else NO_READS)
-    session = _begin(drafter, prompt, state, stats)
     first_token, _ = sampler.next_token(logits)
     first_token_at = clock.now()
     stats.prefill_s = stats.ttft_s = first_token_at - started
     generated = [first_token]
     stats.new_tokens = 1
     yield _chunk(text, [first_token], 0, stats)
-    k = decode.draft_tokens
+    session = _begin(drafter, prompt, state, stats) if not _finished(generated, decode, stats, stop) else None
+    length = DraftLength(decode.draft_tokens, decode.adaptive, decode.max_draft_tokens, costs,
+                         drafter.name if drafter else None)
     while not _finished(generated, decode, stats, stop):
         remaining = decode.max_new_tokens - len(generated)
-        # 2. Draft up to k tokens (none when plain or after a fallback).
-        draft = _propose(session, generated, min(k, remaining - 1), sampler, stats)
+        round_started = clock.now()
+        # 2. Draft up to k tokens (none when plain, after a fallback, or when drafting is a loss).
+        stats.record_draft_length(len(generated), length.k, length.reason)
+        draft = _propose(session, generated, min(length.k, remaining - 1), sampler, stats)
         if draft is None:
             session, draft = None, Draft([])
             state.stop_reading()
+        drafted_at = clock.now()
         # 3. Verify: one target pass over the last committed token and the draft, (k+1, V).
         target_logits = target.extend(state, [generated[-1]] + draft.token_ids)
+        verified_at = clock.now()
         # 4. Accept the agreeing prefix plus the target's own bonus token.
         num_accepted, bonus_token = accept_draft(sampler, draft.token_ids, draft.probs, target_logits)
         # 5. Roll back the rejected draft tokens in the target's cache; the drafter learns the pass.
@@ -89,12 +100,15 @@ def generate(
             session.accept(num_accepted)
         new_tokens = _truncate(draft.token_ids[:num_accepted] + [bonus_token], remaining, decode)
         generated += new_tokens
-        # 6. Statistics, then the next draft length.
+        # 6. Statistics, then the next draft length from this round's counts and timings.
         stats.new_tokens = len(generated)
         stats.record_round(*_counted(len(draft.token_ids), num_accepted, len(new_tokens)))
-        stats.record_time(started, first_token_at, clock.now())
-        k = _next_draft_length(k, len(draft.token_ids), num_accepted, decode)
+        now = clock.now()
+        stats.record_time(started, first_token_at, now)
+        length.update(len(draft.token_ids), num_accepted, drafted_at - round_started, verified_at - drafted_at,
+                      now - round_started)
         yield _chunk(text, new_tokens, min(num_accepted, len(new_tokens)), stats)
+    length.finish()
     stats.record_time(started, first_token_at, clock.now())
     yield Done(text.full(), generated, stats)
 
@@ -111,12 +125,15 @@ def _begin(drafter: Drafter | None, prompt: Prompt, state: CacheState, stats: St
     """The drafter's session for this request; None (plain decoding) when it cannot serve it."""
     if drafter is None:
         return None
+    started = time.perf_counter()
     try:
         return drafter.begin(prompt, state)
     except Exception as error:  # any drafter failure falls back to plain decoding
         stats.fallback_reason = _reason(error, "at prefill")
         state.stop_reading()
         return None
+    finally:
+        stats.drafter_prefill_s = time.perf_counter() - started
 
 
 def _propose(session: DraftSession | None, generated, k, sampler, stats) -> Draft | None:
@@ -161,15 +178,6 @@ def _finished(generated: list[int], decode: DecodeSettings, stats: Stats, stop) 
     elif stop is not None and stop.is_set():
         stats.finish_reason = "stopped"
     return stats.finish_reason is not None
-
-
-def _next_draft_length(k: int, num_drafted: int, num_accepted: int, decode: DecodeSettings) -> int:
-    """Adaptive: +2 after a fully accepted draft, -1 after a rejection (at least 1)."""
-    if not decode.adaptive or num_drafted == 0:
-        return k
-    if num_accepted == num_drafted:
-        return min(k + 2, decode.max_draft_tokens)
-    return max(k - 1, 1)
 
 
 class TextStream:

@@ -46,6 +46,7 @@ class Stats:
     prefill_s: float = 0.0
     prepare_s: float = 0.0  # from the request's start to the prefill (set by Engine.stream)
     ttft_s: float = 0.0
+    drafter_prefill_s: float = 0.0  # the drafter's own prefill (begin), after the first token
     decode_tokens: int = 0
     decode_s: float = 0.0
     decode_tok_s: float = 0.0
@@ -54,11 +55,15 @@ class Stats:
     target_forwards: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejected_rounds: int = 0  # rounds that rejected a draft token
     acceptance: float | None = None
     tokens_per_forward: float | None = None
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)  # k used in each round
+    draft_length_reason: str | None = None  # why the latest round drafted the k it did
+    draft_length_changes: list[dict] = field(default_factory=list)  # {"token", "k", "reason"} when k changed
+    auto_choice: str | None = None  # with drafter "auto": which drafter was picked and why
     fallback_reason: str | None = None
     finish_reason: str | None = None  # "stop_token", "max_new_tokens", "context" (the context is full), "stopped"
     tok_s_curve: list[float] = field(default_factory=list)  # running decode tok/s after each round
@@ -68,6 +73,7 @@ class Stats:
         self.target_forwards += 1
         self.drafted += num_drafted
         self.accepted += num_accepted
+        self.rejected_rounds += num_accepted < num_drafted
         self.decode_tokens += num_emitted
         self.draft_lengths.append(num_drafted)
         for position in range(num_drafted):
@@ -78,6 +84,13 @@ class Stats:
             self.accepted_by_position[position] += position < num_accepted
         self.acceptance = self.accepted / self.drafted if self.drafted else None
         self.tokens_per_forward = self.decode_tokens / self.target_forwards
+
+    def record_draft_length(self, token: int, k: int, reason: str) -> None:
+        """The k chosen before answer token `token` and why; a change is logged (up to 64)."""
+        if (not self.draft_length_changes or self.draft_length_changes[-1]["k"] != k) \
+                and len(self.draft_length_changes) < 64:
+            self.draft_length_changes.append({"token": token, "k": k, "reason": reason})
+        self.draft_length_reason = reason
 
     def record_time(self, started: float, first_token_at: float, now: float) -> None:
         self.total_s = now - started + self.prepare_s

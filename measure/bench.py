@@ -3,7 +3,8 @@ and is the answer unchanged? Measured in one run on one machine, side by side wi
 transformers' own `generate()`.
 
     python -m measure.bench [--preset demo | --model ID --drafter ID ...] [--dtype bfloat16]
-                            [--drafter-dtype auto] [--quick] [--json FILE] [--plot FILE]
+                            [--drafter-dtype auto] [--draft-tokens K] [--fixed-k K] [--quick]
+                            [--json FILE] [--plot FILE]
 
 Rows (all on the same requests, greedy, streamed): this engine plain; this engine with each
 drafter; transformers `generate()` plain; `generate(assistant_model=...)` with each drafter
@@ -12,7 +13,11 @@ that is its own model (text LM, VLM); `generate(prompt_lookup_num_tokens=k)`. Ro
 left out of the figures. `speedup_vs_plain` is the per-request ratio of decode tok/s to this
 engine's plain row. `limit` is the speedup the row's measured tokens per target forward
 would give if each round cost what the cost model says: k draft steps plus one target pass
-over k+1 tokens, against one target pass over 1 token (all measured here).
+over k+1 tokens (for the k each round drafted), against one target pass over 1 token (all
+measured here). The draft length is chosen from cost unless `--draft-tokens K` fixes it;
+`--fixed-k K` adds a row per drafter at a fixed k = K for comparison. With two or more drafters
+an `auto` row lets the engine pick one per request (engine/auto.py); like every request on
+the engine it learns from what the other rows' requests measured.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from measure.bench_rows import Measurement, cost_model, run_this, run_transformers
+from models.loading import dtype_name
 from engine.loop import DecodeSettings
 
 
@@ -38,6 +44,7 @@ class Row:
     mode: str  # "plain" or "speculative"
     drafter: str | None  # the engine's drafter key ("text", "vlm", "ngram", ...), "prompt_lookup", or None
     label: str | None = None  # how the table names the drafter: the folder's last part, or the key
+    draft_tokens: int | None = None  # k fixed for this row (else the run's --draft-tokens)
     runs: list[Measurement] = field(default_factory=list)
     error: str | None = None
 
@@ -80,7 +87,7 @@ def messages_of(request: dict) -> list[dict]:
     return [{"role": "user", "content": content + [{"type": "text", "text": request["prompt"]}]}]
 
 
-def summarize(row: Row, plain: Row, k: int, costs: dict) -> dict:
+def summarize(row: Row, plain: Row, costs: dict) -> dict:
     runs = [r for r in row.runs if r.error is None]
     out = {"engine": row.engine, "mode": row.mode, "drafter": row.label,
            "requests": len(runs), "error": row.error or next((r.error for r in row.runs if r.error), None)}
@@ -105,8 +112,14 @@ def summarize(row: Row, plain: Row, k: int, costs: dict) -> dict:
                       for p in plain.runs if p.request in by_request and by_request[p.request].token_ids != p.token_ids],
         "speedup_vs_plain": {"min": min(speedups), "median": statistics.median(speedups), "max": max(speedups)},
     }
+    lengths = [k for r in runs for k in r.draft_lengths]
+    if row.drafter == "auto":
+        out["auto_picked"] = {short(name): sum(r.drafter_used == name for r in runs)
+                              for name in dict.fromkeys(r.drafter_used for r in runs)}
+    out["mean_draft_length"] = statistics.mean(lengths) if lengths else None
     if row.mode == "speculative" and tpf and row.drafter in costs.get("draft_step_s", {}):
-        round_cost = k * costs["draft_step_s"][row.drafter] + costs["verify_s"]
+        step, t = costs["draft_step_s"][row.drafter], costs["t_s"]
+        round_cost = statistics.mean(k * step + t[min(k + 1, max(t))] for k in lengths)
         out["limit"] = out["tokens_per_forward"] * costs["forward_1_s"] / round_cost
     else:
         out["limit"] = None
@@ -127,7 +140,7 @@ def machine_info(dtype: str, engine=None) -> dict:
     """Machine, threads, versions, and the dtype each model actually runs in."""
     import transformers
 
-    drafter_dtypes = {short(d.name): str(next(d.runner.model.parameters()).dtype).removeprefix("torch.")
+    drafter_dtypes = {short(d.name): dtype_name(d.runner.model)
                       for d in (engine.drafters.values() if engine else ()) if d.kind in ("text_lm", "vlm")}
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "dtype": dtype,
@@ -141,9 +154,9 @@ def print_table(rows: list[dict], info: dict) -> None:
           f"{info['device']}; dtype {info['dtype']}"
           + "".join(f", {name} {dtype}" for name, dtype in info.get("drafter_dtypes", {}).items())
           + f"; torch {info['torch']}, transformers {info['transformers']}")
-    print("| engine | first token | whole answer | decode tok/s | tokens per target forward | acceptance "
+    print("| engine | first token | whole answer | decode tok/s | mean k | tokens per target forward | acceptance "
           "| identical to plain | speedup vs plain (min-median-max) | limit |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         name = f"{r['engine']} {r['mode']}" + (f" ({r['drafter']})" if r["drafter"] else "")
         if r["decode_tok_s"] is None:
@@ -152,7 +165,7 @@ def print_table(rows: list[dict], info: dict) -> None:
         fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         s = r["speedup_vs_plain"]
         print(f"| {name} | {r['first_token_s'] * 1000:.0f} ms | {r['answer_s']:.2f} s | {r['decode_tok_s']:.1f} "
-              f"| {fmt(r['tokens_per_forward'], '.2f')} | {fmt(r['acceptance'], '.2f')} "
+              f"| {fmt(r['mean_draft_length'], '.1f')} | {fmt(r['tokens_per_forward'], '.2f')} | {fmt(r['acceptance'], '.2f')} "
               f"| {r['identical_to_plain']}/{r['requests']} | {s['min']:.2f}x-{s['median']:.2f}x-{s['max']:.2f}x "
               f"| {fmt(r['limit'], '.2f')}{'x' if r['limit'] else ''} |")
 
@@ -193,7 +206,9 @@ def main(argv=None) -> int:
     add_model_flags(parser)
     parser.add_argument("--quick", action="store_true", help="6 requests instead of 12")
     parser.add_argument("--requests", type=int, help="number of requests (default 12, 6 with --quick)")
-    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="draft exactly K tokens a round (default: chosen each round from measured cost)")
+    parser.add_argument("--fixed-k", type=int, metavar="K", help="also a row per drafter at a fixed k = K")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--requests-from", choices=["demo", "photos"],
                         help="the demo world's questions (default for the demo preset) or the example photos")
@@ -213,6 +228,11 @@ def main(argv=None) -> int:
 
     labels = {key: short(drafter.name) for key, drafter in engine.drafters.items()}
     rows = [Row("this", "plain", None)] + [Row("this", "speculative", key, labels[key]) for key in engine.drafters]
+    if args.fixed_k:
+        rows += [Row("this", "speculative", key, f"{labels[key]}, k={args.fixed_k}", args.fixed_k)
+                 for key in engine.drafters]
+    if len(engine.drafters) > 1:
+        rows += [Row("this", "speculative", "auto", "auto")]
     if not args.no_transformers:  # assisted generation takes a drafter that is its own model
         rows += [Row("transformers", "plain", None)]
         rows += [Row("transformers", "speculative", key, labels[key]) for key, drafter in engine.drafters.items()
@@ -223,23 +243,28 @@ def main(argv=None) -> int:
         order = rows[index % len(rows):] + rows[:index % len(rows)]
         for row in order:
             runner = run_this if row.engine == "this" else run_transformers
-            measurement = runner(engine, row.drafter, messages_of(request), decode, request_id=index)
+            row_decode = replace(decode, draft_tokens=row.draft_tokens) if row.draft_tokens else decode
+            measurement = runner(engine, row.drafter, messages_of(request), row_decode, request_id=index)
             if index > 0:
                 row.runs.append(measurement)
         print(f"request {index}/{len(requests)} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens)
-    info = machine_info(args.dtype, engine)
-    table = [summarize(row, rows[0], args.draft_tokens, costs) for row in rows]
+    costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens or 4)
+    dtype = dtype_name(engine.target.model)  # --dtype fit resolved
+    info = machine_info(dtype, engine)
+    table = [summarize(row, rows[0], costs) for row in rows]
     print_table(table, info)
-    print(f"cost model: target forward 1 token {costs['forward_1_s'] * 1000:.1f} ms, "
-          f"{args.draft_tokens + 1} tokens {costs['verify_s'] * 1000:.1f} ms; draft step "
-          + ", ".join(f"{labels[key]} {t * 1000:.1f} ms" for key, t in costs["draft_step_s"].items()))
+    for r in table:
+        if r.get("auto_picked"):
+            print("auto picked: " + ", ".join(f"{name} {count}x" for name, count in r["auto_picked"].items()))
+    print("cost model: target forward over n tokens " + ", ".join(f"t({n}) {t * 1000:.1f}"
+                                                                 for n, t in costs["t_s"].items())
+          + " ms; draft step " + ", ".join(f"{labels[key]} {t * 1000:.1f} ms" for key, t in costs["draft_step_s"].items()))
     if args.plot:
         plot(table, args.plot)
         print(f"plot: {args.plot}")
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"machine": info, "dtype": args.dtype, "costs": costs, "rows": table}, file, indent=1)
+            json.dump({"machine": info, "dtype": dtype, "costs": costs, "rows": table}, file, indent=1)
     return 0
 
 if __name__ == "__main__":

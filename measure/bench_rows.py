@@ -29,6 +29,9 @@ class Measurement:
     accepted: int = 0
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+    rejected_rounds: int = 0
+    drafter_used: str | None = None  # with drafter "auto": the one it picked
     error: str | None = None
 
 
@@ -37,7 +40,8 @@ def run_this(engine, drafter: str | None, messages, decode: DecodeSettings, requ
     s = done.stats
     return Measurement(request_id, done.token_ids, s.ttft_s, s.total_s, s.decode_tok_s,
                        s.tokens_per_forward if drafter else None, s.drafted, s.accepted,
-                       s.drafted_by_position, s.accepted_by_position)
+                       s.drafted_by_position, s.accepted_by_position, s.draft_lengths if drafter else [],
+                       s.rejected_rounds, s.drafter)
 
 
 class _TimingStreamer:
@@ -66,10 +70,10 @@ def run_transformers(engine, drafter: str | None, messages, decode: DecodeSettin
               "eos_token_id": sorted(engine.stop_token_ids()), "pad_token_id": target.tokenizer.pad_token_id}
     try:
         if drafter == "prompt_lookup":
-            kwargs["prompt_lookup_num_tokens"] = decode.draft_tokens
+            kwargs["prompt_lookup_num_tokens"] = decode.draft_tokens or 4  # generate() has no cost-chosen k
         elif drafter is not None:
             assistant = engine.drafters[drafter].runner.model
-            assistant.generation_config.num_assistant_tokens = decode.draft_tokens
+            assistant.generation_config.num_assistant_tokens = decode.draft_tokens or 4
             assistant.generation_config.num_assistant_tokens_schedule = "constant"
             kwargs["assistant_model"] = assistant
         inputs = {k: v.to(target.runner.device) for k, v in engine.prepare(messages).target_inputs.items()}
@@ -85,8 +89,19 @@ def run_transformers(engine, drafter: str | None, messages, decode: DecodeSettin
                        decode_tokens / (finished - first) if finished > first else 0.0)
 
 
-def cost_model(engine, messages, k: int, repeats: int = 7) -> dict:
-    """Median cost of one target forward over 1 and k+1 tokens after this prompt, and of one
+def median_seconds(fn, clock: Clock, repeats: int, skip: int = 0) -> float:
+    """Median seconds of `repeats` calls of fn(), the first `skip` left out (warm-up)."""
+    times = []
+    for _ in range(repeats):
+        started = clock.now()
+        fn()
+        times.append(clock.now() - started)
+    return statistics.median(times[skip:])
+
+
+def cost_model(engine, messages, k: int, repeats: int = 7, max_tokens: int = 9) -> dict:
+    """Median cost of one target forward over n = 1..max_tokens tokens after this prompt
+    (`t_s`; `forward_1_s` = t(1), `verify_s` = t(k+1)), and of one
     draft step of each drafter: a `propose` of k tokens divided by the tokens it drafted, timed
     in greedy decode rounds that follow the drafter contract (prefill with the drafter's reads,
     begin, then propose / verify / accept / roll back), so every kind of drafter is measured."""
@@ -95,12 +110,7 @@ def cost_model(engine, messages, k: int, repeats: int = 7) -> dict:
     clock = Clock(target.device)
 
     def timed(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = clock.now()
-            fn()
-            times.append(clock.now() - t0)
-        return statistics.median(times[1:])
+        return median_seconds(fn, clock, repeats, skip=1)
 
     _, state = target.prefill(prompt.target_inputs)
     token = prompt.input_ids[-1]
@@ -109,8 +119,8 @@ def cost_model(engine, messages, k: int, repeats: int = 7) -> dict:
         target.extend(state, [token] * n)
         target.rollback(state, n)
 
-    costs = {"forward_1_s": timed(lambda: extend_and_undo(1)), "verify_s": timed(lambda: extend_and_undo(k + 1)),
-             "draft_step_s": {}}
+    t_s = {n: timed(lambda n=n: extend_and_undo(n)) for n in range(1, max(max_tokens, k + 1) + 1)}
+    costs = {"forward_1_s": t_s[1], "verify_s": t_s[k + 1], "t_s": t_s, "draft_step_s": {}}
     for key, drafter in engine.drafters.items():
         costs["draft_step_s"][key] = _draft_step_cost(target, drafter, prompt, k, repeats, clock)
     return costs

@@ -61,6 +61,7 @@ def evaluate(engine, questions, decode: DecodeSettings) -> list[dict]:
 
 def main(argv=None) -> int:
     from engine.build import EngineSpec, add_model_flags, build_engine, spec_from_args
+    from models.loading import dtype_name
     from models.demo.world import eval_questions
 
     parser = argparse.ArgumentParser(prog="python -m measure.eval", description=__doc__.split("\n\n")[0])
@@ -85,13 +86,14 @@ def main(argv=None) -> int:
     questions = eval_questions(args.seed, args.limit)
     decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens)
     rows = evaluate(engine, questions, decode)
-    result = {"questions": len(questions), "seed": args.seed, "dtype": args.dtype,
+    dtype = dtype_name(engine.target.model)  # --dtype fit resolved
+    result = {"questions": len(questions), "seed": args.seed, "dtype": dtype,
               "questions_sha256": hashlib.sha256("\n".join(q.prompt for q in questions).encode()).hexdigest(),
               "rows": rows}
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{len(questions)} questions, seed {args.seed}, {args.dtype}, k={args.draft_tokens} "
+    print(f"{len(questions)} questions, seed {args.seed}, {dtype}, k={args.draft_tokens} "
           f"({time.perf_counter() - started:.0f} s)")
     print(f"{'mode':<12} {'drafter':<14} {'accuracy':>8} {'identical':>9} {'acceptance':>10} {'tok/fwd':>7}")
     for row in rows:

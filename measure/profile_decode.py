@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine.build import add_model_flags, build_engine, spec_from_args
+from models.loading import dtype_name
 from measure.bench import demo_requests, messages_of
 
 
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     messages = messages_of(demo_requests(1)[0])
     prompt = engine.prepare(messages)
     token = prompt.input_ids[-1]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, target {args.dtype}, "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, target {dtype_name(engine.target.model)}, "
           f"drafters {args.drafter_dtype}" + (", full multimodal forward" if args.wrapped else ""))
     _, state = engine.target.runner.prefill(prompt.target_inputs)
     report("target", *profile_steps(engine.target.runner, state, token, args.steps), args.steps)

@@ -15,7 +15,10 @@ from models.loading import LoadOptions
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-FLOAT32 = LoadOptions(dtype="float32", device="cpu")
+# How the tiny models load: float32 on the CPU, unless the GPU check (measure/gpu_check.py) asks
+# for another device or dtype through these variables.
+MODEL_OPTIONS = LoadOptions(dtype=os.environ.get("VLM_TEST_DTYPE", "float32"),
+                            device=os.environ.get("VLM_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +50,7 @@ class TinyZoo:
 
     def target(self, family: str):
         if family not in self.targets:
-            self.targets[family] = load_target(str(self.dir(family)), FLOAT32)
+            self.targets[family] = load_target(str(self.dir(family)), MODEL_OPTIONS)
         return self.targets[family]
 
     def drafter(self, family: str, role: str):
@@ -56,7 +59,7 @@ class TinyZoo:
         key = (family, role)
         if key not in self.drafters:
             name = {"ngram": "ngram", "same_vlm": str(self.dir(family))}.get(role) or str(self.dir(family, role))
-            self.drafters[key] = load_drafter(name, self.target(family), FLOAT32)
+            self.drafters[key] = load_drafter(name, self.target(family), MODEL_OPTIONS)
         return self.drafters[key]
 
 

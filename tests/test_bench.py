@@ -35,6 +35,9 @@ def test_bench_runs_end_to_end_with_text_vlm_and_ngram_drafters(zoo, tmp_path, c
     for label in ("qwen2_vl-text_drafter", "qwen2_vl-vlm_drafter", "ngram"):
         assert rows[("this", "speculative", label)]["identical_to_plain"] == 2  # float32: exact
         assert rows[("this", "speculative", label)]["limit"] is not None  # the cost model covers it
+    assert rows[("this", "speculative", "auto")]["identical_to_plain"] == 2  # --drafter auto's row
+    assert rows[("this", "speculative", "auto")]["mean_draft_length"] is not None  # k chosen from cost
+    assert sum(rows[("this", "speculative", "auto")]["auto_picked"].values()) == 2
     assert ("transformers", "speculative", "qwen2_vl-vlm_drafter") in rows
     assert ("transformers", "speculative", "ngram") not in rows  # prompt lookup is its own row
     assert rows[("transformers", "speculative", "prompt_lookup")]["error"]  # crashes on image prompts

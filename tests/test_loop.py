@@ -150,3 +150,37 @@ def test_rejection_sampling_keeps_the_targets_distribution():
 
     assert p_value(target) > 0.001
     assert p_value(draft) < 1e-6
+
+
+class OrderRecordingDrafter(ScriptedDrafter):
+    """Records how many answer chunks the consumer had received when `begin` ran."""
+
+    def __init__(self, continuation, received):
+        super().__init__(continuation)
+        self.received, self.begun_after = received, None
+
+    def begin(self, prompt, target_state):
+        self.begun_after = len(self.received)
+        return self
+
+
+def test_first_token_is_yielded_before_the_drafter_prefills():
+    t = table(10)
+    truth = plain_ids(t)
+    received = []
+    drafter = OrderRecordingDrafter(truth, received)
+    stream = generate(MarkovRunner(t), CharTokenizer(), prompt_of([1, 2, 3]), drafter, GREEDY,
+                      DecodeSettings(max_new_tokens=30, draft_tokens=4))
+    received.append(next(stream))
+    assert received[0].token_ids == truth[:1] and drafter.begun_after is None  # not prefilled yet
+    received += list(stream)
+    assert drafter.begun_after == 1  # prefilled after the consumer had the first token
+    assert received[-1].token_ids == truth and received[-1].stats.drafted > 0
+
+
+def test_a_one_token_answer_never_prefills_the_drafter():
+    t = table(11)
+    drafter = OrderRecordingDrafter(plain_ids(t), [])
+    done = answer(t, drafter, max_new_tokens=1)[-1]
+    assert drafter.begun_after is None and len(done.token_ids) == 1
+    assert done.stats.mode == "speculative" and done.stats.drafted == 0

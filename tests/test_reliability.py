@@ -453,13 +453,15 @@ def test_a_drafter_that_raises_hands_over_to_plain_decoding_and_the_answer_compl
     inject_fault(monkeypatch, server.engine.drafters[drafter], method, call, RuntimeError("injected fault"))
     client = Client(server.url, verbose=False)
     question = ("Describe each image.", pictures[:2])
-    first, stats = client.predict(message(*question), drafter=drafter, max_new_tokens=16, api_name="/chat")
+    first, stats = client.predict(message(*question), drafter=drafter, draft_tokens=4, max_new_tokens=16,
+                                  api_name="/chat")  # k fixed: the measured costs do not decide whether it drafts
     assert first == reference(engine, [(*question, None)], None, 16).text  # plain greedy: the same answer
     assert re.match(r"drafter failed (after \d+ tokens|at prefill): RuntimeError: injected fault",
                     stats["fallback_reason"]), stats["fallback_reason"]
     assert stats["mode"] == "speculative" and stats["finish_reason"] == "max_new_tokens"
     monkeypatch.undo()
-    answer, stats = client.predict(message("And then?"), drafter=drafter, max_new_tokens=8, api_name="/chat")
+    answer, stats = client.predict(message("And then?"), drafter=drafter, draft_tokens=4, max_new_tokens=8,
+                                   api_name="/chat")
     assert stats["fallback_reason"] is None and (stats["drafted"] > 0 or drafter == "ngram")  # n-gram: no match
     assert answer == reference(engine, [(*question, first), ("And then?", [], None)], drafter, 8).text
 

@@ -1,0 +1,225 @@
+"""Speed at real model sizes, offline: real architectures with random weights (measure/shapes.py,
+built once and cached under ~/.cache/vlm-spec-bench), one image request, greedy.
+
+    python -m measure.realscale [--preset qwen2.5-vl-3b] [--preset smolvlm-256m] [--dtype bfloat16]
+                                [--device cpu|cuda] [--max-new-tokens 32] [--image-size 224]
+                                [--quick] [--json FILE]
+
+Per preset (each measured in a process of its own, so its peak memory is its own):
+- t(n): a target pass over n = 1..9 tokens after the prompt (median), and t(n) / t(1);
+- the preset's text drafter's step (its real shape: Qwen2.5-0.5B, SmolLM2-135M), in the dtype
+  `--drafter-dtype auto` gives it;
+- prefill split into the vision tower (`get_image_features`) and the rest (language model);
+- plain decoding, this engine against transformers' `generate()`;
+- a replay drafter (measure/replay.py: the target's own greedy answer, each position corrupted
+  at 1 - acceptance) at acceptance 1.0 / 0.8 / 0.6 / 0.2, with k fixed at 4 and k chosen from
+  cost: decode speedup over plain, and the cost-model bound for the rounds it ran (tokens per
+  target pass x t(1) / mean of t(k+1) over its rounds; a replay draft step costs nothing), and
+  efficiency = speedup / bound;
+- peak resident memory of the process.
+With random weights in bfloat16 a verify pass can flip a near-tie argmax, so the replayed
+answer is the one the engine itself gives with the replay drafter (a fixed point, measure/replay.py).
+`--quick` uses the shrunken shapes (seconds; CI runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+
+import torch
+
+ACCEPTANCES = (1.0, 0.8, 0.6, 0.2)
+FIXED_K = 4
+
+
+def photo(size: int):
+    """The repository's rocket photo, resized to size x size."""
+    from PIL import Image
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return Image.open(os.path.join(root, "assets", "examples", "rocket.jpg")).convert("RGB").resize((size, size))
+
+
+def measure(preset: str, quick: bool, dtype: str, device: str, max_new_tokens: int, image_size: int,
+            acceptances: tuple[float, ...] = ACCEPTANCES) -> dict:
+    from engine.drafters.registry import load_drafter
+    from engine.engine import Engine
+    from engine.loop import DecodeSettings
+    from engine.target import load_target
+    from measure.bench_rows import cost_model, run_this, run_transformers
+    from measure.replay import ReplayDrafter, record_fixed_point
+    from measure.shapes import build_preset
+    from models.loading import LoadOptions, dtype_name
+
+    target_dir, drafter_dir = build_preset(preset, quick)
+    options = LoadOptions(dtype=dtype, device=device)
+    target = load_target(str(target_dir), options)
+    engine = Engine(target, {"text": load_drafter(str(drafter_dir), target, options)})
+    messages = [{"role": "user", "content": [{"type": "image", "image": photo(image_size)},
+                                             {"type": "text", "text": "Describe this image in detail."}]}]
+    prompt = engine.prepare(messages)
+    decode = DecodeSettings(max_new_tokens=max_new_tokens, stop_token_ids=frozenset({-1}))  # never stops early
+    run_this(engine, None, messages, replace(decode, max_new_tokens=2), 0)  # warm-up: pages the weights in
+    repeats = 3
+    costs = cost_model(engine, messages, FIXED_K, repeats=repeats, max_tokens=9)
+    t = costs["t_s"]
+    out = {"preset": preset, "quick": quick, "dtype": dtype, "device": str(target.runner.device),
+           "target_parameters": _parameters(target.model), "prompt_tokens": len(prompt.input_ids),
+           "image_tokens": prompt.num_image_tokens, "t_s": t,
+           "t_ratio": {n: t[n] / t[1] for n in t},
+           "drafter_parameters": _parameters(engine.drafters["text"].runner.model),
+           "drafter_dtype": dtype_name(engine.drafters["text"].runner.model),
+           "draft_step_s": costs["draft_step_s"]["text"], "prefill": prefill_split(engine, prompt, repeats)}
+    plain = run_this(engine, None, messages, decode, 1)
+    generate = run_transformers(engine, None, messages, decode, 1)
+    out["plain_tok_s"], out["generate_tok_s"] = plain.decode_tok_s, generate.decode_tok_s
+    out["plain_equals_generate"] = plain.token_ids == generate.token_ids
+
+    vocab, placeholders = target.vocab_size, target.placeholder_ids
+
+    def replay_run(recording, acceptance, k):
+        engine.drafters["replay"] = ReplayDrafter(recording, acceptance, vocab, placeholders)
+        return run_this(engine, "replay", messages, replace(decode, draft_tokens=k), 2)
+
+    recording = record_fixed_point(lambda rec: replay_run(rec, 1.0, FIXED_K).token_ids, plain.token_ids)
+    out["replay_answer_is_plain"] = recording == plain.token_ids
+    out["replay"] = []
+    for acceptance in acceptances:
+        for k in (FIXED_K, None):
+            m = replay_run(recording, acceptance, k)
+            rounds = m.draft_lengths or [0]
+            bound = _tokens_per_pass(m) * t[1] / statistics.mean(t[min(n + 1, 9)] for n in rounds)
+            speedup = m.decode_tok_s / plain.decode_tok_s
+            out["replay"].append({"acceptance": acceptance, "k": "cost" if k is None else k,
+                                  "mean_k": statistics.mean(rounds), "speedup": speedup, "bound": bound,
+                                  "efficiency": speedup / bound, "measured_acceptance": _acceptance(m),
+                                  "decode_tok_s": m.decode_tok_s})
+    out["peak_memory_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    if torch.cuda.is_available() and device != "cpu":
+        out["peak_cuda_memory_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    return out
+
+
+def prefill_split(engine, prompt, repeats: int) -> dict:
+    """Median seconds of the whole prefill and of the vision tower alone (same inputs)."""
+    from engine.stats import Clock
+    from measure.bench_rows import median_seconds
+
+    runner = engine.target.runner
+    clock = Clock(runner.device)
+    inputs = {name: value.to(runner.device) for name, value in prompt.target_inputs.items()}
+    vision_inputs = {name: inputs[name] for name in ("image_grid_thw", "pixel_attention_mask") if name in inputs}
+
+    with torch.inference_mode():
+        vision = median_seconds(lambda: engine.target.model.model.get_image_features(inputs["pixel_values"],
+                                                                                     **vision_inputs), clock, repeats)
+    whole = median_seconds(lambda: runner.prefill(prompt.target_inputs), clock, repeats)
+    return {"total_s": whole, "vision_s": vision, "language_s": whole - vision}
+
+
+def _parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _tokens_per_pass(m) -> float:
+    return (len(m.token_ids) - 1) / max(1, len(m.draft_lengths))
+
+
+def _acceptance(m) -> float | None:
+    """Per-token acceptance: accepted / (accepted + rounds that rejected a token)."""
+    judged = m.accepted + m.rejected_rounds
+    return m.accepted / judged if judged else None
+
+
+def print_table(results: list[dict]) -> None:
+    print("| preset | parameters (target / drafter) | dtype | t(1) | t(n)/t(1), n = 2 / 3 / 5 / 9 | draft step "
+          "| prefill: vision + language | plain vs generate() | replay k=4 "
+          "| replay, k from cost | peak memory |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        t, ratio = r["t_s"], r["t_ratio"]
+        fixed = [x for x in r["replay"] if x["k"] == FIXED_K]
+        cost = [x for x in r["replay"] if x["k"] == "cost"]
+        fmt = lambda rows: " / ".join(f"{x['speedup']:.2f}x ({x['efficiency']:.2f})" for x in rows)  # noqa: E731
+        rates = " / ".join(format(x["acceptance"], ".1f") for x in fixed)
+        print(f"| {r['preset']}{' (quick)' if r['quick'] else ''} | {r['target_parameters'] / 1e9:.2f} B / "
+              f"{r['drafter_parameters'] / 1e9:.3f} B | {r['dtype']} (drafter {r['drafter_dtype']}) "
+              f"| {t[1] * 1000:.0f} ms | {' / '.join(f'{ratio[n]:.2f}' for n in (2, 3, 5, 9))} "
+              f"| {r['draft_step_s'] * 1000:.0f} ms ({r['draft_step_s'] / t[1]:.2f} t(1)) "
+              f"| {r['prefill']['vision_s']:.2f} + {r['prefill']['language_s']:.2f} s ({r['image_tokens']} image "
+              f"tokens of {r['prompt_tokens']}) | {r['plain_tok_s']:.2f} vs {r['generate_tok_s']:.2f} tok/s "
+              f"| a = {rates}: {fmt(fixed)} | {fmt(cost)} (mean k {' / '.join(format(x['mean_k'], '.1f') for x in cost)}) "
+              f"| {r['peak_memory_gb']:.1f} GB |")
+    print("replay cells: decode speedup over plain (efficiency = speedup / cost-model bound)")
+
+
+def main(argv=None) -> int:
+    from transformers.utils import logging as hf_logging
+
+    parser = argparse.ArgumentParser(prog="python -m measure.realscale", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", action="append", choices=["qwen2.5-vl-3b", "smolvlm-256m", "qwen2.5-vl-7b"],
+                        help="repeatable (default: smolvlm-256m and qwen2.5-vl-3b)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=224, help="the photo's side in pixels (default 224)")
+    parser.add_argument("--acceptances", default=",".join(map(str, ACCEPTANCES)),
+                        help="replay acceptances, comma-separated (default 1.0,0.8,0.6,0.2)")
+    parser.add_argument("--quick", action="store_true", help="shrunken shapes (2 layers, hidden 64): seconds")
+    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child process: one preset
+    args = parser.parse_args(argv)
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
+    presets = args.preset or ["smolvlm-256m", "qwen2.5-vl-3b"]
+    results = []
+    for preset in presets:
+        if args.quick or args.one:
+            results.append(measure(preset, args.quick, args.dtype, args.device, args.max_new_tokens, args.image_size,
+                                   tuple(float(a) for a in args.acceptances.split(","))))
+        else:
+            results.append(_in_child(preset, args))
+        print(f"{preset} measured", file=sys.stderr)
+    if args.one:
+        json.dump(results[0], sys.stdout)
+        return 0
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"command": "python -m measure.realscale " + " ".join(argv or sys.argv[1:]),
+                       "threads": torch.get_num_threads(), "results": results}, file, indent=1)
+    return 0
+
+
+def _in_child(preset: str, args) -> dict:
+    """Build the preset (a child of its own: building holds a second copy of the weights), then
+    measure it in another, so that each figure of peak memory is the measurement's alone."""
+    from measure.shapes import build_preset
+
+    subprocess.run([sys.executable, "-c", f"from measure.shapes import build_preset; build_preset({preset!r})"],
+                   check=True)
+    build_preset(preset)  # already built: returns the folders
+    command = [sys.executable, "-m", "measure.realscale", "--one", "--preset", preset, "--dtype", args.dtype,
+               "--device", args.device, "--max-new-tokens", str(args.max_new_tokens),
+               "--image-size", str(args.image_size), "--acceptances", args.acceptances]
+    with tempfile.TemporaryFile("w+") as out:
+        subprocess.run(command, check=True, stdout=out)
+        out.seek(0)
+        return json.loads(out.read(), object_hook=_int_keys)
+
+
+def _int_keys(d: dict) -> dict:
+    return {int(k) if k.isdigit() else k: v for k, v in d.items()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Draft length from cost (engine/draft_length.py): the worked example, and the loop on mock
+models whose costs the test chooses, timed by a virtual clock (behaviour asserted, never the
+machine's timings)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import torch
+
+import engine.loop
+from engine.draft_length import PROBE_EVERY, PassCosts, best_k, expected_tokens
+from engine.loop import DecodeSettings, generate
+from engine.sampling import SamplingSettings
+from measure.replay import ReplayDrafter
+from tests.mocks import CharTokenizer, MarkovRunner, prompt_of
+
+V = 16
+T1, SLOPE, STEP = 1.0, 0.09, 0.21  # t(n) = T1 (1 + SLOPE (n-1)); a draft step costs STEP (the 3B shape's)
+
+
+def measured(verify: dict[int, float], step: float) -> PassCosts:
+    costs = PassCosts()
+    costs.verify = {n: deque([t]) for n, t in verify.items()}
+    costs.step["d"] = deque([step])
+    return costs
+
+
+def test_worked_example_of_the_docstring():
+    costs = measured({1: 1.0, 2: 1.07, 3: 1.18, 5: 1.39, 9: 1.76}, 0.21)
+    assert costs.t(4) == pytest.approx(1.285)
+    assert best_k(costs, "d", 0.7, 8).k == 2
+    assert best_k(costs, "d", 0.9, 8).k == 5
+    choice = best_k(costs, "d", 0.1, 8)
+    assert choice.k == 0 and "loss" in choice.reason
+    assert expected_tokens(0.7, 2) == pytest.approx(1 + 0.7 + 0.49)
+    assert expected_tokens(1.0, 4) == 5
+
+
+def test_unmeasured_costs_are_scaled_from_the_nearest_measurement():
+    costs = measured({5: 1.4}, 0.1)
+    assert costs.t(1) == pytest.approx(1.4 / 1.4)  # prior 1 + 0.1 (n-1)
+    assert costs.t(9) == pytest.approx(1.4 * 1.8 / 1.4)
+    assert PassCosts().t(3) is None
+    assert best_k(PassCosts(), "d", 0.9, 8).reason.startswith("cost: nothing measured")
+
+
+def test_a_flat_cost_curve_and_a_free_drafter_draft_long():
+    assert best_k(measured({n: 1.0 for n in range(1, 10)}, 0.0), "d", 0.8, 8).k == 8
+
+
+class VirtualClock:
+    """Seconds advance only when a mock model runs: the test chooses every cost."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def now(self) -> float:
+        return self.seconds
+
+
+class TimedRunner(MarkovRunner):
+    def __init__(self, table, clock):
+        super().__init__(table)
+        self.clock = clock
+
+    def extend(self, state, token_ids):
+        self.clock.seconds += T1 * (1 + SLOPE * (len(token_ids) - 1))
+        return super().extend(state, token_ids)
+
+
+class TimedReplay(ReplayDrafter):
+    def __init__(self, answer, acceptance, clock):
+        super().__init__(answer, acceptance, V, seed=3)
+        self.clock = clock
+
+        self.rounds: list[tuple[int, int]] = []  # (drafted, accepted) per round
+
+    def propose(self, generated, k, sampler):
+        self.clock.seconds += STEP * k
+        draft = super().propose(generated, k, sampler)
+        self.rounds.append((len(draft.token_ids), 0))
+        return draft
+
+    def accept(self, num_accepted):
+        self.rounds[-1] = (self.rounds[-1][0], num_accepted)
+
+
+def repetitive_table() -> torch.Tensor:
+    """The greedy answer cycles through 0..V-1 (a long repetitive answer)."""
+    table = torch.full((V, V), -5.0)
+    table[torch.arange(V), (torch.arange(V) + 1) % V] = 5.0
+    return table
+
+
+def timed_answer(monkeypatch, acceptance: float | None, **decode):
+    clock = VirtualClock()
+    monkeypatch.setattr(engine.loop, "Clock", lambda device: clock)
+    runner = TimedRunner(repetitive_table(), clock)
+    truth = [(3 + 1 + i) % V for i in range(300)]
+    drafter = None if acceptance is None else TimedReplay(truth, acceptance, clock)
+    events = list(generate(runner, CharTokenizer(), prompt_of([1, 2, 3]), drafter, SamplingSettings(),
+                           DecodeSettings(max_new_tokens=300, **decode)))
+    done = events[-1]
+    assert done.token_ids == truth
+    timed_answer.drafter = drafter
+    return done.stats, clock.seconds
+
+
+def test_a_weak_drafter_stops_drafting_and_costs_at_most_a_few_percent(monkeypatch):
+    _, plain_s = timed_answer(monkeypatch, None)
+    stats, cost_s = timed_answer(monkeypatch, 0.1)
+    _, fixed_s = timed_answer(monkeypatch, 0.1, draft_tokens=4)
+    assert fixed_s > 1.3 * plain_s  # a fixed k = 4 with this drafter is a clear loss...
+    assert cost_s < 1.05 * plain_s  # ...that the cost-chosen k avoids
+    assert stats.draft_lengths.count(0) > 0.8 * len(stats.draft_lengths)  # plain steps, mostly
+    stop = next(c for c in stats.draft_length_changes if c["k"] == 0)
+    assert stop["token"] < 20 and "drafting is a loss" in stop["reason"]  # when and why
+    probes = [i for i, k in enumerate(stats.draft_lengths) if k == 1]
+    assert len(probes) >= 5 and all(b - a >= PROBE_EVERY - 1 for a, b in zip(probes, probes[1:]))
+
+
+@pytest.mark.parametrize("acceptance", [0.9, 0.8, 0.6])
+def test_the_cost_chosen_length_is_within_3_percent_of_the_best_fixed_one(monkeypatch, acceptance):
+    _, plain_s = timed_answer(monkeypatch, None)
+    stats, cost_s = timed_answer(monkeypatch, acceptance)
+    fixed_s = {k: timed_answer(monkeypatch, acceptance, draft_tokens=k)[1] for k in range(1, 7)}
+    assert cost_s < plain_s and cost_s <= 1.03 * min(fixed_s.values())
+    assert stats.draft_length_reason.startswith("cost: k =")
+    if acceptance == 0.6:
+        assert cost_s < 0.9 * fixed_s[4]  # where the habitual k = 4 drafts too long
+
+
+def test_fixed_and_adaptive_lengths_are_kept(monkeypatch):
+    stats, _ = timed_answer(monkeypatch, 0.1, draft_tokens=3)
+    assert {c["k"] for c in stats.draft_length_changes} == {3}
+    assert stats.draft_length_reason == "fixed: --draft-tokens 3"
+    stats, _ = timed_answer(monkeypatch, 1.0, adaptive=True)
+    assert stats.draft_lengths[:3] == [4, 6, 8] and stats.draft_length_reason.startswith("adaptive")
+
+
+@pytest.mark.parametrize("acceptance", [1.0, 0.8, 0.6])
+def test_replay_drafter_is_accepted_at_its_rate(monkeypatch, acceptance):
+    """Per-token acceptance (accepted / tokens judged: the accepted and each round's first
+    rejected one) is the rate the replay drafter was set to, within sampling noise."""
+    stats, _ = timed_answer(monkeypatch, acceptance, draft_tokens=4)
+    rounds = timed_answer.drafter.rounds
+    assert sum(a for _, a in rounds) == stats.accepted
+    rejections = sum(a < d for d, a in rounds)
+    assert stats.accepted / (stats.accepted + rejections) == pytest.approx(acceptance, abs=0.06)
+    drafter = ReplayDrafter(list(range(1000)), acceptance, 2000, seed=5)
+    assert drafter.corrupted_positions() / 1000 == pytest.approx(1 - acceptance, abs=0.04)
+
