@@ -145,7 +145,7 @@ def test_small_drafters_run_in_float32_on_a_cpu_under_a_bfloat16_target(zoo):
     assert text.runner.model.dtype == vlm.runner.model.dtype == torch.float32
     assert kept.runner.model.dtype == torch.bfloat16
     engine = Engine(target, {"text": text})
-    decode = DecodeSettings(max_new_tokens=MAX_NEW, stop_token_ids=frozenset({-1}))
+    decode = DecodeSettings(max_new_tokens=MAX_NEW, draft_tokens=4, stop_token_ids=frozenset({-1}))
     messages = conversation(2)
     plain = [e for e in engine.stream(messages, drafter=None, decode=decode) if isinstance(e, Done)][0]
     done = [e for e in engine.stream(messages, drafter="text", decode=decode) if isinstance(e, Done)][0]
