@@ -10,10 +10,11 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from engine import tree
 from engine.drafters.base import Draft, Drafter, DrafterUnavailable, DraftSession
 from engine.prompt import Prompt
 from engine.runner import NO_READS, CacheState, Runner
-from engine.sampling import Sampler, SamplingSettings, accept_draft
+from engine.sampling import Sampler, SamplingSettings, accept_tree
 from engine.stats import Clock, Stats
 
 
@@ -24,6 +25,8 @@ class DecodeSettings:
     adaptive: bool = False  # longer drafts after full acceptance, shorter after a rejection
     max_draft_tokens: int = 8
     stop_token_ids: frozenset[int] = frozenset()
+    tree_nodes: int = 0  # > 0: draft trees of up to this many nodes, k deep (engine/tree.py); 0: chains
+    tree_branching: int = 2  # a tree node's most children
 
 
 @dataclass
@@ -64,6 +67,7 @@ def generate(
     #    and the drafter (a session of its own for this request).
     logits, state = target.prefill(prompt.target_inputs, drafter.reads if drafter else NO_READS)
     session = _begin(drafter, prompt, state, stats)
+    tree_nodes = _tree_nodes(decode, target, state, drafter, session, stats)
     first_token, _ = sampler.next_token(logits)
     first_token_at = clock.now()
     stats.prefill_s = stats.ttft_s = first_token_at - started
@@ -73,27 +77,29 @@ def generate(
     k = decode.draft_tokens
     while not _finished(generated, decode, stats, stop):
         remaining = decode.max_new_tokens - len(generated)
-        # 2. Draft up to k tokens (none when plain or after a fallback).
-        draft = _propose(session, generated, min(k, remaining - 1), sampler, stats)
+        # 2. Draft up to k tokens deep: a chain, or a tree of up to tree_nodes nodes (none when
+        #    plain or after a fallback).
+        draft = _propose(session, generated, min(k, remaining - 1), sampler, stats, tree_nodes, decode)
         if draft is None:
             session, draft = None, Draft([])
             state.stop_reading()
-        # 3. Verify: one target pass over the last committed token and the draft, (k+1, V).
-        target_logits = target.extend(state, [generated[-1]] + draft.token_ids)
-        # 4. Accept the agreeing prefix plus the target's own bonus token.
-        num_accepted, bonus_token = accept_draft(sampler, draft.token_ids, draft.probs, target_logits)
-        # 5. Roll back the rejected draft tokens in the target's cache; the drafter learns the pass.
-        target.rollback(state, len(draft.token_ids) - num_accepted)
+        # 3. Verify: one target pass over the last committed token and every draft node, (n+1, V).
+        target_logits = tree.verify(target, state, generated[-1], draft)
+        # 4. Accept the path of nodes the target agrees with plus the target's own bonus token.
+        path, bonus_token = accept_tree(sampler, draft.token_ids, draft.parents, draft.probs, target_logits)
+        # 5. Keep that path in the target's cache, drop the rest; the drafter learns the pass.
+        tree.keep(target, state, draft, path)
         if session is not None:
-            session.accept(num_accepted)
-        new_tokens = _truncate(draft.token_ids[:num_accepted] + [bonus_token], remaining, decode)
+            session.accept(len(path)) if draft.parents is None else session.accept(len(path), path)
+        new_tokens = _truncate([draft.token_ids[node] for node in path] + [bonus_token], remaining, decode)
         generated += new_tokens
         # 6. Statistics, then the next draft length.
+        depth = tree.depth(draft)
         stats.new_tokens = len(generated)
-        stats.record_round(len(draft.token_ids), num_accepted, len(new_tokens))
+        stats.record_round(len(draft.token_ids), len(path), len(new_tokens), depth)
         stats.record_time(started, first_token_at, clock.now())
-        k = _next_draft_length(k, len(draft.token_ids), num_accepted, decode)
-        yield _chunk(text, new_tokens, min(num_accepted, len(new_tokens)), stats)
+        k = _next_draft_length(k, depth, len(path), decode)
+        yield _chunk(text, new_tokens, min(len(path), len(new_tokens)), stats)
     stats.record_time(started, first_token_at, clock.now())
     yield Done(text.full(), generated, stats)
 
@@ -118,11 +124,22 @@ def _begin(drafter: Drafter | None, prompt: Prompt, state: CacheState, stats: St
         return None
 
 
-def _propose(session: DraftSession | None, generated, k, sampler, stats) -> Draft | None:
+def _tree_nodes(decode: DecodeSettings, target, state, drafter, session, stats: Stats) -> int:
+    """The node budget of each draft tree; 0 for chains (the reason in stats when a tree was asked)."""
+    if decode.tree_nodes <= 0 or session is None:
+        return 0
+    stats.tree_fallback = tree.fallback_reason(target, state, drafter, session)
+    stats.draft_shape = "chain" if stats.tree_fallback else "tree"
+    return 0 if stats.tree_fallback else decode.tree_nodes
+
+
+def _propose(session: DraftSession | None, generated, k, sampler, stats, tree_nodes, decode) -> Draft | None:
     """The session's draft; an empty one when decoding plainly, None when the drafter failed."""
     if session is None:
         return Draft([])
     try:
+        if tree_nodes and k > 0:
+            return session.propose_tree(generated, k, tree_nodes, decode.tree_branching, sampler)
         return session.propose(generated, k, sampler)
     except Exception as error:
         stats.fallback_reason = _reason(error, f"after {len(generated)} tokens")
