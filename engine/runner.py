@@ -155,7 +155,7 @@ class Runner:
     def tree_unsupported(state: CacheState) -> str | None:
         """Why this cache cannot take a draft tree (None when it can): only plain full-attention
         layers keep one branch of a pass and drop the others by compaction."""
-        kinds = sorted({"sliding-window" if layer.is_sliding else "linear-attention"
+        kinds = sorted({"sliding-window" if getattr(layer, "is_sliding", False) else "linear-attention"
                         if isinstance(layer, LinearAttentionCacheLayerMixin) else type(layer).__name__
                         for layer in state.cache.layers if type(layer) is not DynamicLayer})
         if kinds:
