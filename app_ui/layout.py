@@ -183,20 +183,20 @@ def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list) 
 
     @gpu
     def chat(message, mode, drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens, seed,
-             system_prompt, session):
+             system_prompt, draft_tree, session):
         """Answer a message (text and image files) in this client's conversation; streams the answer
         text and the statistics."""
         options = Options(mode, drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens, seed,
-                          system_prompt)
+                          system_prompt, draft_tree)
         yield from _api_chat(engine, message, session, options)
 
     @gpu
     def ab(message, drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens, seed, system_prompt,
-           session):
+           draft_tree, session):
         """Answer one message (no history) plainly and speculatively: both answers, the decode speedup,
         whether they are identical and where they first differ (None when identical)."""
         options = Options("speculative", drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens,
-                          seed, system_prompt)
+                          seed, system_prompt, draft_tree)
         return _api_ab(engine, message, session, options)
 
     trigger.click(chat, [message, *settings, session], [answer_text, statistics], api_name="chat", **GENERATE)
@@ -227,6 +227,8 @@ def _settings(engine: Engine) -> list:
         gr.Slider(1, 1024, value=defaults.max_new_tokens, step=1, label="Max new tokens"),
         gr.Number(defaults.seed, precision=0, label="Seed (sampling)"),
         gr.Textbox(defaults.system_prompt, label="System prompt (optional)", lines=2),
+        gr.Slider(0, 16, value=defaults.draft_tree, step=1, label="Draft tree nodes (0 = one chain; else branches "
+                                                                  "verified in one pass)"),
     ]
 
 

@@ -75,13 +75,14 @@ class Options:
     max_new_tokens: int = 256
     seed: int = 0
     system_prompt: str = ""
+    draft_tree: int = 0  # draft trees of up to this many nodes, draft_tokens deep; 0: chains
 
     def sampling(self) -> SamplingSettings:
         return SamplingSettings(temperature=float(self.temperature), top_p=float(self.top_p), seed=int(self.seed))
 
     def decode(self) -> DecodeSettings:
         return DecodeSettings(max_new_tokens=int(self.max_new_tokens), draft_tokens=int(self.draft_tokens),
-                              adaptive=bool(self.adaptive))
+                              adaptive=bool(self.adaptive), tree_nodes=int(self.draft_tree or 0))
 
     def drafter_for(self, engine: Engine) -> str | None:
         """The drafter to decode with; None decodes plainly."""

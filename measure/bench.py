@@ -3,7 +3,7 @@ and is the answer unchanged? Measured in one run on one machine, side by side wi
 transformers' own `generate()`.
 
     python -m measure.bench [--preset demo | --model ID --drafter ID ...] [--dtype bfloat16]
-                            [--drafter-dtype auto] [--quick] [--json FILE] [--plot FILE]
+                            [--drafter-dtype auto] [--quick] [--tree] [--json FILE] [--plot FILE]
 
 Rows (all on the same requests, greedy, streamed): this engine plain; this engine with each
 drafter; transformers `generate()` plain; `generate(assistant_model=...)` with each drafter
@@ -13,6 +13,11 @@ left out of the figures. `speedup_vs_plain` is the per-request ratio of decode t
 engine's plain row. `limit` is the speedup the row's measured tokens per target forward
 would give if each round cost what the cost model says: k draft steps plus one target pass
 over k+1 tokens, against one target pass over 1 token (all measured here).
+
+`--tree` adds, for each drafter, a row drafting trees (engine/tree.py) of `--tree-nodes` nodes
+(default: --draft-tokens, so the tree's verify pass covers as many tokens as the chain's) and
+k deep; the chain rows then draft chains explicitly. A tree row's `limit` counts a whole
+`propose_tree` and one tree verify pass per round.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -38,6 +43,7 @@ class Row:
     mode: str  # "plain" or "speculative"
     drafter: str | None  # the engine's drafter key ("text", "vlm", "ngram", ...), "prompt_lookup", or None
     label: str | None = None  # how the table names the drafter: the folder's last part, or the key
+    tree_nodes: int = 0  # > 0: this row drafts trees of that many nodes
     runs: list[Measurement] = field(default_factory=list)
     error: str | None = None
 
@@ -105,11 +111,18 @@ def summarize(row: Row, plain: Row, k: int, costs: dict) -> dict:
                       for p in plain.runs if p.request in by_request and by_request[p.request].token_ids != p.token_ids],
         "speedup_vs_plain": {"min": min(speedups), "median": statistics.median(speedups), "max": max(speedups)},
     }
-    if row.mode == "speculative" and tpf and row.drafter in costs.get("draft_step_s", {}):
+    out["tree_nodes"] = row.tree_nodes
+    out["tree_fallback"] = next((r.tree_fallback for r in runs if r.tree_fallback), None)
+    out["limit"] = None
+    if row.mode != "speculative" or not tpf:
+        return out
+    if row.tree_nodes and row.drafter in costs.get("draft_tree_s", {}):
+        round_cost = costs["draft_tree_s"][row.drafter] + costs["verify_tree_s"]
+    elif not row.tree_nodes and row.drafter in costs.get("draft_step_s", {}):
         round_cost = k * costs["draft_step_s"][row.drafter] + costs["verify_s"]
-        out["limit"] = out["tokens_per_forward"] * costs["forward_1_s"] / round_cost
     else:
-        out["limit"] = None
+        return out
+    out["limit"] = out["tokens_per_forward"] * costs["forward_1_s"] / round_cost
     return out
 
 
@@ -155,6 +168,9 @@ def print_table(rows: list[dict], info: dict) -> None:
               f"| {fmt(r['tokens_per_forward'], '.2f')} | {fmt(r['acceptance'], '.2f')} "
               f"| {r['identical_to_plain']}/{r['requests']} | {s['min']:.2f}x-{s['median']:.2f}x-{s['max']:.2f}x "
               f"| {fmt(r['limit'], '.2f')}{'x' if r['limit'] else ''} |")
+    for r in rows:
+        if r.get("tree_fallback"):
+            print(f"({r['drafter']}: chains were drafted: {r['tree_fallback']})")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -197,6 +213,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--requests-from", choices=["demo", "photos"],
                         help="the demo world's questions (default for the demo preset) or the example photos")
+    parser.add_argument("--tree", action="store_true",
+                        help="also a draft-tree row per drafter, at the chain's verify budget")
+    parser.add_argument("--tree-nodes", type=int, help="nodes per tree (default: --draft-tokens)")
+    parser.add_argument("--tree-branching", type=int, default=2, help="a tree node's most children (default 2)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' rows")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--plot", metavar="FILE", default="bench.png", help="PNG plot (default bench.png)")
@@ -209,10 +229,15 @@ def main(argv=None) -> int:
     count = args.requests or (6 if args.quick else 12)
     source = args.requests_from or ("demo" if spec.preset == "demo" else "photos")
     requests = demo_requests(count) if source == "demo" else photo_requests(count)
-    decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens)
+    tree_nodes = (args.tree_nodes or args.draft_tokens) if args.tree else 0
+    decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
+                            tree_branching=args.tree_branching)
 
     labels = {key: short(drafter.name) for key, drafter in engine.drafters.items()}
-    rows = [Row("this", "plain", None)] + [Row("this", "speculative", key, labels[key]) for key in engine.drafters]
+    rows = [Row("this", "plain", None)]
+    for key in engine.drafters:
+        rows += [Row("this", "speculative", key, labels[key] + (", chain" if tree_nodes else ""))]
+        rows += [Row("this", "speculative", key, f"{labels[key]}, tree {tree_nodes}", tree_nodes)] if tree_nodes else []
     if not args.no_transformers:  # assisted generation takes a drafter that is its own model
         rows += [Row("transformers", "plain", None)]
         rows += [Row("transformers", "speculative", key, labels[key]) for key, drafter in engine.drafters.items()
@@ -223,17 +248,22 @@ def main(argv=None) -> int:
         order = rows[index % len(rows):] + rows[:index % len(rows)]
         for row in order:
             runner = run_this if row.engine == "this" else run_transformers
-            measurement = runner(engine, row.drafter, messages_of(request), decode, request_id=index)
+            row_decode = replace(decode, tree_nodes=row.tree_nodes)
+            measurement = runner(engine, row.drafter, messages_of(request), row_decode, request_id=index)
             if index > 0:
                 row.runs.append(measurement)
         print(f"request {index}/{len(requests)} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens)
+    costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens, tree_nodes=tree_nodes,
+                       branching=args.tree_branching)
     info = machine_info(args.dtype, engine)
     table = [summarize(row, rows[0], args.draft_tokens, costs) for row in rows]
     print_table(table, info)
     print(f"cost model: target forward 1 token {costs['forward_1_s'] * 1000:.1f} ms, "
           f"{args.draft_tokens + 1} tokens {costs['verify_s'] * 1000:.1f} ms; draft step "
-          + ", ".join(f"{labels[key]} {t * 1000:.1f} ms" for key, t in costs["draft_step_s"].items()))
+          + ", ".join(f"{labels[key]} {t * 1000:.1f} ms" for key, t in costs["draft_step_s"].items())
+          + (f"; tree verify over {tree_nodes + 1} tokens {costs['verify_tree_s'] * 1000:.1f} ms, whole tree draft "
+             + ", ".join(f"{labels[key]} {t * 1000:.1f} ms" for key, t in costs["draft_tree_s"].items())
+             if "verify_tree_s" in costs else ""))
     if args.plot:
         plot(table, args.plot)
         print(f"plot: {args.plot}")
