@@ -222,6 +222,7 @@ def test_highlighted_spans_follow_token_origins(engine):
     assert side.stats.accepted > 0 or views.DRAFT_LABEL not in labels
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_tree_setting_drafts_trees_and_the_panel_shows_them(engine):
     """Options.draft_tree reaches the loop; the panel names the tree; the highlight marks the
     accepted path's tokens as drafts and spells the plain answer."""

@@ -13,6 +13,7 @@ from tests.mocks import CharTokenizer, MarkovDrafter, MarkovRunner, ScriptedDraf
 
 V = 8
 GREEDY = SamplingSettings()
+pytestmark = pytest.mark.usefixtures("one_thread")  # thousands of tiny answers: threads only contend
 
 
 def table(seed, sharpness=3.0):
