@@ -53,15 +53,6 @@ def ancestor_mask(parents: list[int]) -> torch.Tensor:
     return seen
 
 
-def path_to(parents: list[int], node: int) -> list[int]:
-    """The nodes from a child of the root down to `node`, in order."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
-
-
 def chain_parents(num_nodes: int) -> list[int]:
     return list(range(-1, num_nodes - 1))
 

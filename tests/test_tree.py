@@ -11,12 +11,21 @@ from engine.drafters.ngram import lookup_all, trie
 from engine.engine import Engine
 from engine.loop import DecodeSettings, Done
 from engine.sampling import Sampler, SamplingSettings, accept_tree
-from engine.tree import ancestor_mask, best_nodes, path_to, tree_depths
+from engine.tree import ancestor_mask, best_nodes, tree_depths
 from tests.mocks import ScriptedTreeDrafter
 from tests.test_engine_exact import conversation
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_NEW = 24
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    """The nodes from a child of the root down to `node`, in order."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
 
 
 def test_tree_worked_example():
