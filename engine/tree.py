@@ -11,7 +11,7 @@ Siblings are distinct tokens, ordered best first (the drafter's first choice is 
 
 Worked example (asserted in tests/test_tree.py). After committed token r, nodes 0..4:
 
-    r ─ a(0) ─ b(1) ─ c(2)        token_ids [a, b, x, c, y]
+    r ─ a(0) ─ b(1) ─ c(3)        token_ids [a, b, x, c, y]
       │     └─ x(2)               parents   [-1, 0, 0, 1, -1]
       └─ y(4)                     depths    [1, 2, 2, 3, 1]
 
