@@ -359,6 +359,8 @@ def test_unavailable_reading_drafter_decodes_plainly(zoo):
 @pytest.mark.parametrize("family, name, reason", [
     ("qwen3_5", "ngram", "linear-attention"),  # hybrid target: a recurrent state mixes branches
     ("step3p7", "mtp", "mtp drafter drafts chains only (it reads the target's pass"),
+    ("muse_glimmer", "assistant", "dflash drafter drafts chains only (it reads the target's pass"),
+    ("gemma4", "assistant", "shared_cache drafter drafts chains only (it reads the target's pass"),
 ])
 def test_tree_falls_back_to_chains_with_a_reason(zoo, family, name, reason):
     """A tree asked where it cannot be kept: chains, the same answer as plain, and the reason."""
