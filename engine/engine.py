@@ -190,7 +190,7 @@ def checked_settings(sampling: SamplingSettings, decode: DecodeSettings) -> tupl
         raise RequestError(f"seed must be a whole number from 0 to 2**63 - 1, got {sampling.seed}")
     if decode.max_new_tokens < 1:
         raise RequestError(f"max_new_tokens must be at least 1, got {decode.max_new_tokens}")
-    if not 1 <= decode.draft_tokens <= MAX_DRAFT_TOKENS:
+    if decode.draft_tokens is not None and not 1 <= decode.draft_tokens <= MAX_DRAFT_TOKENS:  # None: from cost
         raise RequestError(f"draft_tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {decode.draft_tokens}")
     if 0 < sampling.temperature < MIN_TEMPERATURE:
         sampling = replace(sampling, temperature=0.0)
