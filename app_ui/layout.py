@@ -257,25 +257,25 @@ def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, 
 
     @gpu
     def chat(message, mode, drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens, seed,
-             system_prompt, max_image_tokens, session, request: gr.Request):
+             system_prompt, max_image_tokens, draft_tree, session, request: gr.Request):
         """Answer a message (text and image files) in this client's conversation; streams the answer
         text and the statistics."""
         visitors.touch(session)
         options = Options(mode=mode, drafter=drafter, draft_tokens=draft_tokens, adaptive=adaptive,
                           temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-                          system_prompt=system_prompt, max_image_tokens=max_image_tokens)
+                          system_prompt=system_prompt, max_image_tokens=max_image_tokens, draft_tree=draft_tree)
         yield from _api_chat(engine, message, session, options, _arrival(request), visitors)
 
     @gpu
     def ab(message, drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens, seed, system_prompt,
-           max_image_tokens, session, request: gr.Request):
+           max_image_tokens, draft_tree, session, request: gr.Request):
         """Answer one message (no history) plainly and speculatively: both answers, the decode speedup,
         whether they are identical and where they first differ (None when identical; both None when
         stopped)."""
         visitors.touch(session)
         options = Options(mode="speculative", drafter=drafter, draft_tokens=draft_tokens, adaptive=adaptive,
                           temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-                          system_prompt=system_prompt, max_image_tokens=max_image_tokens)
+                          system_prompt=system_prompt, max_image_tokens=max_image_tokens, draft_tree=draft_tree)
         return _api_ab(engine, message, session, options, _arrival(request))
 
     def clear(session):
@@ -346,9 +346,11 @@ def _settings(engine: Engine) -> dict:
         "system_prompt": gr.Textbox(defaults.system_prompt, label="System prompt (optional)", lines=2),
         "max_image_tokens": gr.Slider(0, 4096, value=engine.max_image_tokens or 0, step=16,
                                       label="Tokens per image at most (0 = the model's own limit)"),
+        "draft_tree": gr.Slider(0, 16, value=defaults.draft_tree, step=1, interactive=speculative,
+                                label="Draft tree nodes (0 = one chain; else branches verified in one pass)"),
     }
-    drafter_controls = [settings[name] for name in ("drafter", "draft_tokens", "adaptive")]
-    settings["mode"].change(lambda mode: [gr.update(interactive=mode == "speculative" and speculative)] * 3,
+    drafter_controls = [settings[name] for name in ("drafter", "draft_tokens", "adaptive", "draft_tree")]
+    settings["mode"].change(lambda mode: [gr.update(interactive=mode == "speculative" and speculative)] * 4,
                             [settings["mode"]], drafter_controls, **INSTANT)
     return settings
 

@@ -146,6 +146,7 @@ class Options:
     seed: int = 0
     system_prompt: str = ""
     max_image_tokens: int | None = None  # tokens per image at most; None: the engine's default; 0: the processor's own
+    draft_tree: int = 0  # draft trees of up to this many nodes, draft_tokens deep; 0: chains
 
     def checked(self, engine: Engine) -> Options:
         """The options converted to their types; RequestError names the first that is not of
@@ -155,7 +156,7 @@ class Options:
         for option in fields(self):
             value = getattr(self, option.name)
             kind = {"draft_tokens": int, "max_new_tokens": int, "seed": int, "adaptive": bool,
-                    "temperature": float, "top_p": float}.get(option.name)
+                    "temperature": float, "top_p": float, "draft_tree": int}.get(option.name)
             if option.name == "max_image_tokens":
                 value = None if value is None else _convert(option.name, value, int)
                 if value is not None and value < 0:
@@ -176,7 +177,7 @@ class Options:
 
     def decode(self) -> DecodeSettings:
         return DecodeSettings(max_new_tokens=int(self.max_new_tokens), draft_tokens=int(self.draft_tokens) or None,
-                              adaptive=bool(self.adaptive))
+                              adaptive=bool(self.adaptive), tree_nodes=int(self.draft_tree or 0))
 
     def drafter_for(self, engine: Engine) -> str | None:
         """The drafter to decode with; None decodes plainly."""

@@ -75,12 +75,20 @@ def _stat_rows(stats: Stats) -> list[tuple[str, str]]:
         ("Drafted / accepted", f"{stats.drafted} / {stats.accepted}"),
         ("Acceptance", "—" if stats.acceptance is None else f"{stats.acceptance:.0%}"),
         ("Tokens per target forward", "—" if stats.tokens_per_forward is None else f"{stats.tokens_per_forward:.2f}"),
+        ("Draft shape", _draft_shape(stats)),
         ("Mode · drafter", f"{stats.mode} · {drafter}"),
         ("Drafter choice", stats.auto_choice or "—"),
         ("Draft length", stats.draft_length_reason or "—"),
         ("Fell back to plain", stats.fallback_reason or "no"),
         ("Status", FINISH_REASONS.get(stats.finish_reason, "generating…")),
     ]
+
+
+def _draft_shape(stats: Stats) -> str:
+    """Chains, or trees with the nodes verified and the accepted path's depth per target pass."""
+    if stats.draft_shape == "tree" and stats.nodes_per_forward is not None:
+        return f"tree: {stats.nodes_per_forward:.1f} nodes verified, accepted depth {stats.accepted_depth:.2f} a pass"
+    return f"chain (tree asked: {stats.tree_fallback})" if stats.tree_fallback else stats.draft_shape
 
 
 def _table(header: list[str], rows: list[tuple[str, ...]]) -> str:

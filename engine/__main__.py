@@ -3,7 +3,8 @@
     python -m engine [--preset NAME] [--model ID_OR_DIR] [--drafter ID_OR_DIR|ngram|mtp|none] [--mode plain|speculative]
                      [--image PATH]... [--max-new-tokens N] [--dtype D] [--drafter-dtype D] [--device D]
                      [--quantization 4bit|8bit] [--trust-remote-code] [--temperature T] [--top-p P]
-                     [--top-k K] [--seed S] [--draft-tokens K] [--adaptive] [--json] PROMPT
+                     [--top-k K] [--seed S] [--draft-tokens K] [--adaptive] [--draft-tree NODES]
+                     [--tree-branching B] [--json] PROMPT
 
 User errors (missing or unreadable image, unknown model, incompatible drafter) exit with
 status 2 and a one-line message.
@@ -38,6 +39,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--adaptive", action="store_true",
                         help="the +2/-1 rule from --draft-tokens (or 4): +2 after a full acceptance, -1 after a "
                              "rejection")
+    parser.add_argument("--draft-tree", type=int, default=DecodeSettings.tree_nodes, metavar="NODES",
+                        help="draft trees of up to NODES nodes, --draft-tokens deep, verified in one pass "
+                             "(0: chains, the default)")
+    parser.add_argument("--tree-branching", type=int, default=DecodeSettings.tree_branching,
+                        help="a draft tree node's most children (default 2)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     return parser.parse_args(argv)
 
@@ -67,7 +73,8 @@ def main(argv=None) -> int:
             [{"role": "user", "content": content}],
             drafter=engine.default_drafter,
             sampling=SamplingSettings(args.temperature, args.top_p, args.top_k, args.seed),
-            decode=DecodeSettings(args.max_new_tokens, args.draft_tokens, args.adaptive),
+            decode=DecodeSettings(args.max_new_tokens, args.draft_tokens, args.adaptive,
+                                  tree_nodes=args.draft_tree, tree_branching=args.tree_branching),
         )
         for event in events:
             if isinstance(event, Done):

@@ -11,11 +11,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from engine import tree
 from engine.draft_length import DraftLength, PassCosts
 from engine.drafters.base import Draft, Drafter, DrafterUnavailable, DraftSession
 from engine.prompt import Prompt
 from engine.runner import NO_READS, CacheState, Runner
-from engine.sampling import Sampler, SamplingSettings, accept_draft
+from engine.sampling import Sampler, SamplingSettings, accept_tree
 from engine.stats import Clock, Stats
 
 
@@ -26,6 +27,8 @@ class DecodeSettings:
     adaptive: bool = False  # the +2/-1 rule from draft_tokens (or 4): longer after a full acceptance
     max_draft_tokens: int = 8
     stop_token_ids: frozenset[int] = frozenset()
+    tree_nodes: int = 0  # > 0: draft trees of up to this many nodes, k deep (engine/tree.py); 0: chains
+    tree_branching: int = 2  # a tree node's most children
 
 
 @dataclass
@@ -77,37 +80,39 @@ def generate(
     stats.new_tokens = 1
     yield _chunk(text, [first_token], 0, stats)
     session = _begin(drafter, prompt, state, stats) if not _finished(generated, decode, stats, stop) else None
+    tree_nodes = _tree_nodes(decode, target, state, drafter, session, stats)
     length = DraftLength(decode.draft_tokens, decode.adaptive, decode.max_draft_tokens, costs,
                          drafter.name if drafter else None)
     while not _finished(generated, decode, stats, stop):
         remaining = decode.max_new_tokens - len(generated)
         round_started = clock.now()
-        # 2. Draft up to k tokens (none when plain, after a fallback, or when drafting is a loss).
+        # 2. Draft up to k tokens deep: a chain, or a tree of up to tree_nodes nodes (none when
+        #    plain, after a fallback, or when drafting is a loss).
         stats.record_draft_length(len(generated), length.k, length.reason)
-        draft = _propose(session, generated, min(length.k, remaining - 1), sampler, stats)
+        draft = _propose(session, generated, min(length.k, remaining - 1), sampler, stats, tree_nodes, decode)
         if draft is None:
             session, draft = None, Draft([])
             state.stop_reading()
         drafted_at = clock.now()
-        # 3. Verify: one target pass over the last committed token and the draft, (k+1, V).
-        target_logits = target.extend(state, [generated[-1]] + draft.token_ids)
+        # 3. Verify: one target pass over the last committed token and every draft node, (n+1, V).
+        target_logits = tree.verify(target, state, generated[-1], draft)
         verified_at = clock.now()
-        # 4. Accept the agreeing prefix plus the target's own bonus token.
-        num_accepted, bonus_token = accept_draft(sampler, draft.token_ids, draft.probs, target_logits)
-        # 5. Roll back the rejected draft tokens in the target's cache; the drafter learns the pass.
-        target.rollback(state, len(draft.token_ids) - num_accepted)
+        # 4. Accept the path of nodes the target agrees with plus the target's own bonus token.
+        path, bonus_token = accept_tree(sampler, draft.token_ids, draft.parents, draft.probs, target_logits)
+        # 5. Keep that path in the target's cache, drop the rest; the drafter learns the pass.
+        tree.keep(target, state, draft, path)
         if session is not None:
-            session.accept(num_accepted)
-        new_tokens = _truncate(draft.token_ids[:num_accepted] + [bonus_token], remaining, decode)
+            session.accept(len(path)) if draft.parents is None else session.accept(len(path), path)
+        new_tokens = _truncate([draft.token_ids[node] for node in path] + [bonus_token], remaining, decode)
         generated += new_tokens
         # 6. Statistics, then the next draft length from this round's counts and timings.
+        depth = tree.depth(draft)
         stats.new_tokens = len(generated)
-        stats.record_round(*_counted(len(draft.token_ids), num_accepted, len(new_tokens)))
+        stats.record_round(*_counted(len(draft.token_ids), len(path), len(new_tokens), depth))
         now = clock.now()
         stats.record_time(started, first_token_at, now)
-        length.update(len(draft.token_ids), num_accepted, drafted_at - round_started, verified_at - drafted_at,
-                      now - round_started)
-        yield _chunk(text, new_tokens, min(num_accepted, len(new_tokens)), stats)
+        length.update(depth, len(path), drafted_at - round_started, verified_at - drafted_at, now - round_started)
+        yield _chunk(text, new_tokens, min(len(path), len(new_tokens)), stats)
     length.finish()
     stats.record_time(started, first_token_at, clock.now())
     yield Done(text.full(), generated, stats)
@@ -136,11 +141,22 @@ def _begin(drafter: Drafter | None, prompt: Prompt, state: CacheState, stats: St
         stats.drafter_prefill_s = time.perf_counter() - started
 
 
-def _propose(session: DraftSession | None, generated, k, sampler, stats) -> Draft | None:
+def _tree_nodes(decode: DecodeSettings, target, state, drafter, session, stats: Stats) -> int:
+    """The node budget of each draft tree; 0 for chains (the reason in stats when a tree was asked)."""
+    if decode.tree_nodes <= 0 or session is None:
+        return 0
+    stats.tree_fallback = tree.fallback_reason(target, state, drafter, session)
+    stats.draft_shape = "chain" if stats.tree_fallback else "tree"
+    return 0 if stats.tree_fallback else decode.tree_nodes
+
+
+def _propose(session: DraftSession | None, generated, k, sampler, stats, tree_nodes, decode) -> Draft | None:
     """The session's draft; an empty one when decoding plainly, None when the drafter failed."""
     if session is None:
         return Draft([])
     try:
+        if tree_nodes and k > 0:
+            return session.propose_tree(generated, k, tree_nodes, decode.tree_branching, sampler)
         return session.propose(generated, k, sampler)
     except Exception as error:
         stats.fallback_reason = _reason(error, f"after {len(generated)} tokens")
@@ -162,12 +178,12 @@ def _truncate(tokens: list[int], remaining: int, decode: DecodeSettings) -> list
     return tokens
 
 
-def _counted(num_drafted: int, num_accepted: int, num_new: int) -> tuple[int, int, int]:
-    """(drafted, accepted, emitted) as the statistics count them: when a stop token inside the
-    accepted draft ends the answer, the draft tokens after it are neither drafted nor accepted."""
+def _counted(num_drafted: int, num_accepted: int, num_new: int, depth: int) -> tuple[int, int, int, int]:
+    """(drafted, accepted, emitted, depth) as the statistics count them: when a stop token inside
+    the accepted draft ends the answer, the draft tokens after it are neither drafted nor accepted."""
     if num_new < num_accepted + 1:
-        return num_new, num_new, num_new
-    return num_drafted, num_accepted, num_new
+        return num_new, num_new, num_new, num_new
+    return num_drafted, num_accepted, num_new, depth
 
 
 def _finished(generated: list[int], decode: DecodeSettings, stats: Stats, stop) -> bool:

@@ -7,11 +7,13 @@ M-RoPE model the two differ by `rope_delta`. Rolling back a rejected draft is on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
+from engine.tree import ancestor_mask, tree_depths
 from models.families import Family
 
 
@@ -49,6 +51,9 @@ class CacheState:
     hidden:    {layer: (n, H)} the asked hidden states for the n positions the last pass ran;
     shared_kv: {layer type: (K, V)} as the model returns them (the cache's entries before the
                pass, then the pass's own).
+    tree_parents: a draft tree held after the cache_len committed entries, not yet settled
+               (`Runner.extend_tree`, then `keep_path`): the parent of each tree entry, an index
+               into this list, -1 for a child of the committed sequence (engine/tree.py).
     """
 
     cache: DynamicCache
@@ -59,6 +64,7 @@ class CacheState:
     reads: TargetReads = NO_READS
     hidden: dict[int, torch.Tensor] | None = None
     shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    tree_parents: list[int] = field(default_factory=list)
 
     def stop_reading(self) -> None:
         """After a drafter's fallback: later passes compute nothing for a drafter."""
@@ -98,17 +104,79 @@ class Runner:
     def extend(self, state: CacheState, token_ids: list[int]) -> torch.Tensor:
         """Append `token_ids` (n,) to the cache; returns float32 logits for each of them, (n, V)."""
         num_tokens = len(token_ids)
-        input_ids = torch.tensor([token_ids], device=self.device)
         position_ids = self.family.positions(state.rope_pos, num_tokens, self.device)
-        if self.family.direct_text_steps and not state.reads:
-            logits = self.family.text_step(self.model, input_ids, position_ids, state.cache, num_tokens)
-        else:  # the full forward, which also returns what a drafter reading the target needs
-            out = self.model(input_ids=input_ids, position_ids=position_ids, cache=state.cache,
-                             use_cache=True, logits_to_keep=num_tokens, **self._hidden_request(state))
-            self._keep_hidden(state, out, num_tokens)
-            logits = out.logits
+        logits = self._forward(state, token_ids, position_ids)
         state.cache_len += num_tokens
         state.rope_pos += num_tokens
+        return logits
+
+    @torch.inference_mode()
+    def extend_tree(self, state: CacheState, token_ids: list[int], parents: list[int]) -> torch.Tensor:
+        """Append n draft-tree entries after the committed ones; returns their float32 logits, (n, V).
+
+        parents (n,): each entry's parent, an index into the tree held so far (state.tree_parents,
+        then these entries: parents[i] < len(state.tree_parents) + i), -1 for a child of the
+        committed sequence. An entry sees the committed cache, its ancestors and itself (a 4-D
+        attention mask), at rotary position rope_pos + depth (depth 0 for parent -1): on every
+        M-RoPE row the position plain decoding would give it. cache_len and rope_pos stay those of
+        the committed sequence until `keep_path` settles the tree.
+        """
+        if state.reads:
+            raise ValueError("a tree pass computes nothing for a drafter that reads the target")
+        parents = state.tree_parents + list(parents)
+        depths = tree_depths(parents)
+        num_tokens = len(token_ids)
+        position_ids = self.family.positions(state.rope_pos, max(depths) + 1, self.device)[..., depths[-num_tokens:]]
+        seen = ancestor_mask(parents)[-num_tokens:].to(self.device)  # (n, tree) ancestors and self
+        seen = torch.cat([seen.new_ones(num_tokens, state.cache_len), seen], dim=1)
+        mask = torch.zeros(seen.shape, dtype=self.model.dtype, device=self.device)
+        mask.masked_fill_(~seen, torch.finfo(self.model.dtype).min)  # additive: eager and SDPA alike
+        logits = self._forward(state, token_ids, position_ids, mask[None, None])
+        state.tree_parents = parents
+        return logits
+
+    @torch.inference_mode()
+    def keep_path(self, state: CacheState, path: list[int]) -> None:
+        """Settle the draft tree: its entries `path` (a chain from a depth-0 entry, in order) become
+        committed, right after the cache's committed entries; every other tree entry is dropped
+        (the K/V of the path are moved into place: a compaction, not a re-run)."""
+        start, num_tree = state.cache_len, len(state.tree_parents)
+        if path != list(range(len(path))):  # else the path's entries are already in place
+            source = torch.tensor(path, device=self.device) + start
+            for layer in (layer for layer in state.cache.layers if layer.is_initialized):
+                layer.keys[..., start:start + len(path), :] = layer.keys[..., source, :]
+                layer.values[..., start:start + len(path), :] = layer.values[..., source, :]
+        state.cache.crop(-(num_tree - len(path)))
+        state.cache_len += len(path)
+        state.rope_pos += len(path)
+        state.tree_parents = []
+
+    @staticmethod
+    def tree_unsupported(state: CacheState) -> str | None:
+        """Why this cache cannot take a draft tree (None when it can): only plain full-attention
+        layers keep one branch of a pass and drop the others by compaction."""
+        kinds = sorted({"sliding-window" if getattr(layer, "is_sliding", False) else "linear-attention"
+                        if isinstance(layer, LinearAttentionCacheLayerMixin) else type(layer).__name__
+                        for layer in state.cache.layers if type(layer) is not DynamicLayer})
+        if kinds:
+            return (f"the cache has {' and '.join(kinds)} layers, whose state a tree pass would mix across "
+                    "branches; chains are drafted")
+        return None
+
+    def _forward(self, state: CacheState, token_ids: list[int], position_ids: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run token_ids (n,) at position_ids over the cache; float32 logits (n, V)."""
+        num_tokens = len(token_ids)
+        input_ids = torch.tensor([token_ids], device=self.device)
+        if self.family.direct_text_steps and not state.reads:
+            logits = self.family.text_step(self.model, input_ids, position_ids, state.cache, num_tokens,
+                                           attention_mask)
+        else:  # the full forward, which also returns what a drafter reading the target needs
+            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                             cache=state.cache, use_cache=True, logits_to_keep=num_tokens,
+                             **self._hidden_request(state))
+            self._keep_hidden(state, out, num_tokens)
+            logits = out.logits
         return self._vocab(logits[0, -num_tokens:])
 
     def rollback(self, state: CacheState, num_tokens: int) -> None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.tree import chain_parents, children_of
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -79,7 +81,7 @@ def accept_draft(
     draft_probs: torch.Tensor | None,
     target_logits: torch.Tensor,
 ) -> tuple[int, int]:
-    """Verify a draft against the target.
+    """Verify a chain draft against the target.
 
     draft_tokens:  (k,) proposed ids.
     draft_probs:   (k, V) the distributions the drafter sampled from, or None for a
@@ -88,25 +90,63 @@ def accept_draft(
                    each draft token.
     Returns (num_accepted, bonus_token).
     """
-    k = len(draft_tokens)
-    if sampler.settings.greedy:
-        target_choice = target_logits.argmax(-1).tolist()  # (k+1,), one host sync
-        num_accepted = 0
-        while num_accepted < k and draft_tokens[num_accepted] == target_choice[num_accepted]:
-            num_accepted += 1
-        return num_accepted, target_choice[num_accepted]
+    path, bonus_token = accept_tree(sampler, draft_tokens, None, draft_probs, target_logits)
+    return len(path), bonus_token
 
-    target_probs = sampler.probs(target_logits).cpu()  # (k+1, V)
-    for i, token in enumerate(draft_tokens):
-        p = target_probs[i]
-        q = draft_probs[i].cpu() if draft_probs is not None else _one_hot(token, p)
-        if sampler.uniform() * float(q[token]) <= float(p[token]):  # accept with min(1, p/q)
-            continue
-        residual = (p - q).clamp_min(0)
-        if float(residual.sum()) <= 0:  # p == q numerically: any draw from p is right
-            residual = p
-        return i, sampler.draw(residual / residual.sum())
-    return k, sampler.draw(target_probs[k])
+
+def accept_tree(
+    sampler: Sampler,
+    draft_tokens: list[int],
+    parents: list[int] | None,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+) -> tuple[list[int], int]:
+    """Verify a draft tree (engine/tree.py) against the target: walk down from the root.
+
+    draft_tokens:  (n,) the nodes' ids; parents (n,) each node's parent (-1: the root), None
+                   for a chain.
+    draft_probs:   (n, V) the distribution each node was drawn from, or None (deterministic).
+    target_logits: (n+1, V) the target's logits after the root (row 0) and after node i (row 1 + i).
+    Returns (path, bonus_token): the accepted nodes from the root down, and the target's token
+    after the last of them.
+
+    Greedy: go to the child that equals the target's argmax, so the path and the bonus token
+    are what plain greedy decoding gives. Sampling, at each node with target distribution p
+    (SpecInfer's multi-draft rejection sampling): try the children in order, accepting child c
+    with probability min(1, p(c) / q(c)); after a rejection p becomes the normalized residual
+    max(0, p - q). When all are rejected the bonus token is drawn from what is left of p. This
+    keeps the target's distribution exactly when a node's children are one sampled child (q
+    its distribution) or distinct deterministic tokens (q one-hot: each child is then taken
+    with the probability p gives it among the tokens not yet rejected).
+    """
+    children = children_of(parents if parents is not None else chain_parents(len(draft_tokens)))
+    path: list[int] = []
+    row = 0  # the target's row after the path's last node: 0 for the root, 1 + i for node i
+    if sampler.settings.greedy:
+        target_choice = target_logits.argmax(-1).tolist()  # (n+1,), one host sync
+        while True:
+            child = next((c for c in children[row] if draft_tokens[c] == target_choice[row]), None)
+            if child is None:
+                return path, target_choice[row]
+            path.append(child)
+            row = child + 1
+
+    target_probs = sampler.probs(target_logits).cpu()  # (n+1, V)
+    while True:
+        p = target_probs[row]
+        for child in children[row]:
+            token = draft_tokens[child]
+            q = draft_probs[child].cpu() if draft_probs is not None else _one_hot(token, p)
+            if sampler.uniform() * float(q[token]) <= float(p[token]):  # accept with min(1, p/q)
+                path.append(child)
+                row = child + 1
+                break
+            residual = (p - q).clamp_min(0)
+            if float(residual.sum()) <= 0:  # p == q numerically: any draw from p is right
+                residual = p
+            p = residual / residual.sum()
+        else:
+            return path, sampler.draw(p)
 
 
 def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:

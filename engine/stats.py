@@ -13,6 +13,12 @@ Conventions:
 - `acceptance` = accepted / drafted (None when nothing was drafted).
 - `accepted_by_position[i]`: rounds whose draft token i was accepted; `drafted_by_position[i]`:
   rounds that drafted a token i.
+- Draft trees (engine/tree.py): `drafted` counts the nodes verified, `accepted` the nodes of
+  the accepted paths, so `acceptance` is per node; token i is the node at depth i + 1 (the
+  by-position lists count rounds whose tree reached / whose accepted path reached that depth).
+  `nodes_per_forward` = drafted / target_forwards; `accepted_depth` = accepted /
+  target_forwards, the mean accepted path (chains too: tokens_per_forward - 1).
+  `tree_fallback` says why chains were drafted although a tree was asked.
 """
 
 from __future__ import annotations
@@ -60,23 +66,28 @@ class Stats:
     tokens_per_forward: float | None = None
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
-    draft_lengths: list[int] = field(default_factory=list)  # k used in each round
+    draft_lengths: list[int] = field(default_factory=list)  # k used in each round (a tree's nodes)
     draft_length_reason: str | None = None  # why the latest round drafted the k it did
     draft_length_changes: list[dict] = field(default_factory=list)  # {"token", "k", "reason"} when k changed
     auto_choice: str | None = None  # with drafter "auto": which drafter was picked and why
+    draft_shape: str = "chain"  # "chain" or "tree"
+    tree_fallback: str | None = None  # why chains, when a tree was asked
+    nodes_per_forward: float | None = None  # draft nodes verified per target pass
+    accepted_depth: float | None = None  # accepted draft tokens per target pass
     fallback_reason: str | None = None
     finish_reason: str | None = None  # "stop_token", "max_new_tokens", "context" (the context is full), "stopped"
     tok_s_curve: list[float] = field(default_factory=list)  # running decode tok/s after each round
 
-    def record_round(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
-        """One verify pass: `num_drafted` proposed, `num_accepted` kept, `num_emitted` output."""
+    def record_round(self, num_drafted: int, num_accepted: int, num_emitted: int, depth: int | None = None) -> None:
+        """One verify pass: `num_drafted` proposed (nodes), `num_accepted` kept, `num_emitted`
+        output; `depth`: how deep a tree went (a chain: num_drafted)."""
         self.target_forwards += 1
         self.drafted += num_drafted
         self.accepted += num_accepted
         self.rejected_rounds += num_accepted < num_drafted
         self.decode_tokens += num_emitted
         self.draft_lengths.append(num_drafted)
-        for position in range(num_drafted):
+        for position in range(num_drafted if depth is None else depth):
             if position >= len(self.drafted_by_position):
                 self.drafted_by_position.append(0)
                 self.accepted_by_position.append(0)
@@ -84,6 +95,8 @@ class Stats:
             self.accepted_by_position[position] += position < num_accepted
         self.acceptance = self.accepted / self.drafted if self.drafted else None
         self.tokens_per_forward = self.decode_tokens / self.target_forwards
+        self.nodes_per_forward = self.drafted / self.target_forwards
+        self.accepted_depth = self.accepted / self.target_forwards
 
     def record_draft_length(self, token: int, k: int, reason: str) -> None:
         """The k chosen before answer token `token` and why; a change is logged (up to 64)."""
@@ -107,6 +120,8 @@ class Stats:
         if self.acceptance is not None:
             parts.append(f"acceptance {self.acceptance:.0%}")
             parts.append(f"{self.tokens_per_forward:.2f} tok/forward")
+        if self.draft_shape == "tree":
+            parts.append(f"tree: {self.nodes_per_forward:.1f} nodes/forward, accepted depth {self.accepted_depth:.2f}")
         if self.fallback_reason:
             parts.append(f"fell back to plain: {self.fallback_reason}")
         return " · ".join(parts)

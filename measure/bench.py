@@ -4,7 +4,7 @@ transformers' own `generate()`.
 
     python -m measure.bench [--preset demo | --model ID --drafter ID ...] [--dtype bfloat16]
                             [--drafter-dtype auto] [--draft-tokens K] [--fixed-k K] [--quick]
-                            [--json FILE] [--plot FILE]
+                            [--tree [--tree-nodes N]] [--json FILE] [--plot FILE]
 
 Rows (all on the same requests, greedy, streamed): this engine plain; this engine with each
 drafter; transformers `generate()` plain; `generate(assistant_model=...)` with each drafter
@@ -18,6 +18,11 @@ measured here). The draft length is chosen from cost unless `--draft-tokens K` f
 `--fixed-k K` adds a row per drafter at a fixed k = K for comparison. With two or more drafters
 an `auto` row lets the engine pick one per request (engine/auto.py); like every request on
 the engine it learns from what the other rows' requests measured.
+
+`--tree` adds, for each drafter, a row drafting trees (engine/tree.py) of `--tree-nodes` nodes
+(default: --draft-tokens, else 4, so the tree's verify pass covers as many tokens as a chain of
+4) and k deep; the chain rows then draft chains explicitly. A tree row's `limit` counts a whole
+`propose_tree` and one tree verify pass per round.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Row:
     drafter: str | None  # the engine's drafter key ("text", "vlm", "ngram", ...), "prompt_lookup", or None
     label: str | None = None  # how the table names the drafter: the folder's last part, or the key
     draft_tokens: int | None = None  # k fixed for this row (else the run's --draft-tokens)
+    tree_nodes: int = 0  # > 0: this row drafts trees of that many nodes
     runs: list[Measurement] = field(default_factory=list)
     error: str | None = None
 
@@ -117,12 +123,19 @@ def summarize(row: Row, plain: Row, costs: dict) -> dict:
         out["auto_picked"] = {short(name): sum(r.drafter_used == name for r in runs)
                               for name in dict.fromkeys(r.drafter_used for r in runs)}
     out["mean_draft_length"] = statistics.mean(lengths) if lengths else None
-    if row.mode == "speculative" and tpf and row.drafter in costs.get("draft_step_s", {}):
+    out["tree_nodes"] = row.tree_nodes
+    out["tree_fallback"] = next((r.tree_fallback for r in runs if r.tree_fallback), None)
+    out["limit"] = None
+    if row.mode != "speculative" or not tpf:
+        return out
+    if row.tree_nodes and row.drafter in costs.get("draft_tree_s", {}):
+        round_cost = costs["draft_tree_s"][row.drafter] + costs["verify_tree_s"]
+    elif not row.tree_nodes and row.drafter in costs.get("draft_step_s", {}) and lengths:
         step, t = costs["draft_step_s"][row.drafter], costs["t_s"]
         round_cost = statistics.mean(k * step + t[min(k + 1, max(t))] for k in lengths)
-        out["limit"] = out["tokens_per_forward"] * costs["forward_1_s"] / round_cost
     else:
-        out["limit"] = None
+        return out
+    out["limit"] = out["tokens_per_forward"] * costs["forward_1_s"] / round_cost
     return out
 
 
@@ -168,6 +181,9 @@ def print_table(rows: list[dict], info: dict) -> None:
               f"| {fmt(r['mean_draft_length'], '.1f')} | {fmt(r['tokens_per_forward'], '.2f')} | {fmt(r['acceptance'], '.2f')} "
               f"| {r['identical_to_plain']}/{r['requests']} | {s['min']:.2f}x-{s['median']:.2f}x-{s['max']:.2f}x "
               f"| {fmt(r['limit'], '.2f')}{'x' if r['limit'] else ''} |")
+    for r in rows:
+        if r.get("tree_fallback"):
+            print(f"({r['drafter']}: chains were drafted: {r['tree_fallback']})")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -212,6 +228,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--requests-from", choices=["demo", "photos"],
                         help="the demo world's questions (default for the demo preset) or the example photos")
+    parser.add_argument("--tree", action="store_true",
+                        help="also a draft-tree row per drafter, at the chain's verify budget")
+    parser.add_argument("--tree-nodes", type=int, help="nodes per tree (default: --draft-tokens)")
+    parser.add_argument("--tree-branching", type=int, default=2, help="a tree node's most children (default 2)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' rows")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--plot", metavar="FILE", default="bench.png", help="PNG plot (default bench.png)")
@@ -224,10 +244,16 @@ def main(argv=None) -> int:
     count = args.requests or (6 if args.quick else 12)
     source = args.requests_from or ("demo" if spec.preset == "demo" else "photos")
     requests = demo_requests(count) if source == "demo" else photo_requests(count)
-    decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens)
+    tree_nodes = (args.tree_nodes or args.draft_tokens or 4) if args.tree else 0
+    decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
+                            tree_branching=args.tree_branching)
 
     labels = {key: short(drafter.name) for key, drafter in engine.drafters.items()}
-    rows = [Row("this", "plain", None)] + [Row("this", "speculative", key, labels[key]) for key in engine.drafters]
+    rows = [Row("this", "plain", None)]
+    for key in engine.drafters:
+        rows += [Row("this", "speculative", key, labels[key] + (", chain" if tree_nodes else ""))]
+        rows += [Row("this", "speculative", key, f"{labels[key]}, tree {tree_nodes}", tree_nodes=tree_nodes)
+                 ] if tree_nodes else []
     if args.fixed_k:
         rows += [Row("this", "speculative", key, f"{labels[key]}, k={args.fixed_k}", args.fixed_k)
                  for key in engine.drafters]
@@ -243,12 +269,15 @@ def main(argv=None) -> int:
         order = rows[index % len(rows):] + rows[:index % len(rows)]
         for row in order:
             runner = run_this if row.engine == "this" else run_transformers
-            row_decode = replace(decode, draft_tokens=row.draft_tokens) if row.draft_tokens else decode
+            row_decode = replace(decode, tree_nodes=row.tree_nodes)
+            if row.draft_tokens:
+                row_decode = replace(row_decode, draft_tokens=row.draft_tokens)
             measurement = runner(engine, row.drafter, messages_of(request), row_decode, request_id=index)
             if index > 0:
                 row.runs.append(measurement)
         print(f"request {index}/{len(requests)} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens or 4)
+    costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens or 4, tree_nodes=tree_nodes,
+                       branching=args.tree_branching)
     dtype = dtype_name(engine.target.model)  # --dtype fit resolved
     info = machine_info(dtype, engine)
     table = [summarize(row, rows[0], costs) for row in rows]
@@ -258,7 +287,10 @@ def main(argv=None) -> int:
             print("auto picked: " + ", ".join(f"{name} {count}x" for name, count in r["auto_picked"].items()))
     print("cost model: target forward over n tokens " + ", ".join(f"t({n}) {t * 1000:.1f}"
                                                                  for n, t in costs["t_s"].items())
-          + " ms; draft step " + ", ".join(f"{labels[key]} {t * 1000:.1f} ms" for key, t in costs["draft_step_s"].items()))
+          + " ms; draft step " + ", ".join(f"{labels[key]} {t * 1000:.1f} ms" for key, t in costs["draft_step_s"].items())
+          + (f"; tree verify over {tree_nodes + 1} tokens {costs['verify_tree_s'] * 1000:.1f} ms, whole tree draft "
+             + ", ".join(f"{labels[key]} {t * 1000:.1f} ms" for key, t in costs["draft_tree_s"].items())
+             if "verify_tree_s" in costs else ""))
     if args.plot:
         plot(table, args.plot)
         print(f"plot: {args.plot}")

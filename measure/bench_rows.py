@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import tree
 from engine.loop import DecodeSettings, Done
-from engine.sampling import Sampler, SamplingSettings, accept_draft
+from engine.sampling import Sampler, SamplingSettings, accept_tree
 from engine.stats import Clock
 
 
@@ -33,6 +34,7 @@ class Measurement:
     rejected_rounds: int = 0
     drafter_used: str | None = None  # with drafter "auto": the one it picked
     error: str | None = None
+    tree_fallback: str | None = None  # why a tree row drafted chains
 
 
 def run_this(engine, drafter: str | None, messages, decode: DecodeSettings, request_id: int) -> Measurement:
@@ -41,7 +43,7 @@ def run_this(engine, drafter: str | None, messages, decode: DecodeSettings, requ
     return Measurement(request_id, done.token_ids, s.ttft_s, s.total_s, s.decode_tok_s,
                        s.tokens_per_forward if drafter else None, s.drafted, s.accepted,
                        s.drafted_by_position, s.accepted_by_position, s.draft_lengths if drafter else [],
-                       s.rejected_rounds, s.drafter)
+                       s.rejected_rounds, s.drafter, tree_fallback=s.tree_fallback)
 
 
 class _TimingStreamer:
@@ -99,12 +101,15 @@ def median_seconds(fn, clock: Clock, repeats: int, skip: int = 0) -> float:
     return statistics.median(times[skip:])
 
 
-def cost_model(engine, messages, k: int, repeats: int = 7, max_tokens: int = 9) -> dict:
+def cost_model(engine, messages, k: int, repeats: int = 7, max_tokens: int = 9, tree_nodes: int = 0,
+               branching: int = 2) -> dict:
     """Median cost of one target forward over n = 1..max_tokens tokens after this prompt
     (`t_s`; `forward_1_s` = t(1), `verify_s` = t(k+1)), and of one
     draft step of each drafter: a `propose` of k tokens divided by the tokens it drafted, timed
     in greedy decode rounds that follow the drafter contract (prefill with the drafter's reads,
-    begin, then propose / verify / accept / roll back), so every kind of drafter is measured."""
+    begin, then propose / verify / accept / roll back), so every kind of drafter is measured.
+    With tree_nodes, also a tree verify pass over tree_nodes + 1 tokens (`verify_tree_s`) and a
+    whole `propose_tree` of each drafter that can branch (`draft_tree_s`)."""
     target = engine.target.runner
     prompt = engine.prepare(messages)
     clock = Clock(target.device)
@@ -119,25 +124,43 @@ def cost_model(engine, messages, k: int, repeats: int = 7, max_tokens: int = 9) 
         target.extend(state, [token] * n)
         target.rollback(state, n)
 
+    def tree_and_undo(n):  # a binary tree of n nodes under the last token
+        target.extend_tree(state, [token] * (n + 1), [-1] + [i // 2 for i in range(n)])
+        target.keep_path(state, [0])
+        target.rollback(state, 1)
+
     t_s = {n: timed(lambda n=n: extend_and_undo(n)) for n in range(1, max(max_tokens, k + 1) + 1)}
     costs = {"forward_1_s": t_s[1], "verify_s": t_s[k + 1], "t_s": t_s, "draft_step_s": {}}
     for key, drafter in engine.drafters.items():
-        costs["draft_step_s"][key] = _draft_step_cost(target, drafter, prompt, k, repeats, clock)
+        costs["draft_step_s"][key] = _draft_cost(target, drafter, prompt, k, repeats, clock)
+    if tree_nodes and target.tree_unsupported(state) is None:
+        costs["verify_tree_s"] = timed(lambda: tree_and_undo(tree_nodes))
+        tree_costs = {key: _draft_cost(target, drafter, prompt, k, repeats, clock, tree_nodes, branching)
+                      for key, drafter in engine.drafters.items()}
+        costs["draft_tree_s"] = {key: cost for key, cost in tree_costs.items() if cost is not None}
     return costs
 
 
-def _draft_step_cost(target, drafter, prompt, k: int, repeats: int, clock: Clock) -> float:
+def _draft_cost(target, drafter, prompt, k: int, repeats: int, clock: Clock, tree_nodes: int = 0,
+                branching: int = 2) -> float | None:
+    """A chain's draft step (a propose divided by the tokens it drafted), or a whole tree's
+    propose_tree (with tree_nodes; None for a drafter that drafts chains only)."""
     sampler = Sampler(SamplingSettings())
     logits, state = target.prefill(prompt.target_inputs, drafter.reads)
     session = drafter.begin(prompt, state)
+    if tree_nodes and not hasattr(session, "propose_tree"):
+        return None
     generated, times = [int(logits.argmax())], []
     for _ in range(repeats):
         t0 = clock.now()
-        draft = session.propose(generated, k, sampler)
-        times.append((clock.now() - t0) / max(1, len(draft.token_ids)))
-        verify_logits = target.extend(state, [generated[-1]] + draft.token_ids)
-        num_accepted, bonus_token = accept_draft(sampler, draft.token_ids, None, verify_logits)
-        target.rollback(state, len(draft.token_ids) - num_accepted)
-        session.accept(num_accepted)
-        generated += draft.token_ids[:num_accepted] + [bonus_token]
+        if tree_nodes:
+            draft = session.propose_tree(generated, k, tree_nodes, branching, sampler)
+        else:
+            draft = session.propose(generated, k, sampler)
+        times.append((clock.now() - t0) / (1 if tree_nodes else max(1, len(draft.token_ids))))
+        verify_logits = tree.verify(target, state, generated[-1], draft)
+        path, bonus_token = accept_tree(sampler, draft.token_ids, draft.parents, None, verify_logits)
+        tree.keep(target, state, draft, path)
+        session.accept(len(path)) if draft.parents is None else session.accept(len(path), path)
+        generated += [draft.token_ids[node] for node in path] + [bonus_token]
     return statistics.median(times[1:])

@@ -1,7 +1,7 @@
 """Mock models whose logits the test chooses: a Markov chain over a small vocabulary.
 
-`MarkovRunner` stands where the engine's Runner stands (prefill / extend / rollback): the
-logits after token t are `table[t]`. `MarkovDrafter` drafts from another table, so tests
+`MarkovRunner` stands where the engine's Runner stands (prefill / extend / rollback, and
+extend_tree / keep_path for draft trees): the logits after token t are `table[t]`. `MarkovDrafter` drafts from another table, so tests
 control exactly where drafts agree with the target. Both mock drafters follow the drafter
 contract (engine/drafters/base.py) and are their own session: `begin` returns the drafter.
 """
@@ -25,6 +25,7 @@ class CharTokenizer:
 @dataclass
 class MarkovState:
     tokens: list[int]
+    tree: list[int] | None = None  # a draft tree's tokens, until keep_path
 
     @property
     def cache_len(self):
@@ -51,6 +52,17 @@ class MarkovRunner:
     def rollback(self, state, num_tokens):
         if num_tokens:
             del state.tokens[-num_tokens:]
+
+    def extend_tree(self, state, token_ids, parents):
+        state.tree = list(token_ids)
+        return self.table[torch.tensor(token_ids)].clone()
+
+    def keep_path(self, state, path):
+        state.tokens += [state.tree[i] for i in path]
+        state.tree = None
+
+    def tree_unsupported(self, state):
+        return None
 
 
 def prompt_of(ids, placeholder_ids=()):
@@ -79,8 +91,23 @@ class MarkovDrafter:
             probs.append(p)
         return Draft(tokens, None if sampler.settings.greedy else torch.stack(probs))
 
-    def accept(self, num_accepted):
+    def accept(self, num_accepted, path=None):
         self.accepted.append(num_accepted)
+
+    def propose_tree(self, generated, depth, budget, branching, sampler):
+        """The drafter's `branching` likeliest tokens after generated[-1], each followed by its
+        greedy chain down to `depth`: deterministic nodes (no probs), distinct siblings."""
+        token_ids, parents = [], []
+        for first in self.table[generated[-1]].topk(branching).indices.tolist():
+            parent, token = -1, first
+            for _ in range(depth):
+                token_ids.append(token)
+                parents.append(parent)
+                parent, token = len(token_ids) - 1, int(self.table[token].argmax())
+        return Draft(token_ids, parents=parents)
+
+    def tree_unsupported(self):
+        return None
 
 
 class ScriptedDrafter(MarkovDrafter):
@@ -115,3 +142,49 @@ def expected_accepts(truth: list[int], proposed: list[int], draft_lengths: list[
         accepts.append(accepted)
         position += accepted + 1
     return accepts
+
+
+class ScriptedTreeDrafter(ScriptedDrafter):
+    """Drafts trees around the given continuation of the answer. Round r puts its first
+    `r % (depth + 1)` true tokens on one branch; beside each true node hangs a decoy (true + 1,
+    with a child of its own), first at even depths, second at odd ones, so the accepted branch
+    is often not the first child. A true branch stops before a placeholder id. `paths` records
+    the accepted path's tokens each round."""
+
+    def __init__(self, continuation, placeholder_ids=frozenset()):
+        super().__init__(continuation)
+        self.placeholder_ids = placeholder_ids
+        self.expected: list[list[int]] = []  # the true tokens each tree holds
+        self.paths: list[list[int]] = []
+        self.second_child_accepted = 0  # accepted nodes that were not their parent's first child
+
+    def propose_tree(self, generated, depth, budget, branching, sampler):
+        self.rounds += 1
+        true = []
+        for token in self.continuation[len(generated):len(generated) + self.rounds % (depth + 1)]:
+            if token in self.placeholder_ids:
+                break
+            true.append(token)
+        token_ids, parents, parent = [], [], -1
+
+        def add(token, parent):
+            token_ids.append(token)
+            parents.append(parent)
+            return len(token_ids) - 1
+
+        for level, token in enumerate(true):
+            if level % 2 == 0:
+                decoy, node = add(token + 1, parent), add(token, parent)
+            else:
+                node, decoy = add(token, parent), add(token + 1, parent)
+            add(token + 2, decoy)
+            parent = node
+        self.expected.append(true)
+        self.tree = (token_ids, parents)
+        return Draft(token_ids, parents=parents) if token_ids else Draft([])
+
+    def accept(self, num_accepted, path=None):
+        token_ids, parents = self.tree
+        path = path or []
+        self.paths.append([token_ids[node] for node in path])
+        self.second_child_accepted += sum(parents.index(parents[node]) != node for node in path)

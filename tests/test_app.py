@@ -102,7 +102,7 @@ def test_chat_streams_answer_and_statistics_and_keeps_images_in_history(url, eng
 def test_ab_greedy_answers_are_identical(url, engine):
     client = Client(url, verbose=False)
     plain, speculative, speedup, identical, difference = client.predict(
-        message("What does this chart show?", IMAGES[1:]), max_new_tokens=SHORT, api_name="/ab")
+        message("What does this chart show?", IMAGES[1:]), max_new_tokens=SHORT, draft_tree=5, api_name="/ab")
     assert plain == speculative == reference(engine, [("What does this chart show?", IMAGES[1:], None)]).text
     assert identical is True and difference is None
     assert speedup > 0
@@ -240,3 +240,18 @@ def test_the_image_token_budget_is_a_setting_of_the_api(url):
     assert image_tokens[4] < image_tokens[0]
     with pytest.raises(AppError, match="max_image_tokens"):
         client.predict(message("Hi"), max_image_tokens=-1, api_name="/chat")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_tree_setting_drafts_trees_and_the_panel_shows_them(engine):
+    """Options.draft_tree reaches the loop; the panel names the tree; the highlight marks the
+    accepted path's tokens as drafts and spells the plain answer."""
+    messages = [{"role": "user", "content": "Describe the sky at night in a few sentences."}]
+    side = Side("speculative")
+    for event in engine.stream(messages, drafter="text", decode=Options(max_new_tokens=40, draft_tree=6).decode()):
+        side.update(event)
+    assert side.stats.draft_shape == "tree" and "nodes verified" in views.stats_markdown(side.stats)
+    assert side.token_ids == reference(engine, [(messages[0]["content"], [], None)], None, 40).token_ids
+    spans = views.highlighted(side)
+    assert "".join(text for text, _ in spans) == side.text
+    assert side.stats.accepted > 0 or views.DRAFT_LABEL not in [label for _, label in spans]

@@ -27,21 +27,25 @@ def bench(tmp_path, argv) -> dict:
 
 
 def test_bench_runs_end_to_end_with_text_vlm_and_ngram_drafters(zoo, tmp_path, capsys):
+    """With --tree: a chain row and a tree row per drafter, side by side, both exact."""
     result = bench(tmp_path, ["--model", str(zoo.dir("qwen2_vl")),
                               "--drafter", str(zoo.dir("qwen2_vl", "text_drafter")),
-                              "--drafter", str(zoo.dir("qwen2_vl", "vlm_drafter")), "--drafter", "ngram"])
+                              "--drafter", str(zoo.dir("qwen2_vl", "vlm_drafter")), "--drafter", "ngram", "--tree"])
     rows = {(r["engine"], r["mode"], r["drafter"]): r for r in result["rows"]}
     assert ("this", "plain", None) in rows and ("transformers", "plain", None) in rows
-    for label in ("qwen2_vl-text_drafter", "qwen2_vl-vlm_drafter", "ngram"):
-        assert rows[("this", "speculative", label)]["identical_to_plain"] == 2  # float32: exact
-        assert rows[("this", "speculative", label)]["limit"] is not None  # the cost model covers it
+    for name in ("qwen2_vl-text_drafter", "qwen2_vl-vlm_drafter", "ngram"):
+        for label, nodes in [(f"{name}, chain", 0), (f"{name}, tree 4", 4)]:
+            row = rows[("this", "speculative", label)]
+            assert row["identical_to_plain"] == 2  # float32: exact
+            assert row["limit"] is not None and row["tree_nodes"] == nodes  # the cost model covers it
+            assert row["tree_fallback"] is None
     assert rows[("this", "speculative", "auto")]["identical_to_plain"] == 2  # --drafter auto's row
     assert rows[("this", "speculative", "auto")]["mean_draft_length"] is not None  # k chosen from cost
     assert sum(rows[("this", "speculative", "auto")]["auto_picked"].values()) == 2
     assert ("transformers", "speculative", "qwen2_vl-vlm_drafter") in rows
     assert ("transformers", "speculative", "ngram") not in rows  # prompt lookup is its own row
     assert rows[("transformers", "speculative", "prompt_lookup")]["error"]  # crashes on image prompts
-    assert set(result["costs"]["draft_step_s"]) == {"text", "vlm", "ngram"}
+    assert set(result["costs"]["draft_step_s"]) == set(result["costs"]["draft_tree_s"]) == {"text", "vlm", "ngram"}
     assert "| this plain |" in capsys.readouterr().out
 
 

@@ -46,6 +46,9 @@ def test_json_answer_speculative_equals_plain(zoo, image_files, capsys):
     assert speculative["stats"]["prefill_image_tokens"] > 0
     for key in ("ttft_s", "decode_tok_s", "acceptance", "tokens_per_forward", "accepted_by_position"):
         assert key in speculative["stats"]
+    tree = cli_json(capsys, common + ["--drafter", drafter, "--draft-tokens", "3", "--draft-tree", "5"])
+    assert tree["token_ids"] == plain["token_ids"]
+    assert tree["stats"]["draft_shape"] == "tree" and tree["stats"]["nodes_per_forward"] > 1
 
 
 def swapped_vocabulary_drafter(source, out):

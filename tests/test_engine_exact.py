@@ -1,5 +1,5 @@
 """Speculative greedy == plain greedy, token for token, in float32, for every family x drafter
-kind, with 0, 1, 2 and 4 images and a two-turn chat; plain greedy == transformers' generate();
+kind, with 0, 1, 2 and 4 images and a two-turn chat, with chains and with draft trees; plain greedy == transformers' generate();
 a drafter with the target's own weights is always accepted (the proof that positions are right)."""
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ def conversation(num_images: int, two_turns: bool = False):
             user("And which one is larger?")]
 
 
-def run(zoo, family, drafter_role, messages, k=4, adaptive=False, events=False):
+def run(zoo, family, drafter_role, messages, k=4, adaptive=False, events=False, tree_nodes=0):
     target = zoo.target(family)
     drafters = {drafter_role: zoo.drafter(family, drafter_role)} if drafter_role else {}
     engine = Engine(target, drafters)
     stream = list(engine.stream(messages, drafter=drafter_role,
                                 decode=DecodeSettings(max_new_tokens=MAX_NEW, draft_tokens=k, adaptive=adaptive,
-                                                      stop_token_ids=frozenset({-1}))))
+                                                      stop_token_ids=frozenset({-1}), tree_nodes=tree_nodes)))
     done = stream[-1]
     assert isinstance(done, Done)
     assert sum(len(e.token_ids) for e in stream[:-1]) == len(done.token_ids)
@@ -43,6 +43,7 @@ def run(zoo, family, drafter_role, messages, k=4, adaptive=False, events=False):
 
 
 CASES = [(n, False) for n in (0, 1, 2, 4)] + [(2, True)]
+SLIDING_WINDOW = ("gemma3",)
 
 
 @pytest.mark.parametrize("family", tiny.FAMILIES)
@@ -56,6 +57,15 @@ def test_speculative_greedy_equals_plain_greedy(zoo, family, drafter_role):
         assert speculative.stats.fallback_reason is None
         assert speculative.stats.mode == "speculative"
         assert len(plain.token_ids) == MAX_NEW
+        if num_images == 4:
+            continue  # trees: 0, 1, 2 images and the two-turn chat
+        tree = run(zoo, family, drafter_role, messages, adaptive=num_images % 2 == 1, tree_nodes=6)
+        assert tree.token_ids == plain.token_ids, ("tree", num_images, two_turns)
+        assert tree.stats.fallback_reason is None
+        if family in SLIDING_WINDOW:  # Gemma 3: chains, with the reason
+            assert tree.stats.draft_shape == "chain" and "sliding-window" in tree.stats.tree_fallback
+        else:
+            assert tree.stats.draft_shape == "tree" and tree.stats.tree_fallback is None
 
 
 def teacher_forced_choices(target, prompt, answer_ids):

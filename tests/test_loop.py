@@ -13,6 +13,7 @@ from tests.mocks import CharTokenizer, MarkovDrafter, MarkovRunner, ScriptedDraf
 
 V = 8
 GREEDY = SamplingSettings()
+pytestmark = pytest.mark.usefixtures("one_thread")  # thousands of tiny answers: threads only contend
 
 
 def table(seed, sharpness=3.0):
@@ -129,16 +130,20 @@ def test_adaptive_draft_length_grows_on_acceptance_and_shrinks_on_rejection():
     assert lengths[:4] == [4, 3, 2, 1]
 
 
-def test_rejection_sampling_keeps_the_targets_distribution():
+@pytest.mark.parametrize("tree_nodes", [0, 4])
+def test_rejection_sampling_keeps_the_targets_distribution(tree_nodes):
     """Tokens 2 and 3 of sampled answers (the first comes from prefill) follow the target's
-    distribution although the drafter's differs. 5000 answers, fixed seeds, Pearson's
-    chi-square test against the exact target probabilities at p > 0.001; the same samples
-    tested against the drafter's probabilities must fail (the test has power)."""
+    distribution although the drafter's differs, with chains (sampled from the drafter) and
+    with trees (the drafter's 2 likeliest tokens, each with its greedy child: multi-draft
+    rejection sampling). 5000 answers, fixed seeds, Pearson's chi-square test against the exact
+    target probabilities at p > 0.001; the same samples tested against the drafter's
+    probabilities must fail (the test has power)."""
     target, draft = table(8, 1.0), table(9, 1.0)
     observed = torch.zeros(V, V, V)  # counts of (token1, token2, token3)
     for seed in range(5000):
         done = answer(target, MarkovDrafter(draft), SamplingSettings(temperature=1.0, seed=seed),
-                      max_new_tokens=3, draft_tokens=2)[-1]
+                      max_new_tokens=3, draft_tokens=2, tree_nodes=tree_nodes)[-1]
+        assert done.stats.draft_shape == ("tree" if tree_nodes else "chain")
         observed[tuple(done.token_ids)] += 1
 
     def p_value(logits_table):

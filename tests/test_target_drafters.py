@@ -354,3 +354,22 @@ def test_unavailable_reading_drafter_decodes_plainly(zoo):
     assert done.token_ids == plain.token_ids
     assert done.stats.fallback_reason == "no MTP context for this request"
     assert done.stats.drafted == 0
+
+
+@pytest.mark.parametrize("family, name, reason", [
+    ("qwen3_5", "ngram", "linear-attention"),  # hybrid target: a recurrent state mixes branches
+    ("step3p7", "mtp", "mtp drafter drafts chains only (it reads the target's pass"),
+    ("muse_glimmer", "assistant", "dflash drafter drafts chains only (it reads the target's pass"),
+    ("gemma4", "assistant", "shared_cache drafter drafts chains only (it reads the target's pass"),
+])
+def test_tree_falls_back_to_chains_with_a_reason(zoo, family, name, reason):
+    """A tree asked where it cannot be kept: chains, the same answer as plain, and the reason."""
+    target = zoo.target(family)
+    drafter = load_drafter("ngram", target) if name == "ngram" else zoo.drafter(family, name)
+    plain = answer(target, 1)
+    engine = Engine(target, {"drafter": drafter})
+    decode = DecodeSettings(max_new_tokens=MAX_NEW, tree_nodes=6, stop_token_ids=frozenset({-1}))
+    done = list(engine.stream(messages(1), drafter="drafter", decode=decode))[-1]
+    assert done.token_ids == plain.token_ids
+    assert done.stats.draft_shape == "chain" and reason in done.stats.tree_fallback
+    assert done.stats.fallback_reason is None and done.stats.drafted > 0

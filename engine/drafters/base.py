@@ -24,6 +24,13 @@ What a reading drafter finds in the target's CacheState (engine/runner.py): afte
 verify pass, whose first num_accepted + 1 rows are committed (the last committed token and the
 accepted draft tokens).
 
+Trees (engine/tree.py): a session that can branch also offers
+`propose_tree(generated, depth, budget, branching, sampler)`, a Draft with `parents`: up to
+`budget` nodes, none deeper than `depth`, at most `branching` children per node, and then
+takes `accept(num_accepted, path)`, the accepted nodes, to follow that branch;
+`tree_unsupported()` says why it cannot branch for this request (None when it can). A chain
+draft is always accepted with `accept(num_accepted)`.
+
 Loading: each drafter file says which `--drafter` values it serves (`serves(name, config)`)
 and loads them with its own fit checks (`load(name, config, target, options)`); the registry
 (engine/drafters/registry.py) asks them in order.
@@ -47,8 +54,9 @@ class DrafterUnavailable(Exception):
 
 @dataclass
 class Draft:
-    token_ids: list[int]  # (k,)
+    token_ids: list[int]  # (k,) a chain, or the nodes of a tree
     probs: torch.Tensor | None = None  # (k, V) the distributions sampled from; None = deterministic
+    parents: list[int] | None = None  # (k,) a tree: each node's parent, -1 = the last committed token; None = a chain
 
 
 @dataclass

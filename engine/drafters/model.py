@@ -13,6 +13,14 @@ own view of the prompt:
 The answer tokens are shared ids, so the session feeds the target's committed tokens into its
 cache as they come. Rolling back after a rejection: the session keeps the list of answer tokens
 its cache holds, and crops to the common prefix with the committed answer before drafting again.
+
+Trees (`propose_tree`, engine/tree.py), as EAGLE-2's beam: depth by depth, one pass over the
+`branching` best nodes of the newest depth (a tree mask on the drafter's own cache) gives each
+its `branching` most likely next tokens; of all nodes drafted, the `budget` of highest path
+probability (the product of the drafter's probabilities from the root) make the tree. Nodes
+are the drafter's top choices, not samples, also when sampling (engine/sampling.accept_tree
+keeps the target's distribution for such nodes). `accept` keeps the accepted path's entries in
+the drafter's cache and drops the other branches.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from engine.drafters.base import Draft, DraftBuilder, DrafterUnavailable
 from engine.prompt import Prompt, encode_text, encode_vlm
 from engine.runner import NO_READS, CacheState, Runner
 from engine.sampling import Sampler
+from engine.tree import best_nodes, subtree
 from models.families import TEXT_LM
 from models.loading import (LoadError, LoadOptions, check_vocabularies, drafter_options, family_of, from_pretrained,
                             has_linear_attention, model_kwargs, processor_of, small_drafter_dtype, tokenizer_of)
@@ -83,6 +92,7 @@ class ModelSession:
         self.state = state  # the drafter's own cache and positions
         self.blocked = blocked  # (P,) ids never proposed: image placeholders
         self.cached_answer: list[int] = []  # answer tokens held in the drafter's cache
+        self.tree: tuple[list[int], dict[int, int]] = ([], {})  # the last tree: token ids, {node run: tree entry}
 
     def propose(self, generated: list[int], k: int, sampler: Sampler) -> Draft:
         builder = DraftBuilder(sampler)
@@ -97,11 +107,58 @@ class ModelSession:
         # The last drafted token is not fed: if accepted, the next propose feeds it.
         return builder.draft()
 
-    def accept(self, num_accepted: int) -> None:
-        """Nothing to do now: the next propose crops the cache to what the target committed."""
+    @torch.inference_mode()
+    def propose_tree(self, generated: list[int], depth: int, budget: int, branching: int, sampler: Sampler) -> Draft:
+        self._sync(generated)
+        pending = generated[len(self.cached_answer):]
+        logits = self.runner.extend(self.state, pending)[-1:]  # (1, V): after the root
+        self.cached_answer += pending
+        token_ids, parents, scores = [], [], []
+        beam = [-1]  # the nodes whose next-token logits are the rows of `logits` (-1: the root)
+        run: list[int] = []  # the nodes run, in the order of the drafter's tree entries
+        for level in range(depth):
+            first = len(token_ids)
+            top = self._probs(logits, sampler).topk(branching, dim=-1)  # (len(beam), branching)
+            for parent, values, indices in zip(beam, top.values.tolist(), top.indices.tolist()):
+                for p, token in zip(values, indices):
+                    if p > 0:
+                        token_ids.append(token)
+                        parents.append(parent)
+                        scores.append(p * (scores[parent] if parent >= 0 else 1.0))
+            beam = sorted(range(first, len(token_ids)), key=lambda i: -scores[i])[:branching]
+            if level == depth - 1 or not beam:
+                break
+            entries = [run.index(parents[i]) if parents[i] >= 0 else -1 for i in beam]
+            logits = self.runner.extend_tree(self.state, [token_ids[i] for i in beam], entries)
+            run += beam
+        kept = best_nodes(parents, scores, budget)
+        token_ids, parents = subtree(token_ids, parents, kept)
+        self.tree = (token_ids, {kept.index(node): entry for entry, node in enumerate(run) if node in kept})
+        return Draft(token_ids, parents=parents)
+
+    def accept(self, num_accepted: int, path: list[int] | None = None) -> None:
+        """A chain: nothing to do now, the next propose crops the cache to what the target
+        committed. A tree: keep the entries of the accepted path's nodes the drafter ran (a
+        prefix of it), drop the other entries."""
+        if path is None:
+            return
+        token_ids, entries = self.tree
+        kept = path[:next((i for i, node in enumerate(path) if node not in entries), len(path))]
+        self.runner.keep_path(self.state, [entries[node] for node in kept])
+        self.cached_answer += [token_ids[node] for node in kept]
+
+    def tree_unsupported(self) -> str | None:
+        return self.runner.tree_unsupported(self.state)
+
+    def _probs(self, logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
+        """(n, V) the drafter's next-token probabilities, image placeholders excluded."""
+        logits = logits.index_fill(-1, self.blocked.to(logits.device), float("-inf"))
+        return logits.softmax(-1) if sampler.settings.greedy else sampler.probs(logits)
 
     def _sync(self, generated: list[int]) -> None:
         """Crop the cache to the longest prefix of the answer that it holds correctly."""
+        if self.state.tree_parents:  # a tree that no accept settled (the request fell back)
+            self.runner.keep_path(self.state, [])
         common = 0
         for cached, committed in zip(self.cached_answer, generated):
             if cached != committed:

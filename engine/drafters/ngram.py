@@ -13,6 +13,14 @@ Worked example (asserted in tests/test_ngram.py), max_ngram=3, k=3, no placehold
     proposal = [8, 9, 5]                 the 3 tokens that followed them
 With an image placeholder 99: context = [5, 6, 99, 99, 7, 5, 6] proposes [] for k=3 after
 matching [5, 6] at 0..1 (the next token, 99, is a placeholder).
+
+A tree (`propose_tree`, engine/tree.py) holds every continuation of the longest n-gram that
+matches, latest first, deduplicated into a trie (at most `branching` children a node); with more
+nodes than the budget it keeps those the most continuations pass through, shallower first.
+Worked example (asserted in tests/test_tree.py), max_ngram=2, k=3, budget 4:
+    context = [5, 6, 7, 5, 6, 8, 5, 6]   [5, 6] occurs at 3..4 and at 0..1
+    continuations [8, 5, 6], [7, 5, 6]   one each: the shallower nodes win
+    tree token_ids [8, 5, 7, 5], parents [-1, 0, -1, 2]
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from engine.drafters.base import Draft
 from engine.prompt import Prompt
 from engine.runner import NO_READS, CacheState
 from engine.sampling import Sampler
+from engine.tree import best_nodes, subtree
 
 KEYWORD = "ngram"
 
@@ -35,8 +44,15 @@ def load(name: str, config, target, options) -> NgramDrafter:
 
 def lookup(context: list[int], k: int, min_ngram: int, max_ngram: int, blocked: frozenset[int]) -> list[int]:
     """Up to k tokens that followed the latest earlier match of context's last n tokens."""
+    return next(iter(lookup_all(context, k, min_ngram, max_ngram, blocked)), [])
+
+
+def lookup_all(context: list[int], k: int, min_ngram: int, max_ngram: int, blocked: frozenset[int]) -> list[list[int]]:
+    """What followed each earlier match of context's last n tokens (up to k tokens each), latest
+    match first, for the longest n that matches at all."""
     for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
         suffix = context[-n:]
+        proposals = []
         for start in range(len(context) - n - 1, -1, -1):  # latest earlier occurrence first
             if context[start:start + n] == suffix:
                 proposal = []
@@ -44,8 +60,33 @@ def lookup(context: list[int], k: int, min_ngram: int, max_ngram: int, blocked: 
                     if token in blocked:
                         break
                     proposal.append(token)
-                return proposal
+                proposals.append(proposal)
+        if proposals:
+            return proposals
     return []
+
+
+def trie(continuations: list[list[int]], budget: int, branching: int) -> Draft:
+    """The continuations deduplicated into a tree; the `budget` nodes most of them pass through."""
+    token_ids: list[int] = []
+    parents: list[int] = []
+    counts: list[int] = []
+    children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for continuation in continuations:
+        parent = -1
+        for token in continuation:
+            node = children.get((parent, token))
+            if node is None:
+                if sum(1 for p in parents if p == parent) >= branching:
+                    break
+                node = children[parent, token] = len(token_ids)
+                token_ids.append(token)
+                parents.append(parent)
+                counts.append(0)
+            counts[node] += 1
+            parent = node
+    token_ids, parents = subtree(token_ids, parents, best_nodes(parents, counts, budget))
+    return Draft(token_ids, parents=parents) if token_ids else Draft([])
 
 
 class NgramDrafter:
@@ -73,5 +114,13 @@ class NgramSession:
         d = self.drafter
         return Draft(lookup(self.prompt_ids + generated, k, d.min_ngram, d.max_ngram, self.blocked))
 
-    def accept(self, num_accepted: int) -> None:
+    def propose_tree(self, generated: list[int], depth: int, budget: int, branching: int, sampler: Sampler) -> Draft:
+        d = self.drafter
+        return trie(lookup_all(self.prompt_ids + generated, depth, d.min_ngram, d.max_ngram, self.blocked),
+                    budget, branching)
+
+    def accept(self, num_accepted: int, path: list[int] | None = None) -> None:
         pass
+
+    def tree_unsupported(self) -> str | None:
+        return None

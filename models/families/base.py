@@ -41,12 +41,14 @@ class Family:
         seq_len = inputs["input_ids"].shape[1]
         return torch.arange(seq_len, device=inputs["input_ids"].device)[None], 0
 
-    def text_step(self, model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, num_logits: int):
+    def text_step(self, model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, num_logits: int,
+                  attention_mask: torch.Tensor | None = None):
         """Logits (1, num_logits, V) of a pass over text tokens input_ids (1, n), appended to `cache`,
-        through the language model and output head alone (families with `direct_text_steps`)."""
+        through the language model and output head alone (families with `direct_text_steps`);
+        attention_mask: None (causal) or a 4-D one (a draft tree's)."""
         embeds = model.model.get_input_embeddings()(input_ids)
         hidden = model.model.language_model(inputs_embeds=embeds, position_ids=position_ids, cache=cache,
-                                            use_cache=True).last_hidden_state
+                                            attention_mask=attention_mask, use_cache=True).last_hidden_state
         return model.lm_head(hidden[:, -num_logits:])
 
     def positions(self, rope_pos: int, num_tokens: int, device) -> torch.Tensor:
