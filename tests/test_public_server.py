@@ -109,7 +109,7 @@ def call(url: str, data: list, api: str = "chat") -> tuple[str, object]:
 def settings(text: str, files: list[str] = (), **changes) -> list:
     """The positional /chat data: message and every setting (defaults as the API's, 3 new tokens)."""
     values = dict(mode="speculative", drafter="text", draft_tokens=4, adaptive=False, temperature=0.0, top_p=1.0,
-                  max_new_tokens=3, seed=0, system_prompt="", max_image_tokens=None)
+                  max_new_tokens=3, seed=0, system_prompt="", max_image_tokens=None, draft_tree=0)
     values.update(changes)
     files = [{"path": path, "meta": {"_type": "gradio.FileData"}} for path in files]
     return [{"text": text, "files": files}, *values.values()]
@@ -327,7 +327,7 @@ def test_typed_chat_markup_and_image_placeholders_are_plain_text(server, monkeyp
     ("temperature -1", dict(temperature=-1), r"temperature must be 0 \(greedy\) or more"),
     ("top_p 0", dict(top_p=0), r"top_p must be over 0 and at most 1"),
     ("max_new_tokens 0", dict(max_new_tokens=0), r"max_new_tokens must be at least 1"),
-    ("draft_tokens 0", dict(draft_tokens=0), r"draft_tokens must be from 1 to 64"),
+    ("draft_tokens 65", dict(draft_tokens=65), r"draft_tokens must be from 1 to 64"),  # 0: chosen from cost
     ("draft_tokens text", dict(draft_tokens="abc"), r"draft_tokens must be a whole number, got 'abc'"),
     ("adaptive None", dict(adaptive=None), r"adaptive must be true or false"),
     ("system_prompt 5", dict(system_prompt=5), r"system_prompt: the text must be a string, not int"),
@@ -455,3 +455,36 @@ def test_typed_image_placeholders_are_text_in_other_families(zoo, family):
     spellings = [tokenizer.convert_ids_to_tokens(i) for i in engine.target.placeholder_ids]
     prompt = engine.prepare([{"role": "user", "content": [{"type": "text", "text": "Look: " + " ".join(spellings)}]}])
     assert prompt.num_image_tokens == 0 and spellings, spellings  # no placeholder id, no processor error
+
+
+# --- 11. speculation never costs much ---------------------------------------------------------------
+
+def test_a_drafter_that_is_always_wrong_stops_drafting(server, monkeypatch):
+    """Every drafted token wrong (the text drafter's drafts shifted by one id): through the server,
+    the engine measures that drafting is a loss and decodes plainly for most of a long answer,
+    drafting only its one-token probes; the statistics say when and why."""
+    from engine.drafters.base import Draft
+
+    drafter = server.engine.drafters["text"]
+    begin, vocab = drafter.begin, server.engine.target.vocab_size
+    blocked = server.engine.target.placeholder_ids
+
+    def wrong(token: int) -> int:
+        other = (token + 1) % vocab
+        return other if other not in blocked else 0
+
+    def begin_wrong(prompt, target_state):
+        session = begin(prompt, target_state)
+        propose = session.propose
+        session.propose = lambda generated, k, sampler: Draft(
+            [wrong(t) for t in propose(generated, k, sampler).token_ids])
+        return session
+
+    monkeypatch.setattr(drafter, "begin", begin_wrong)
+    client = Client(server.url, verbose=False)
+    _, stats = client.predict(message("Describe the image."), drafter="text", max_new_tokens=160, api_name="/chat")
+    lengths = stats["draft_lengths"]
+    assert stats["new_tokens"] == 160 and stats["accepted"] <= 0.1 * max(1, stats["drafted"])
+    assert lengths.count(0) > 0.6 * len(lengths), lengths  # plain steps, mostly
+    assert any(change["k"] == 0 and "drafting is a loss" in change["reason"]
+               for change in stats["draft_length_changes"]), stats["draft_length_changes"]
