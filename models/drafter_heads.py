@@ -23,6 +23,7 @@ three rows (M-RoPE with equal rows is plain RoPE). A folder holds `config.json` 
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -31,6 +32,8 @@ from torch import nn
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer, Qwen2VLRMSNorm, Qwen2VLRotaryEmbedding
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm, Qwen3_5TextRotaryEmbedding
 
 
 class HeadConfig(PreTrainedConfig):
@@ -48,15 +51,24 @@ class HeadConfig(PreTrainedConfig):
     vocab_size: int = 640
     max_position_embeddings: int = 2048
     target_model_type: str = "qwen2_vl"
+    # Whose decoder layers: "qwen2_vl" (built from the sizes above) or "qwen3_5" (Qwen3.5's
+    # full-attention layer with its gated attention, q/k norms, (1 + w) RMSNorm and interleaved
+    # partial M-RoPE, built from `layer_config`, the Qwen3.5 text config as a dict).
+    layers_from: str = "qwen2_vl"
+    layer_config: dict | None = None
 
-    def layer_config(self) -> Qwen2VLTextConfig:
-        config = Qwen2VLTextConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta, "mrope_section": self.mrope_section},
-            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    def decoder_config(self) -> PreTrainedConfig:
+        """The config the decoder layers are built from."""
+        if self.layers_from == "qwen3_5":
+            config = Qwen3_5TextConfig(**self.layer_config)
+        else:
+            config = Qwen2VLTextConfig(
+                vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+                num_key_value_heads=self.num_key_value_heads, rms_norm_eps=self.rms_norm_eps,
+                max_position_embeddings=self.max_position_embeddings,
+                rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta, "mrope_section": self.mrope_section},
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
         config._attn_implementation = "sdpa"
         return config
 
@@ -98,15 +110,28 @@ AutoConfig.register(MtpHeadConfig.model_type, MtpHeadConfig)
 AutoConfig.register(BlockDrafterConfig.model_type, BlockDrafterConfig)
 
 
+# (decoder layer, RMSNorm, rotary embedding) of each family the modules can be built from
+LAYER_CLASSES = {
+    "qwen2_vl": (Qwen2VLDecoderLayer, Qwen2VLRMSNorm, Qwen2VLRotaryEmbedding),
+    "qwen3_5": (Qwen3_5DecoderLayer, Qwen3_5RMSNorm, Qwen3_5TextRotaryEmbedding),
+}
+
+
+def rms_norm(config: HeadConfig, width: int | None = None) -> nn.Module:
+    """The family's RMSNorm (Qwen3.5's scales by 1 + w)."""
+    return LAYER_CLASSES[config.layers_from][1](width or config.hidden_size, eps=config.rms_norm_eps)
+
+
 class DecoderStack(nn.Module):
     """The target family's decoder layers with their M-RoPE rotary embedding, and a final norm."""
 
     def __init__(self, config: HeadConfig):
         super().__init__()
-        layer_config = config.layer_config()
-        self.layers = nn.ModuleList(Qwen2VLDecoderLayer(layer_config, i) for i in range(config.num_hidden_layers))
-        self.rotary = Qwen2VLRotaryEmbedding(layer_config)
-        self.norm = Qwen2VLRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        layer_class, _, rotary_class = LAYER_CLASSES[config.layers_from]
+        decoder_config = config.decoder_config()
+        self.layers = nn.ModuleList(layer_class(decoder_config, i) for i in range(config.num_hidden_layers))
+        self.rotary = rotary_class(decoder_config)
+        self.norm = rms_norm(config)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache=None) -> torch.Tensor:
         """x (B, n, H), position_ids (3, B, n), mask (B, 1, n, cached + n) bool (True = attend)
@@ -123,8 +148,8 @@ class MtpHead(nn.Module):
     def __init__(self, config: MtpHeadConfig):
         super().__init__()
         self.config = config
-        self.enorm = Qwen2VLRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.hnorm = Qwen2VLRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.enorm = rms_norm(config)
+        self.hnorm = rms_norm(config)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.stack = DecoderStack(config)
 
@@ -141,7 +166,7 @@ class BlockDrafter(nn.Module):
         super().__init__()
         self.config = config
         width = len(config.target_hidden_layers) * config.hidden_size
-        self.context_norm = Qwen2VLRMSNorm(width, eps=config.rms_norm_eps)
+        self.context_norm = rms_norm(config, width)
         self.context_fc = nn.Linear(width, config.hidden_size, bias=False)
         self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
         self.stack = DecoderStack(config)
@@ -193,3 +218,72 @@ def causal_mask(num_new: int, num_cached: int, device="cpu") -> torch.Tensor:
     cols = torch.arange(num_cached + num_new, device=device)[None, :]
     return (cols <= rows + num_cached)[None, None]
 
+
+
+# ---------------------------------------------------------------- Qwen3.5 / 3.6 MTP weights
+
+# Published Qwen3.5 checkpoints keep their MTP layers beside the model (transformers builds no
+# module for them): mtp.fc (H x 2H, over [embedding, hidden], as vLLM's qwen3_5_mtp.py and
+# DeepSeek-V3's eh_proj concatenate), mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden,
+# mtp.layers.<i>.* (full-attention decoder layers, named as the model's own layers) and mtp.norm.
+QWEN3_5_MTP_NAMES = {"fc.": "fc.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.",
+                     "layers.": "stack.layers.", "norm.": "stack.norm."}
+
+
+def mtp_head_from_qwen3_5(checkpoint: str, out: str) -> MtpHead:
+    """Write an MtpHead folder (config.json + model.safetensors) from a Qwen3.5 / 3.6 checkpoint
+    folder's `mtp.*` weights; strict: every weight of the head must be found. Dense models only
+    (a MoE checkpoint's experts are named otherwise)."""
+    config = AutoConfig.from_pretrained(checkpoint)
+    text = config.get_text_config()
+    num_layers = getattr(text, "mtp_num_hidden_layers", 0) or 0
+    if num_layers < 1:
+        raise ValueError(f"{checkpoint}: the config declares no MTP layers (mtp_num_hidden_layers)")
+    layer_config = text.to_dict() | {"num_hidden_layers": num_layers, "layer_types": ["full_attention"] * num_layers}
+    rope = getattr(text, "rope_parameters", None) or {}
+    head_config = MtpHeadConfig(
+        hidden_size=text.hidden_size, intermediate_size=text.intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=text.num_attention_heads, num_key_value_heads=text.num_key_value_heads,
+        rms_norm_eps=text.rms_norm_eps, rope_theta=rope.get("rope_theta", 10000.0),
+        mrope_section=rope.get("mrope_section") or [], vocab_size=text.vocab_size,
+        max_position_embeddings=text.max_position_embeddings, target_model_type=config.model_type,
+        layers_from="qwen3_5", layer_config={k: v for k, v in layer_config.items() if not k.startswith("_")})
+    weights = {}
+    for path in _safetensors_files(checkpoint):
+        for name, tensor in load_file(path).items():
+            rest = name.removeprefix("model.")  # "mtp.*" at the top level (or under "model.")
+            if rest.startswith("mtp."):
+                rest = rest.removeprefix("mtp.")
+                prefix = next((p for p in QWEN3_5_MTP_NAMES if rest.startswith(p)), None)
+                if prefix is None:
+                    raise ValueError(f"{checkpoint}: unknown MTP weight {name!r}")
+                weights[QWEN3_5_MTP_NAMES[prefix] + rest[len(prefix):]] = tensor
+    head = MtpHead(head_config)
+    head.load_state_dict(weights, strict=True)
+    save(head, out)
+    return head
+
+
+def _safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as file:
+            return sorted({os.path.join(folder, f) for f in json.load(file)["weight_map"].values()})
+    return [os.path.join(folder, "model.safetensors")]
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m models.drafter_heads",
+                                     description="Write an MTP head folder from a Qwen3.5 / 3.6 checkpoint's mtp.* weights")
+    parser.add_argument("checkpoint", help="a local Qwen3.5 / 3.6 checkpoint folder (config.json + safetensors)")
+    parser.add_argument("out", help="the folder to write (then: --drafter OUT)")
+    args = parser.parse_args(argv)
+    head = mtp_head_from_qwen3_5(args.checkpoint, args.out)
+    print(f"wrote {args.out}: {head.config.num_hidden_layers} MTP layer(s), "
+          f"{sum(p.numel() for p in head.parameters()):,} parameters")
+
+
+if __name__ == "__main__":
+    main()

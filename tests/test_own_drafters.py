@@ -226,3 +226,76 @@ def test_loading_checks_the_fit(zoo, heads, tmp_path):
     save_file(weights, str(tmp_path / "partial" / "model.safetensors"))
     with pytest.raises(LoadError, match="fc.weight"):
         load_drafter(str(tmp_path / "partial"), target, FLOAT32)
+
+
+# Qwen3.5 / 3.6: the MTP head built from a checkpoint's mtp.* weights, on the tiny hybrid target.
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    """(target, checkpoint folder with mtp.* weights, the head folder converted from it). The
+    checkpoint is the tiny Qwen3.5 target's config with `mtp_num_hidden_layers: 1` and a
+    safetensors file holding random MTP weights under the published names, next to a main-model
+    weight the converter must ignore."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    from tests import tiny_next
+
+    root = tmp_path_factory.mktemp("qwen3_5-mtp")
+    target_dir = tiny_next.build_target("qwen3_5", root / "target")
+    target = tiny_next.load("qwen3_5", target_dir)
+    checkpoint = root / "checkpoint"
+    checkpoint.mkdir()
+    config = json.loads((target_dir / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    text = AutoConfig.from_pretrained(checkpoint).get_text_config()
+    text.layer_types = ["full_attention"]
+    torch.manual_seed(3)
+    layer = Qwen3_5DecoderLayer(text, 0)
+    hidden = text.hidden_size
+    weights = {f"mtp.layers.0.{name}": (w + 0.2 * torch.randn_like(w)).contiguous()
+               for name, w in layer.state_dict().items()}
+    weights |= {"mtp.fc.weight": torch.randn(hidden, 2 * hidden) * 0.1,
+                "mtp.pre_fc_norm_embedding.weight": torch.randn(hidden) * 0.1,
+                "mtp.pre_fc_norm_hidden.weight": torch.randn(hidden) * 0.1, "mtp.norm.weight": torch.randn(hidden) * 0.1,
+                "model.language_model.norm.weight": torch.ones(hidden)}
+    save_file(weights, str(checkpoint / "model.safetensors"))
+    drafter_heads.main([str(checkpoint), str(root / "head")])
+    return target, weights, str(root / "head")
+
+
+def test_qwen3_5_checkpoint_mtp_weights_become_the_head(qwen3_5):
+    target, weights, head = qwen3_5
+    drafter = load_drafter(head, target, FLOAT32)
+    module = drafter.module
+    assert drafter.kind == "mtp" and module.config.layers_from == "qwen3_5"
+    assert torch.equal(module.fc.weight, weights["mtp.fc.weight"])
+    assert torch.equal(module.enorm.weight, weights["mtp.pre_fc_norm_embedding.weight"])
+    assert torch.equal(module.hnorm.weight, weights["mtp.pre_fc_norm_hidden.weight"])
+    assert torch.equal(module.stack.norm.weight, weights["mtp.norm.weight"])
+    assert torch.equal(module.stack.layers[0].self_attn.q_proj.weight, weights["mtp.layers.0.self_attn.q_proj.weight"])
+    assert type(module.stack.norm).__name__ == "Qwen3_5RMSNorm"  # scales by 1 + w
+
+
+@pytest.mark.parametrize("case", ["0", "1", "2", "second_turn"])
+def test_qwen3_5_mtp_head_forced_acceptance_on_the_hybrid_target(qwen3_5, case):
+    target, _, head = qwen3_5
+    inner = load_drafter(head, target, FLOAT32)
+    messages = conversation(case)
+    truth = answer(target, messages).token_ids
+    proposed = corrupt(truth)
+    drafter = ForcedDrafter(inner, proposed)
+    done = answer(target, messages, drafter, k=3)
+    assert done.token_ids == truth and done.stats.fallback_reason is None
+    assert drafter.accepted == expected_accepts(truth, proposed, done.stats.draft_lengths)
+    prompt = Engine(target).prepare(messages)
+    for answer_len, logits in drafter.rounds:
+        tokens = prompt.input_ids + truth[:answer_len]
+        draft = proposed[answer_len:answer_len + len(logits) - 1]
+        expected = mtp_reference_logits(target, inner, prompt, tokens, draft)
+        torch.testing.assert_close(torch.stack(logits), expected[:len(logits)], atol=1e-4, rtol=1e-4)
