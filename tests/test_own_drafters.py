@@ -299,3 +299,20 @@ def test_qwen3_5_mtp_head_forced_acceptance_on_the_hybrid_target(qwen3_5, case):
         draft = proposed[answer_len:answer_len + len(logits) - 1]
         expected = mtp_reference_logits(target, inner, prompt, tokens, draft)
         torch.testing.assert_close(torch.stack(logits), expected[:len(logits)], atol=1e-4, rtol=1e-4)
+
+
+def test_train_drafters_writes_folders_that_load_for_the_bundled_target(tmp_path):
+    """Two steps of `python -m models.demo.train_drafters` on two conversations: both folders
+    load through the registry for the bundled target, and the losses are finite."""
+    import json
+    import math
+
+    from engine.target import load_target
+    from models.demo import train_drafters
+
+    train_drafters.main(["--out", str(tmp_path), "--steps", "2", "--batch-size", "2", "--anchors", "4", "--threads", "1"])
+    log = json.loads((tmp_path / "drafters_training.json").read_text())["log"]
+    assert log[-1]["step"] == 2 and all(math.isfinite(v) for k, v in log[-1].items() if k.startswith(("mtp", "block")))
+    target = load_target(train_drafters.DEFAULT_TARGET, FLOAT32)
+    kinds = {load_drafter(str(tmp_path / name), target, FLOAT32).kind for name in ("mtp_drafter", "block_drafter")}
+    assert kinds == {"mtp", "dflash"}

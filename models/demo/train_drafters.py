@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 
 import torch
@@ -42,7 +43,7 @@ from models.demo import world
 from models.demo.processor import load_processor
 from models.demo.train import assistant_labels, learning_rate
 
-DEFAULT_TARGET = os.path.join(os.path.dirname(__file__), "..", "..", "assets", "demo", "target")
+DEFAULT_TARGET = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "assets", "demo", "target"))
 MTP_LAYERS = 1  # as Qwen3.5's mtp_num_hidden_layers
 BLOCK_LAYERS = 2
 BLOCK_SIZE = 5  # the anchor and 4 draft tokens (the engine's default k)
@@ -151,11 +152,11 @@ def block_loss(drafter, batch: TargetPass, lm_head: torch.Tensor, embed: torch.n
     return loss, accuracy
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m models.demo.train_drafters", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--steps", type=int, default=340)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--mtp-steps", type=int, default=4, help="unrolled MTP steps (the draft length it learns)")
@@ -163,7 +164,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--first-example", type=int, default=0, help="index of the first training conversation")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -209,9 +210,8 @@ def main() -> None:
     for name, module in (("mtp_drafter", mtp), ("block_drafter", block)):
         drafter_heads.save(module, os.path.join(args.out, name))
     with open(os.path.join(args.out, "drafters_training.json"), "w") as file:
-        json.dump({"command": "python -m models.demo.train_drafters " + " ".join(
-                       f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-                   "train_seconds": round(seconds), "parameters": {
+        json.dump({"command": " ".join(["python -m models.demo.train_drafters", *(argv or sys.argv[1:])]),
+                   "settings": vars(args), "train_seconds": round(seconds), "parameters": {
                        "mtp_drafter": sum(p.numel() for p in mtp.parameters()),
                        "block_drafter": sum(p.numel() for p in block.parameters())},
                    "log": log}, file, indent=1)
