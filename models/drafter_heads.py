@@ -1,5 +1,6 @@
-"""Drafter modules of our own, built from the target family's decoder layers (Qwen2-VL's, with
-its M-RoPE rotary embedding), that run at the target's own positions:
+"""Drafter modules of our own, built from the target family's decoder layers (Qwen2-VL's, or
+Qwen3.5's for a Qwen3.5 checkpoint's MTP weights, with their M-RoPE rotary embedding), that run
+at the target's own positions:
 
 - `MtpHead`: multi-token prediction as Qwen3.5 / DeepSeek-V3 MTP layers do it. Entry j reads
   the embedding of token j + 1 and a hidden state for token j (the target's last hidden state,

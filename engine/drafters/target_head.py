@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from transformers.utils import cached_file
 
+from engine.drafters.base import DrafterUnavailable
 from engine.runner import CacheState
 from models import drafter_heads
 from models.loading import LoadError, LoadOptions
@@ -75,8 +76,6 @@ def load_module(name: str, config, target, options: LoadOptions, layers: tuple[i
 
 def require_hidden(name: str, target: CacheState, layers: tuple[int, ...]) -> None:
     """DrafterUnavailable unless the target's last pass kept rows of every layer this drafter reads."""
-    from engine.drafters.base import DrafterUnavailable
-
     hidden = target.hidden or {}
     missing = [layer for layer in layers if hidden.get(layer) is None or len(hidden[layer]) == 0]
     if missing:
