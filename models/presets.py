@@ -14,6 +14,7 @@ from dataclasses import dataclass
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "demo")
 DEFAULT_MODEL = os.path.join(ASSETS, "target")
 DEFAULT_DRAFTER = os.path.join(ASSETS, "vlm_drafter")
+DEMO_DRAFTERS = ("text_drafter", "mtp_drafter", "block_drafter")  # after the default; models/demo/README.md
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     # The small VLM drafter first (the default): it is the fastest in the benchmark (README, Benchmark).
-    "demo": Preset(DEFAULT_MODEL, (DEFAULT_DRAFTER, os.path.join(ASSETS, "text_drafter"), "ngram"),
+    "demo": Preset(DEFAULT_MODEL, (DEFAULT_DRAFTER, *(os.path.join(ASSETS, d) for d in DEMO_DRAFTERS), "ngram"),
                    "bundled Qwen2-VL-family model trained on a synthetic world; runs offline on a CPU"),
     "smolvlm-256m": Preset("HuggingFaceTB/SmolVLM-256M-Instruct", ("HuggingFaceTB/SmolLM2-135M-Instruct", "ngram"),
                            "CPU-sized, 1-axis RoPE. SmolVLM's tokenizer is SmolLM2's (49152 ids) plus image tokens "

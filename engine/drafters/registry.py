@@ -8,7 +8,7 @@ checkpoint's config. The model drafter comes last: it takes any other language m
 
 from __future__ import annotations
 
-from engine.drafters import dflash, model, mtp, ngram, shared_cache
+from engine.drafters import block, dflash, model, mtp, mtp_head, ngram, shared_cache
 from engine.drafters.base import Drafter
 from models.loading import LoadError, LoadOptions, load_config
 
@@ -17,6 +17,8 @@ DRAFTERS = (
     mtp,  # "mtp": the target checkpoint's own MTP layers
     dflash,  # a DFlash block assistant (config names target_layer_ids and block_size)
     shared_cache,  # an assistant attending to the target's shared K/V (config names backbone_hidden_size)
+    mtp_head,  # the project's own MTP head (config model_type "mtp_head", models/drafter_heads.py)
+    block,  # the project's own block drafter (config model_type "block_drafter", models/drafter_heads.py)
     model,  # any other causal LM or VLM of the target's family
 )
 KEYWORDS = (ngram.KEYWORD, mtp.KEYWORD)

@@ -1,0 +1,114 @@
+"""The project's own MTP head (models/drafter_heads.py: MtpHead) as a drafter, at the target's
+own positions, M-RoPE included.
+
+Serves: a `--drafter` folder or hub id whose config.json says model_type "mtp_head" (trained for
+the bundled model by `python -m models.demo.train_drafters`). It must fit the target: same
+hidden size and vocabulary (it uses the target's embedding table and output head).
+Reads from the target: hidden state 0 (the merged input embeddings: image features at image
+positions) and -1 (the last, normed).
+
+Entry j of the head reads the embedding of token j + 1 and a hidden state of token j, sits at
+the target's rotary position of token j + 1 (three M-RoPE rows in the prompt, i + rope_delta
+after it, on every row) and predicts token j + 2. With committed tokens x_0 .. x_T (x_T is the
+newest; the target has run x_0 .. x_{T-1}, so h_0 .. h_{T-1} are known), a round of k drafts:
+
+    entries context_len .. T-1   embed x_{j+1}, read the target's h_j     -> d_1 from entry T-1
+    entry T                      embeds d_1, reads entry T-1's output    -> d_2
+    entry T + i - 2              embeds d_{i-1}, reads the entry before  -> d_i
+
+One KV cache. Entries 0 .. T-1 read target hidden states and are never undone; the draft
+entries T .. read the head's own outputs, so the next round first crops them (whatever was
+accepted) and recomputes the accepted tokens' entries from the target's rows, which `accept`
+hands over. Worked example: prompt of 10 tokens, first answer token x_10 from prefill. Round 1
+runs entries 0 .. 9 (h_0 .. h_9 from prefill; entry 9 embeds x_10) and drafts d_1 .. d_4 with
+entries 9, 10, 11, 12. The target verifies [x_10, d_1 .. d_4] and accepts 2: its rows for x_10,
+d_1, d_2 are h_10 .. h_12, and x_13 is its bonus token. Round 2 crops the cache to 10 entries
+and runs entries 10 .. 12 (embedding x_11 .. x_13), then drafts from entry 12.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from engine.drafters.base import Draft, DraftBuilder
+from engine.drafters.target_head import TargetHead, load_module, require_hidden
+from engine.drafters.target_positions import TargetPositions
+from engine.prompt import Prompt
+from engine.runner import CacheState, TargetReads
+from engine.sampling import Sampler
+from models.drafter_heads import MtpHeadConfig, causal_mask
+
+READS = (0, -1)  # merged input embeddings, last hidden state
+
+
+def serves(name: str, config) -> bool:
+    return getattr(config, "model_type", None) == MtpHeadConfig.model_type
+
+
+def load(name: str, config, target, options) -> MtpHeadDrafter:
+    module = load_module(name, config, target, options)
+    return MtpHeadDrafter(name, module, TargetHead(target, next(module.parameters()).dtype), target.family)
+
+
+class MtpHeadDrafter:
+    kind = "mtp"
+    reads = TargetReads(hidden_layers=READS)
+
+    def __init__(self, name: str, module, head: TargetHead, family):
+        self.name, self.module, self.head, self.family = name, module, head, family
+
+    @torch.inference_mode()
+    def begin(self, prompt: Prompt, target: CacheState) -> MtpHeadSession:
+        require_hidden(self.name, target, READS)
+        return MtpHeadSession(self, prompt, target)
+
+
+class MtpHeadSession:
+    def __init__(self, drafter: MtpHeadDrafter, prompt: Prompt, target: CacheState):
+        self.module, self.head, self.target = drafter.module, drafter.head, target
+        self.prompt_ids = prompt.input_ids
+        self.prompt_embeds = target.hidden[0].to(self.head.dtype)  # (S, H)
+        self.positions = TargetPositions(drafter.family, target)
+        self.cache = DynamicCache()
+        self.context_len = 0  # entries that read target hidden states (0 .. context_len - 1)
+        self.pending = target.hidden[-1]  # (m, H): target rows h_j of entries context_len .. context_len + m - 1
+
+    @torch.inference_mode()
+    def propose(self, generated: list[int], k: int, sampler: Sampler) -> Draft:
+        if k <= 0:
+            return Draft([])
+        tokens = self.prompt_ids + generated  # x_0 .. x_T
+        newest = len(tokens) - 1  # T
+        self.cache.crop(self.context_len - self.cache.get_seq_length())  # last round's draft entries
+        first = self.context_len
+        out = self._run(self._embeds(first + 1, tokens[first + 1:]), self.pending, first)  # entries first .. T-1
+        self.context_len, self.pending = newest, None
+        builder = DraftBuilder(sampler)
+        token = builder.sample(self.head.logits(out[-1:])[0])
+        for entry in range(newest, newest + k - 1):
+            out = self._run(self.head.embed([token]), out[-1:], entry)
+            token = builder.sample(self.head.logits(out)[0])
+        return builder.draft()
+
+    def accept(self, num_accepted: int) -> None:
+        """The verify pass's rows for the last committed token and the accepted drafts are the
+        target's h_j of the entries the next round runs first."""
+        rows = self.target.hidden[-1][: num_accepted + 1]
+        self.pending = rows if self.pending is None else torch.cat([self.pending, rows])
+
+    def _run(self, embeds: torch.Tensor, hidden: torch.Tensor, first: int) -> torch.Tensor:
+        """Entries first .. first + n - 1 (embeds, hidden (n, H)), appended to the cache; (n, H) outputs."""
+        n, cached = len(embeds), self.cache.get_seq_length()
+        positions = self.positions(first + 1, first + 1 + n)
+        mask = causal_mask(n, cached, embeds.device) if n > 1 else None
+        return self.module(embeds[None], hidden[None].to(self.head.dtype), positions, mask, self.cache)[0]
+
+    def _embeds(self, first: int, token_ids: list[int]) -> torch.Tensor:
+        """(n, H) input embeddings of tokens first .. first + n - 1: the target's merged ones in
+        the prompt (image features at image positions), the embedding table after it."""
+        num_prompt = max(0, min(len(self.prompt_ids) - first, len(token_ids)))
+        parts = [self.prompt_embeds[first:first + num_prompt]]
+        if num_prompt < len(token_ids):
+            parts.append(self.head.embed(token_ids[num_prompt:]))
+        return torch.cat(parts)

@@ -1,0 +1,83 @@
+"""What the project's own drafter modules (models/drafter_heads.py) share with the target: its
+embedding table and output head, and the fit checks and loading both of them need.
+
+The modules hold neither table: a draft token is embedded by the target's own input embedding
+and a module's output row becomes logits through the target's own output head (weights cast
+once to the module's dtype when they differ: on a CPU the module runs in float32 by default,
+whatever the target's dtype, as small language-model drafters do).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.utils import cached_file
+
+from engine.drafters.base import DrafterUnavailable
+from engine.runner import CacheState
+from models import drafter_heads
+from models.loading import LoadError, LoadOptions
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TargetHead:
+    """The target's embedding and output head, in the drafter module's dtype."""
+
+    def __init__(self, target, dtype: torch.dtype):
+        self.embedding = target.model.get_input_embeddings()
+        self.head_weight = target.model.get_output_embeddings().weight.detach().to(dtype)  # (V, H)
+        self.dtype = dtype
+
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        """(n, H) the target's input embeddings of text tokens (its own scaling included)."""
+        ids = torch.tensor(token_ids, device=self.head_weight.device)
+        return self.embedding(ids).to(self.dtype)
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """(n, V) float32 logits of module output rows (n, H)."""
+        return (rows.to(self.dtype) @ self.head_weight.T).float()
+
+
+def module_dtype(target, options: LoadOptions) -> torch.dtype:
+    """`--drafter-dtype`, or for "auto" float32 on a CPU (a CPU's bfloat16 matmuls cost more at
+    these sizes) and the target's dtype elsewhere."""
+    if options.drafter_dtype in DTYPES:
+        return DTYPES[options.drafter_dtype]
+    if target.model.device.type == "cpu" or target.model.dtype not in DTYPES.values():
+        return torch.float32
+    return target.model.dtype
+
+
+def load_module(name: str, config, target, options: LoadOptions, layers: tuple[int, ...] = ()):
+    """The module in folder (or hub id) `name`, after checking it fits the target; LoadError if not."""
+    text = target.model.config.get_text_config()
+    problems = []
+    if config.hidden_size != text.hidden_size:
+        problems.append(f"its hidden size is {config.hidden_size}, the target's {text.hidden_size}")
+    if config.vocab_size != target.vocab_size:
+        problems.append(f"it was made for a vocabulary of {config.vocab_size} rows, the target has {target.vocab_size}")
+    outside = [layer for layer in layers if not -text.num_hidden_layers - 1 <= layer <= text.num_hidden_layers]
+    if outside:
+        problems.append(f"it reads target hidden states {list(layers)}, the target has {text.num_hidden_layers} layers")
+    if problems:
+        raise LoadError(f"drafter {name!r} ({config.model_type}, made for {config.target_model_type}) does not fit the "
+                        f"target {target.name!r}: " + "; ".join(problems) + ". Use one trained for this target "
+                        "(python -m models.demo.train_drafters trains them for the bundled model).")
+    try:
+        weights = cached_file(name, "model.safetensors")
+    except OSError as error:
+        raise LoadError(f"drafter {name!r} has no model.safetensors: {str(error).splitlines()[0]}") from error
+    dtype = module_dtype(target, options)
+    try:
+        return drafter_heads.load_weights(config, weights, dtype=dtype, device=target.model.device)
+    except RuntimeError as error:  # missing, unexpected or mis-shaped weights
+        raise LoadError(f"cannot load drafter {name!r}: {' '.join(str(error).split())}") from error
+
+
+def require_hidden(name: str, target: CacheState, layers: tuple[int, ...]) -> None:
+    """DrafterUnavailable unless the target's last pass kept rows of every layer this drafter reads."""
+    hidden = target.hidden or {}
+    missing = [layer for layer in layers if hidden.get(layer) is None or len(hidden[layer]) == 0]
+    if missing:
+        raise DrafterUnavailable(f"drafter {name} has no context: the target's pass kept no hidden states of "
+                                 f"layers {missing} for this request; decoding plainly")

@@ -1,0 +1,318 @@
+"""The project's own drafter modules (models/drafter_heads.py: MTP head, block drafter) on the
+tiny M-RoPE target (tests/tiny.py qwen2_vl), float32, random module weights.
+
+- forced acceptance with 0, 1, 2 and 4 images, a prompt that ends with an image, and a second
+  turn after an image turn: the real drafter runs and only its token choice is forced to the
+  true greedy continuation with tokens corrupted every few positions; each round accepts
+  exactly the draft's prefix up to the corruption, the answer stays the plain one, and every
+  round's drafter logits equal a from-scratch reference (one uncached target forward, then the
+  module without a cache, at positions from the model's own `get_rope_index` over the whole
+  sequence), whatever was accepted before;
+- unforced speculation equals plain decoding;
+- a session without context (the target kept no hidden states) is refused by name
+  (DrafterUnavailable) and the request decodes plainly;
+- loading refuses a module made for another target, and weights that do not match.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.drafters.base import DrafterUnavailable
+from engine.drafters.registry import load_drafter
+from engine.engine import Engine
+from engine.loop import DecodeSettings, Done
+from engine.runner import NO_READS
+from models import drafter_heads
+from models.loading import LoadError
+from tests import tiny
+from tests.conftest import FLOAT32
+from tests.mocks import expected_accepts
+from tests.oracles import uncached_forward
+from tests.test_target_drafters import ForcedDrafter, corrupt
+
+MAX_NEW = 24
+FAMILY = "qwen2_vl"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def user(text, images=(), image_last=False):
+    parts = [{"type": "image", "image": image} for image in images]
+    text_part = [{"type": "text", "text": text}] if text else []
+    return {"role": "user", "content": text_part + parts if image_last else parts + text_part}
+
+
+def conversation(case: str):
+    """0, 1, 2, 4 images then text; "image_last": text then an image and nothing after it;
+    "second_turn": a turn with two images, an answer, then a text-only turn."""
+    if case == "image_last":
+        return [user("", tiny.tiny_images(1, seed=5), image_last=True)]
+    if case == "second_turn":
+        return [user("What is in these pictures?", tiny.tiny_images(2, seed=2)),
+                {"role": "assistant", "content": [{"type": "text", "text": "A red square and a blue circle."}]},
+                user("And which one is larger?")]
+    return [user("Describe what you see, then say more.", tiny.tiny_images(int(case), seed=int(case)))]
+
+
+CASES = ("0", "1", "2", "4", "image_last", "second_turn")
+
+
+@pytest.fixture(scope="module")
+def heads(zoo, tmp_path_factory):
+    """Folders of a random MTP head (1 layer) and block drafter (2 layers, block of 4) for the tiny target."""
+    target = zoo.target(FAMILY)
+    root = tmp_path_factory.mktemp("own-drafters")
+    torch.manual_seed(0)
+    mtp = drafter_heads.MtpHead(drafter_heads.MtpHeadConfig.for_target(target.model.config, num_hidden_layers=1))
+    block = drafter_heads.BlockDrafter(drafter_heads.BlockDrafterConfig.for_target(
+        target.model.config, num_hidden_layers=2, target_hidden_layers=(1, 2), block_size=4))
+    for module in (mtp, block):
+        with torch.no_grad():
+            for parameter in module.parameters():  # larger than the default init: outputs that vary
+                parameter.add_(torch.randn_like(parameter) * 0.2)
+    drafter_heads.save(mtp, str(root / "mtp"))
+    drafter_heads.save(block, str(root / "block"))
+    return {"mtp": str(root / "mtp"), "block": str(root / "block")}
+
+
+@pytest.fixture(scope="module")
+def drafters(zoo, heads):
+    return {name: load_drafter(folder, zoo.target(FAMILY), FLOAT32) for name, folder in heads.items()}
+
+
+def answer(target, messages, drafter=None, k=4, adaptive=False) -> Done:
+    engine = Engine(target, {"drafter": drafter} if drafter else {})
+    decode = DecodeSettings(max_new_tokens=MAX_NEW, draft_tokens=k, adaptive=adaptive, stop_token_ids=frozenset({-1}))
+    done = list(engine.stream(messages, drafter="drafter" if drafter else None, decode=decode))[-1]
+    assert isinstance(done, Done)
+    return done
+
+
+def rope_positions(target, prompt, answer_ids: list[int]) -> torch.Tensor:
+    """(3, 1, S + n) the model's own M-RoPE positions over prompt + answer_ids (text after the prompt)."""
+    inputs = prompt.target_inputs
+    ids = torch.tensor([prompt.input_ids + answer_ids])
+    types = torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, len(answer_ids), dtype=inputs["mm_token_type_ids"].dtype)], 1)
+    positions, _ = target.model.model.get_rope_index(ids, types, inputs.get("image_grid_thw"))
+    return positions
+
+
+def target_rows(target, prompt, answer_ids: list[int], layers) -> dict[int, torch.Tensor]:
+    """{layer: (S + n, H)} hidden states of ONE uncached target forward over prompt + answer_ids."""
+    states = uncached_forward(target, prompt, answer_ids, output_hidden_states=True).hidden_states
+    return {layer: states[layer][0] for layer in layers}
+
+
+def full_mask(n: int) -> torch.Tensor:
+    return drafter_heads.causal_mask(n, 0)
+
+
+def mtp_reference_logits(target, drafter, prompt, tokens: list[int], draft: list[int]) -> torch.Tensor:
+    """Steps 1 .. len(draft) + 1 drafting after `tokens` (x_0 .. x_T; step i embeds draft[i - 2]),
+    each one causal forward over all its entries without a cache: entries 0 .. T-1 embed x_{j+1}
+    (the target's merged embedding) and read h_j, draft entries read the output before them."""
+    module, head, num_prompt = drafter.module, drafter.head, len(prompt.input_ids)
+    newest = len(tokens) - 1
+    rows = target_rows(target, prompt, tokens[num_prompt:], (0, -1))
+    positions = rope_positions(target, prompt, tokens[num_prompt:] + draft)
+    embeds, hidden = rows[0][1:newest + 1], rows[-1][:newest]  # entries 0 .. T-1
+    logits = []
+    with torch.inference_mode():
+        for step in range(len(draft) + 1):
+            n = len(embeds)
+            out = module(embeds[None], hidden[None], positions[..., 1:n + 1], full_mask(n))[0]
+            logits.append(head.logits(out[-1:])[0])
+            if step < len(draft):
+                embeds = torch.cat([embeds, head.embed([draft[step]])])
+                hidden = torch.cat([hidden, out[-1:]])
+    return torch.stack(logits)
+
+
+def block_reference_logits(target, drafter, prompt, tokens: list[int], draft: list[int]) -> torch.Tensor:
+    """The block after `tokens`: context rows of tokens 0 .. T-1 from one uncached target forward,
+    then the block [x_T, mask, ...] in one forward without a cache."""
+    module, head, num_prompt = drafter.module, drafter.head, len(prompt.input_ids)
+    newest, size = len(tokens) - 1, drafter.block_size
+    rows = target_rows(target, prompt, tokens[num_prompt:newest], drafter.layers)
+    context = torch.cat([rows[layer] for layer in drafter.layers], dim=-1)
+    positions = rope_positions(target, prompt, tokens[num_prompt:] + [0] * (size - 1))
+    mask = full_mask(newest + size).clone()
+    mask[..., newest:, :] = True
+    with torch.inference_mode():
+        block = module.block_embeds(head.embed([tokens[-1]])[None])
+        out = module(context[None], block, positions, mask)[0, newest + 1:]
+        return head.logits(out)
+
+
+REFERENCES = {"mtp": mtp_reference_logits, "block": block_reference_logits}
+
+
+@pytest.mark.parametrize("name", ["mtp", "block"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("k, adaptive", [(4, False), (1, True)])
+def test_forced_acceptance_stays_exact(zoo, drafters, name, case, k, adaptive):
+    target, inner = zoo.target(FAMILY), drafters[name]
+    messages = conversation(case)
+    truth = answer(target, messages).token_ids
+    proposed = corrupt(truth)
+    drafter = ForcedDrafter(inner, proposed)
+    done = answer(target, messages, drafter, k=k, adaptive=adaptive)
+    assert done.token_ids == truth
+    assert done.stats.fallback_reason is None
+    assert drafter.accepted == expected_accepts(truth, proposed, done.stats.draft_lengths)
+    rounds = list(zip(done.stats.draft_lengths, drafter.accepted))
+    assert any(a == 0 < d for d, a in rounds) and any(0 < a < d for d, a in rounds), rounds
+    assert any(a == d > 1 for d, a in rounds), rounds
+    prompt = Engine(target).prepare(messages)
+    for answer_len, logits in drafter.rounds:
+        tokens = prompt.input_ids + truth[:answer_len]
+        draft = proposed[answer_len:answer_len + len(logits) - 1]
+        expected = REFERENCES[name](target, inner, prompt, tokens, draft)
+        torch.testing.assert_close(torch.stack(logits), expected[:len(logits)], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name, longest", [("mtp", 4), ("block", 3)])
+@pytest.mark.parametrize("case", CASES)
+def test_speculation_equals_plain(zoo, drafters, name, longest, case):
+    target = zoo.target(FAMILY)
+    plain = answer(target, conversation(case))
+    speculative = answer(target, conversation(case), drafters[name])
+    assert speculative.token_ids == plain.token_ids
+    assert speculative.stats.fallback_reason is None
+    assert max(speculative.stats.draft_lengths) == longest  # MTP: k steps; block: block size - 1
+
+
+@pytest.mark.parametrize("name", ["mtp", "block"])
+def test_no_context_is_refused_by_name_and_decodes_plainly(zoo, drafters, name):
+    """A target pass that kept no hidden states leaves the drafter nothing to read: begin raises
+    DrafterUnavailable naming the drafter (never a draft from zero context), and through the
+    engine the request completes plainly with that reason."""
+    target, drafter = zoo.target(FAMILY), drafters[name]
+    prompt = Engine(target).prepare(conversation("1"))
+    _, state = target.runner.prefill(prompt.target_inputs, NO_READS)
+    with pytest.raises(DrafterUnavailable, match=f"drafter {drafter.name} has no context"):
+        drafter.begin(prompt, state)
+
+    class ReadsNothing:  # the same drafter, but the target is asked for nothing
+        name, kind, reads = drafter.name, drafter.kind, NO_READS
+        begin = drafter.begin
+
+    plain = answer(target, conversation("1"))
+    done = answer(target, conversation("1"), ReadsNothing())
+    assert done.token_ids == plain.token_ids
+    assert done.stats.drafted == 0
+    assert "has no context" in done.stats.fallback_reason
+
+
+def test_loading_checks_the_fit(zoo, heads, tmp_path):
+    target = zoo.target(FAMILY)
+    config = drafter_heads.MtpHeadConfig.for_target(target.model.config, hidden_size=32, num_attention_heads=2,
+                                                     num_key_value_heads=1, intermediate_size=64, mrope_section=[2, 3, 3])
+    drafter_heads.save(drafter_heads.MtpHead(config), str(tmp_path / "narrow"))
+    with pytest.raises(LoadError, match="hidden size is 32"):
+        load_drafter(str(tmp_path / "narrow"), target, FLOAT32)
+    config = drafter_heads.BlockDrafterConfig.for_target(target.model.config, target_hidden_layers=(1, 9))
+    drafter_heads.save(drafter_heads.BlockDrafter(config), str(tmp_path / "deep"))
+    with pytest.raises(LoadError, match=r"reads target hidden states \[1, 9\]"):
+        load_drafter(str(tmp_path / "deep"), target, FLOAT32)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(f"{heads['mtp']}/model.safetensors")
+    weights.pop("fc.weight")
+    (tmp_path / "partial").mkdir()
+    drafter_heads.MtpHeadConfig.for_target(target.model.config).save_pretrained(tmp_path / "partial")
+    save_file(weights, str(tmp_path / "partial" / "model.safetensors"))
+    with pytest.raises(LoadError, match="fc.weight"):
+        load_drafter(str(tmp_path / "partial"), target, FLOAT32)
+
+
+# Qwen3.5 / 3.6: the MTP head built from a checkpoint's mtp.* weights, on the tiny hybrid target.
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    """(target, checkpoint folder with mtp.* weights, the head folder converted from it). The
+    checkpoint is the tiny Qwen3.5 target's config with `mtp_num_hidden_layers: 1` and a
+    safetensors file holding random MTP weights under the published names, next to a main-model
+    weight the converter must ignore."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    from tests import tiny_next
+
+    root = tmp_path_factory.mktemp("qwen3_5-mtp")
+    target_dir = tiny_next.build_target("qwen3_5", root / "target")
+    target = tiny_next.load("qwen3_5", target_dir)
+    checkpoint = root / "checkpoint"
+    checkpoint.mkdir()
+    config = json.loads((target_dir / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    text = AutoConfig.from_pretrained(checkpoint).get_text_config()
+    text.layer_types = ["full_attention"]
+    torch.manual_seed(3)
+    layer = Qwen3_5DecoderLayer(text, 0)
+    hidden = text.hidden_size
+    weights = {f"mtp.layers.0.{name}": (w + 0.2 * torch.randn_like(w)).contiguous()
+               for name, w in layer.state_dict().items()}
+    weights |= {"mtp.fc.weight": torch.randn(hidden, 2 * hidden) * 0.1,
+                "mtp.pre_fc_norm_embedding.weight": torch.randn(hidden) * 0.1,
+                "mtp.pre_fc_norm_hidden.weight": torch.randn(hidden) * 0.1, "mtp.norm.weight": torch.randn(hidden) * 0.1,
+                "model.language_model.norm.weight": torch.ones(hidden)}
+    save_file(weights, str(checkpoint / "model.safetensors"))
+    drafter_heads.main([str(checkpoint), str(root / "head")])
+    return target, weights, str(root / "head")
+
+
+def test_qwen3_5_checkpoint_mtp_weights_become_the_head(qwen3_5):
+    target, weights, head = qwen3_5
+    drafter = load_drafter(head, target, FLOAT32)
+    module = drafter.module
+    assert drafter.kind == "mtp" and module.config.layers_from == "qwen3_5"
+    assert torch.equal(module.fc.weight, weights["mtp.fc.weight"])
+    assert torch.equal(module.enorm.weight, weights["mtp.pre_fc_norm_embedding.weight"])
+    assert torch.equal(module.hnorm.weight, weights["mtp.pre_fc_norm_hidden.weight"])
+    assert torch.equal(module.stack.norm.weight, weights["mtp.norm.weight"])
+    assert torch.equal(module.stack.layers[0].self_attn.q_proj.weight, weights["mtp.layers.0.self_attn.q_proj.weight"])
+    assert type(module.stack.norm).__name__ == "Qwen3_5RMSNorm"  # scales by 1 + w
+
+
+@pytest.mark.parametrize("case", ["0", "1", "2", "second_turn"])
+def test_qwen3_5_mtp_head_forced_acceptance_on_the_hybrid_target(qwen3_5, case):
+    target, _, head = qwen3_5
+    inner = load_drafter(head, target, FLOAT32)
+    messages = conversation(case)
+    truth = answer(target, messages).token_ids
+    proposed = corrupt(truth)
+    drafter = ForcedDrafter(inner, proposed)
+    done = answer(target, messages, drafter, k=3)
+    assert done.token_ids == truth and done.stats.fallback_reason is None
+    assert drafter.accepted == expected_accepts(truth, proposed, done.stats.draft_lengths)
+    prompt = Engine(target).prepare(messages)
+    for answer_len, logits in drafter.rounds:
+        tokens = prompt.input_ids + truth[:answer_len]
+        draft = proposed[answer_len:answer_len + len(logits) - 1]
+        expected = mtp_reference_logits(target, inner, prompt, tokens, draft)
+        torch.testing.assert_close(torch.stack(logits), expected[:len(logits)], atol=1e-4, rtol=1e-4)
+
+
+def test_train_drafters_writes_folders_that_load_for_the_bundled_target(tmp_path):
+    """Two steps of `python -m models.demo.train_drafters` on two conversations: both folders
+    load through the registry for the bundled target, and the losses are finite."""
+    import json
+    import math
+
+    from engine.target import load_target
+    from models.demo import train_drafters
+
+    train_drafters.main(["--out", str(tmp_path), "--steps", "2", "--batch-size", "2", "--anchors", "4", "--threads", "1"])
+    log = json.loads((tmp_path / "drafters_training.json").read_text())["log"]
+    assert log[-1]["step"] == 2 and all(math.isfinite(v) for k, v in log[-1].items() if k.startswith(("mtp", "block")))
+    target = load_target(train_drafters.DEFAULT_TARGET, FLOAT32)
+    kinds = {load_drafter(str(tmp_path / name), target, FLOAT32).kind for name in ("mtp_drafter", "block_drafter")}
+    assert kinds == {"mtp", "dflash"}
