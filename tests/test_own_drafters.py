@@ -27,7 +27,7 @@ from engine.runner import NO_READS
 from models import drafter_heads
 from models.loading import LoadError
 from tests import tiny
-from tests.conftest import FLOAT32
+from tests.conftest import MODEL_OPTIONS as FLOAT32
 from tests.mocks import expected_accepts
 from tests.oracles import uncached_forward
 from tests.test_target_drafters import ForcedDrafter, corrupt
