@@ -61,12 +61,17 @@ def main(argv: list[str] | None = None, block: bool = True, limits=None):
     guard = Middleware(Guard, visitors=visitors, forwarded=config.behind_proxy)
     try:
         demo.launch(server_name=config.host, server_port=config.port, share=config.share,
-                    inbrowser=config.open_browser, prevent_thread_lock=not block, allowed_paths=[EXAMPLES_DIR],
+                    inbrowser=config.open_browser, prevent_thread_lock=True, allowed_paths=[EXAMPLES_DIR],
                     max_file_size=MAX_FILE_BYTES, css=CSS,  # serves uploads and the examples, nothing else
                     app_kwargs={"middleware": [guard], "lifespan": visitors.lifespan},
-                    state_session_capacity=visitors.limits.sessions)
+                    state_session_capacity=visitors.limits.sessions, quiet=True)
     except OSError as error:  # e.g. the port is taken
         sys.exit(f"error: {error}")
+    # Our own start-up lines: Gradio's would suggest `share=True`, a code change, for what --share does.
+    print(f"Running on {demo.local_url}" + (f" and {demo.share_url}" if demo.share_url else
+                                          " (a public link: --share, or VLM_SHARE=1)"), flush=True)
+    if block:
+        demo.block_thread()
     return demo
 
 

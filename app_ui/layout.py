@@ -66,6 +66,22 @@ CLOSE_SIDEBAR_ON_PHONES = """() => {
   }
 }"""
 FOCUS_INPUT = "() => { document.querySelector('#chat-input textarea')?.focus(); }"
+# Images dropped on the chat go into the message box, as if dropped there.
+DROP_ON_CHAT = """() => {
+  const chat = document.querySelector('#chatbot');
+  if (!chat) return;
+  chat.addEventListener('dragover', (event) => event.preventDefault());
+  chat.addEventListener('drop', (event) => {
+    const input = document.querySelector('#chat-input input[type=file]');
+    const images = Array.from(event.dataTransfer?.files || []).filter((f) => f.type.startsWith('image/'));
+    if (!input || !images.length) return;
+    event.preventDefault();
+    const files = new DataTransfer();
+    images.forEach((f) => files.items.add(f));
+    input.files = files.files;
+    input.dispatchEvent(new Event('change', { bubbles: true }));
+  });
+}"""
 DRAFT_COLOUR = "#86efac"  # accepted draft tokens
 GENERATE = {"concurrency_id": "generate", "concurrency_limit": 1}
 INSTANT = {"concurrency_limit": None, "api_visibility": "private", "show_progress": "hidden"}  # quick, not limited
@@ -99,6 +115,7 @@ def build_demo(engine: Engine, gpu: Callable = lambda fn: fn, visitors: Visitors
             gr.Markdown("### Settings")
             settings = _settings(engine)  # {Options field: its control}
         demo.load(None, js=CLOSE_SIDEBAR_ON_PHONES)
+        demo.load(None, js=DROP_ON_CHAT)
         with gr.Tab("Chat"):
             chat = _chat_tab(examples)
         with gr.Tab("A/B: plain vs speculative"):

@@ -151,3 +151,36 @@ def test_phone_layout_puts_the_chat_first_and_keeps_the_input(phone):
     expect(phone.locator("#chat-input textarea")).to_be_editable()
     os.makedirs(SCREENSHOTS, exist_ok=True)
     phone.screenshot(path=os.path.join(SCREENSHOTS, "phone.png"), full_page=True)
+
+
+def test_an_image_dropped_on_the_chat_goes_into_the_message_box(page):
+    from playwright.sync_api import expect
+
+    page.get_by_role("tab", name="Chat").click()
+    page.locator("#chat-input textarea").fill("")
+    with open(os.path.join(EXAMPLES, "card.png"), "rb") as file:
+        data = list(file.read())
+    page.evaluate("""(data) => {
+        const files = new DataTransfer();
+        files.items.add(new File([new Uint8Array(data)], 'card.png', { type: 'image/png' }));
+        document.querySelector('#chatbot').dispatchEvent(new DragEvent('drop', { dataTransfer: files, bubbles: true }));
+    }""", data)
+    expect(page.locator("#chat-input img")).to_have_count(1, timeout=30_000)
+
+
+def test_a_file_that_is_not_an_image_is_taken_out_of_the_box_and_the_text_stays(page, tmp_path):
+    from playwright.sync_api import expect
+
+    page.get_by_role("tab", name="Chat").click()
+    box = page.locator("#chat-input")
+    page.locator("#chat-new").click()  # New chat empties the box too
+    expect(box.locator(".thumbnail-item")).to_have_count(0, timeout=30_000)
+    fake = tmp_path / "notes.png"
+    fake.write_text("not an image at all")
+    box.locator("input[type=file]").set_input_files([str(fake)])
+    expect(box.locator(".thumbnail-item")).to_have_count(1, timeout=30_000)
+    box.locator("textarea").fill("What is this?")
+    box.locator("textarea").press("Enter")
+    expect(page.get_by_text("notes.png: not an image")).to_be_visible(timeout=30_000)
+    expect(box.locator("textarea")).to_have_value("What is this?")
+    expect(box.locator(".thumbnail-item")).to_have_count(0, timeout=30_000)
