@@ -149,12 +149,10 @@ def block_reference_logits(target, drafter, prompt, tokens: list[int], draft: li
 REFERENCES = {"mtp": mtp_reference_logits, "block": block_reference_logits}
 
 
-@pytest.mark.parametrize("name", ["mtp", "block"])
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("k, adaptive", [(4, False), (1, True)])
-def test_forced_acceptance_stays_exact(zoo, drafters, name, case, k, adaptive):
-    target, inner = zoo.target(FAMILY), drafters[name]
-    messages = conversation(case)
+def assert_forced_drafts_exact(target, inner, messages, reference, k, adaptive=False) -> list[tuple[int, int]]:
+    """Forced drafts through the real drafter: the plain answer, each round accepting exactly
+    up to the corruption, and every round's logits equal to `reference`; returns the rounds'
+    (draft length, accepted)."""
     truth = answer(target, messages).token_ids
     proposed = corrupt(truth)
     drafter = ForcedDrafter(inner, proposed)
@@ -162,15 +160,23 @@ def test_forced_acceptance_stays_exact(zoo, drafters, name, case, k, adaptive):
     assert done.token_ids == truth
     assert done.stats.fallback_reason is None
     assert drafter.accepted == expected_accepts(truth, proposed, done.stats.draft_lengths)
-    rounds = list(zip(done.stats.draft_lengths, drafter.accepted))
-    assert any(a == 0 < d for d, a in rounds) and any(0 < a < d for d, a in rounds), rounds
-    assert any(a == d > 1 for d, a in rounds), rounds
     prompt = Engine(target).prepare(messages)
     for answer_len, logits in drafter.rounds:
         tokens = prompt.input_ids + truth[:answer_len]
         draft = proposed[answer_len:answer_len + len(logits) - 1]
-        expected = REFERENCES[name](target, inner, prompt, tokens, draft)
+        expected = reference(target, inner, prompt, tokens, draft)
         torch.testing.assert_close(torch.stack(logits), expected[:len(logits)], atol=1e-4, rtol=1e-4)
+    return list(zip(done.stats.draft_lengths, drafter.accepted))
+
+
+@pytest.mark.parametrize("name", ["mtp", "block"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("k, adaptive", [(4, False), (1, True)])
+def test_forced_acceptance_stays_exact(zoo, drafters, name, case, k, adaptive):
+    rounds = assert_forced_drafts_exact(zoo.target(FAMILY), drafters[name], conversation(case), REFERENCES[name],
+                                        k, adaptive)
+    assert any(a == 0 < d for d, a in rounds) and any(0 < a < d for d, a in rounds), rounds
+    assert any(a == d > 1 for d, a in rounds), rounds
 
 
 @pytest.mark.parametrize("name, longest", [("mtp", 4), ("block", 3)])
@@ -285,20 +291,7 @@ def test_qwen3_5_checkpoint_mtp_weights_become_the_head(qwen3_5):
 @pytest.mark.parametrize("case", ["0", "1", "2", "second_turn"])
 def test_qwen3_5_mtp_head_forced_acceptance_on_the_hybrid_target(qwen3_5, case):
     target, _, head = qwen3_5
-    inner = load_drafter(head, target, FLOAT32)
-    messages = conversation(case)
-    truth = answer(target, messages).token_ids
-    proposed = corrupt(truth)
-    drafter = ForcedDrafter(inner, proposed)
-    done = answer(target, messages, drafter, k=3)
-    assert done.token_ids == truth and done.stats.fallback_reason is None
-    assert drafter.accepted == expected_accepts(truth, proposed, done.stats.draft_lengths)
-    prompt = Engine(target).prepare(messages)
-    for answer_len, logits in drafter.rounds:
-        tokens = prompt.input_ids + truth[:answer_len]
-        draft = proposed[answer_len:answer_len + len(logits) - 1]
-        expected = mtp_reference_logits(target, inner, prompt, tokens, draft)
-        torch.testing.assert_close(torch.stack(logits), expected[:len(logits)], atol=1e-4, rtol=1e-4)
+    assert_forced_drafts_exact(target, load_drafter(head, target, FLOAT32), conversation(case), mtp_reference_logits, 3)
 
 
 def test_train_drafters_writes_folders_that_load_for_the_bundled_target(tmp_path):
