@@ -133,7 +133,7 @@ def test_stop_mid_answer_then_next_turn_is_answered_as_by_a_fresh_engine(url, en
 
 def test_one_generation_at_a_time_and_a_waiting_client_sees_its_place(url, engine):
     first, second = Client(url, verbose=False), Client(url, verbose=False)
-    running = first.submit(message("Describe the image."), mode="plain", max_new_tokens=400, api_name="/chat")
+    running = first.submit(message("Describe the image."), mode="plain", max_new_tokens=1500, api_name="/chat")
     wait_for_output(running)
     waiting = second.submit(message("And the chart?"), max_new_tokens=SHORT, api_name="/chat")
     deadline = time.monotonic() + 30

@@ -199,7 +199,8 @@ def test_uploads_are_bounded_per_client_and_in_all_and_unsent_ones_are_deleted(s
 
 def test_stop_applies_to_a_queued_request_and_a_stopped_ab_says_so(server, engine):
     running, waiting = Client(server.url, verbose=False), Client(server.url, verbose=False)
-    long_job = running.submit(message("Describe the image."), mode="plain", max_new_tokens=LONG, api_name="/chat")
+    # 1500 tokens: still running after the sleep and the two stops below, on a quiet machine too
+    long_job = running.submit(message("Describe the image."), mode="plain", max_new_tokens=1500, api_name="/chat")
     wait_for_output(long_job)
     queued = waiting.submit(message("Describe the image."), mode="plain", max_new_tokens=LONG, api_name="/chat")
     queued_ab = waiting.submit(message("Describe the image."), max_new_tokens=LONG, api_name="/ab")
