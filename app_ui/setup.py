@@ -158,3 +158,4 @@ def warm_up(engine) -> None:
     for drafter in [None, *engine.drafters]:
         for _ in engine.stream(messages, drafter=drafter, decode=DecodeSettings(max_new_tokens=4)):
             pass
+    engine.costs.reset()  # cold-start timings and a made-up prompt say nothing about the requests to come

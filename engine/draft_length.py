@@ -29,8 +29,8 @@ Where the numbers come from, all measured while answering (no calibration pass):
   the bfloat16 figure at 3B); choosing such a k measures it.
 - a: this request's own rounds (accepted tokens / tokens that met a verdict: the accepted ones
   and the first rejected one of each round), with older rounds decaying by DECAY each round,
-  and PRIOR_WEIGHT pseudo-tokens at the drafter's acceptance over earlier requests (0.5 for a
-  drafter never seen).
+  and PRIOR_WEIGHT pseudo-tokens at the drafter's acceptance over earlier requests (itself pulled
+  towards 0.5 by HISTORY_PRIOR pseudo-tokens: 0.5 for a drafter never seen).
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ PRIOR_WEIGHT = 2.0
 DECAY = 0.95
 PROBE_EVERY = 16
 FIRST_K = 4  # before anything is measured
+
+
+HISTORY_PRIOR = 8  # pseudo-tokens at acceptance 0.5 in a drafter's history
 
 
 class PassCosts:
@@ -85,8 +88,16 @@ class PassCosts:
         return statistics.median(self.overhead) if self.overhead else 0.0
 
     def prior_acceptance(self, drafter: str) -> float:
+        """The drafter's acceptance over earlier requests, pulled towards 0.5 by HISTORY_PRIOR
+        pseudo-tokens, so that a few early tokens (a warm-up's, say) cannot fix it at 0 and keep
+        a short answer from ever drafting."""
         accepted, judged = self.history.get(drafter, (0.0, 0.0))
-        return accepted / judged if judged else 0.5
+        return (accepted + 0.5 * HISTORY_PRIOR) / (judged + HISTORY_PRIOR)
+
+    def reset(self) -> None:
+        """Forget everything measured (after a warm-up: cold-start timings and a made-up prompt's
+        acceptance say nothing about the requests to come)."""
+        self.__init__()
 
     def record_request(self, drafter: str, accepted: float, judged: float) -> None:
         total = self.history.setdefault(drafter, [0.0, 0.0])

@@ -74,7 +74,9 @@ def send(page, box_id: str, text: str, files: list[str]) -> None:
 def test_chat_with_two_images_streams_answer_and_statistics(page):
     from playwright.sync_api import expect
 
-    send(page, "chat-input", "Describe each image.", ["two_scenes_a.png", "two_scenes_b.png"])
+    # A question the bundled model answers right (the screenshot shows it): two purple shapes.
+    send(page, "chat-input", "How many purple shapes are there in all the images? Answer in a sentence.",
+         ["count_a.png", "count_b.png"])
     chatbot = page.locator("#chatbot")
     expect(chatbot.locator(".message.user img")).to_have_count(2, timeout=30_000)  # the images, in the history
     expect(page.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)

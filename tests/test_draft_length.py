@@ -152,3 +152,17 @@ def test_replay_drafter_is_accepted_at_its_rate(monkeypatch, acceptance):
     drafter = ReplayDrafter(list(range(1000)), acceptance, 2000, seed=5)
     assert drafter.corrupted_positions() / 1000 == pytest.approx(1 - acceptance, abs=0.04)
 
+
+
+def test_a_few_early_tokens_do_not_fix_a_drafters_prior_at_zero():
+    """A warm-up's 4 rejected tokens must not make every later short answer decode plainly: the
+    history is pulled towards 0.5, and the app's warm-up forgets everything it measured."""
+    from engine.draft_length import PassCosts
+
+    costs = PassCosts()
+    costs.record_request("drafter", accepted=0, judged=4)
+    assert 0.3 < costs.prior_acceptance("drafter") < 0.5
+    costs.record_request("drafter", accepted=900, judged=1000)
+    assert costs.prior_acceptance("drafter") > 0.85
+    costs.reset()
+    assert costs.prior_acceptance("drafter") == 0.5 and costs.t(1) is None
