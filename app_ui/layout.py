@@ -332,7 +332,7 @@ def is_demo(engine: Engine) -> bool:
 def _header(engine: Engine) -> str:
     name = engine.target.name.rstrip("/").rsplit("/", 2)
     drafters = ", ".join(DRAFTER_LABELS.get(d.kind, d.kind).split(":")[0] for d in engine.drafters.values())
-    lines = [f"## Chat with a vision-language model, faster with speculative decoding",
+    lines = ["## Chat with a vision-language model, faster with speculative decoding",
              f"Target `{'/'.join(name[-2:])}` ({engine.target.family.name}) · drafters: "
              f"{drafters or 'none (plain decoding only)'} · up to {engine.max_images} images per conversation."]
     if is_demo(engine):
@@ -511,7 +511,7 @@ def _ab_events(engine: Engine, message_value, session: Session, options: Options
 
 
 def _ab_live(engine: Engine, message_value, session: Session, options: Options, arrived: float):
-    tokenizer, tick = engine.target.tokenizer, views.Throttle(views.UPDATES_PER_SECOND)
+    tick = views.Throttle(views.UPDATES_PER_SECOND)
     with _user_errors():
         for event in _ab_events(engine, message_value, session, options, arrived):
             done = not isinstance(event, ABProgress)

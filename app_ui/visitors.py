@@ -115,10 +115,6 @@ class Visitors:
             for path in paths:
                 self.uploads[path] = Upload(client, size // max(1, len(paths)), now)
 
-    def held_bytes(self, client: str | None = None) -> int:
-        with self.lock:
-            return sum(u.size for u in self.uploads.values() if client is None or u.client == client)
-
     def _delete(self, path: str) -> None:
         """Remove an upload and its folder if that is now empty (Gradio keeps one folder a file)."""
         self.uploads.pop(path, None)

@@ -75,25 +75,6 @@ class Sampler:
         return float(torch.rand((), generator=self.generator))
 
 
-def accept_draft(
-    sampler: Sampler,
-    draft_tokens: list[int],
-    draft_probs: torch.Tensor | None,
-    target_logits: torch.Tensor,
-) -> tuple[int, int]:
-    """Verify a chain draft against the target.
-
-    draft_tokens:  (k,) proposed ids.
-    draft_probs:   (k, V) the distributions the drafter sampled from, or None for a
-                   deterministic drafter (greedy draft model, n-gram): q is then one-hot.
-    target_logits: (k+1, V) the target's logits after the last committed token and after
-                   each draft token.
-    Returns (num_accepted, bonus_token).
-    """
-    path, bonus_token = accept_tree(sampler, draft_tokens, None, draft_probs, target_logits)
-    return len(path), bonus_token
-
-
 def accept_tree(
     sampler: Sampler,
     draft_tokens: list[int],

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from engine.drafters.base import Draft, DraftBuilder
+from engine.drafters.base import Draft, context_rows, draft_from_rows
 from engine.drafters.target_head import TargetHead, load_module, require_hidden
 from engine.drafters.target_positions import TargetPositions
 from engine.prompt import Prompt
@@ -66,7 +66,7 @@ class BlockSession:
         self.positions = TargetPositions(drafter.family, target)
         self.cache = DynamicCache()
         self.context_len = 0  # context entries in the cache (tokens 0 .. context_len - 1)
-        self.pending = self._context_rows(len(target.hidden[drafter.layers[0]]))  # (m, L * H) rows not yet cached
+        self.pending = context_rows(target, drafter.layers, len(target.hidden[drafter.layers[0]]))  # (m, L * H) rows not yet cached
 
     @torch.inference_mode()
     def propose(self, generated: list[int], k: int, sampler: Sampler) -> Draft:
@@ -82,16 +82,10 @@ class BlockSession:
         out = self.module(self.pending[None].to(self.head.dtype), block, self.positions(self.context_len, newest + size),
                           mask, self.cache)[0, num_context + 1:]  # (size - 1, H): the rows after the anchor
         self.context_len, self.pending = newest, None
-        builder = DraftBuilder(sampler)
-        for row in self.head.logits(out[: min(k, size - 1)]):
-            builder.sample(row)
-        return builder.draft()
+        return draft_from_rows(sampler, self.head.logits(out[: min(k, size - 1)]))
 
     def accept(self, num_accepted: int) -> None:
         """Rows of the last committed token and the accepted drafts become context."""
-        rows = self._context_rows(num_accepted + 1)
+        rows = context_rows(self.target, self.drafter.layers, num_accepted + 1)
         self.pending = rows if self.pending is None else torch.cat([self.pending, rows])
 
-    def _context_rows(self, num_rows: int) -> torch.Tensor:
-        """(num_rows, L * H) the first rows of the target's last pass, its read layers concatenated."""
-        return torch.cat([self.target.hidden[layer][:num_rows] for layer in self.drafter.layers], dim=-1)

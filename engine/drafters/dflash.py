@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModel
 
-from engine.drafters.base import Draft, DraftBuilder
+from engine.drafters.base import Draft, context_rows, draft_from_rows
 from engine.drafters.target_positions import TargetPositions
 from engine.prompt import Prompt
 from engine.runner import CacheState, TargetReads
@@ -97,7 +97,7 @@ class DFlashSession:
         self.cache = DFlashCache(config=self.assistant.config)
         self.cache.activate_past_recording()
         self.context_len = 0  # context entries in the cache (committed positions 0 .. context_len - 1)
-        self.new_context = self._context_rows(num_prompt)  # (m, L * H) target rows not yet in the cache
+        self.new_context = context_rows(target, drafter.target_layers, num_prompt)  # (m, L * H) target rows not yet in the cache
         self.block_in_cache = False
 
     @torch.inference_mode()
@@ -117,19 +117,12 @@ class DFlashSession:
             cache=self.cache,
         ).last_hidden_state[0, 1:]  # (block_size - 1, H): the positions after the anchor
         self.context_len, self.new_context, self.block_in_cache = anchor, None, True
-        builder = DraftBuilder(sampler)
-        for row in self._logits(out[: min(k, self.block_size - 1)]):
-            builder.sample(row)
-        return builder.draft()
+        return draft_from_rows(sampler, self._logits(out[: min(k, self.block_size - 1)]))
 
     def accept(self, num_accepted: int) -> None:
         """Rows of the last committed token and the accepted drafts become context."""
-        rows = self._context_rows(num_accepted + 1)
+        rows = context_rows(self.target, self.drafter.target_layers, num_accepted + 1)
         self.new_context = rows if self.new_context is None else torch.cat([self.new_context, rows])
-
-    def _context_rows(self, num_rows: int) -> torch.Tensor:
-        """(num_rows, L * H) the first rows of the target's last pass, its target layers concatenated."""
-        return torch.cat([self.target.hidden[layer][:num_rows] for layer in self.drafter.target_layers], dim=-1)
 
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         """(n, V) float32 logits of assistant rows through the target's head."""
