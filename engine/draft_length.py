@@ -31,10 +31,19 @@ Where the numbers come from, all measured while answering (no calibration pass):
   and the first rejected one of each round), with older rounds decaying by DECAY each round,
   and PRIOR_WEIGHT pseudo-tokens at the drafter's acceptance over earlier requests (itself pulled
   towards 0.5 by HISTORY_PRIOR pseudo-tokens: 0.5 for a drafter never seen).
+
+Stopping on thin evidence: after one rejected round the estimate rests on a few tokens, and a
+drafter stopped on so little is only probed again PROBE_EVERY rounds later, after a short answer
+has ended. So when k = 0 wins at the estimate but not at an optimistic a, OPTIMISM standard
+errors higher (sqrt(a (1 - a) / (n + 1)) over the request's n judged tokens and the pseudo-tokens,
+not decayed: the error says how much was seen), the round drafts one token to learn more. A
+drafter that keeps failing is stopped within a few rounds, as the estimate firms up; the length
+of a draft is always chosen at the estimate itself.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -45,6 +54,8 @@ PRIOR_WEIGHT = 2.0
 DECAY = 0.95
 PROBE_EVERY = 16
 FIRST_K = 4  # before anything is measured
+THIN_EVIDENCE = 16
+OPTIMISM = 1.0  # standard errors added to the acceptance estimate before choosing k
 
 
 HISTORY_PRIOR = 8  # pseudo-tokens at acceptance 0.5 in a drafter's history
@@ -160,6 +171,12 @@ class DraftLength:
         prior = self.costs.prior_acceptance(self.drafter) if self.drafter else 0.5
         return (self.accepted + PRIOR_WEIGHT * prior) / (self.judged + PRIOR_WEIGHT)
 
+    @property
+    def optimistic_acceptance(self) -> float:
+        """The estimate plus OPTIMISM standard errors (see "stopping on thin evidence" above)."""
+        a, n = self.acceptance, self.request_judged + PRIOR_WEIGHT  # evidence is not decayed
+        return min(1.0, a + OPTIMISM * math.sqrt(a * (1 - a) / (n + 1)))
+
     def update(self, num_drafted: int, num_accepted: int, draft_s: float, verify_s: float, round_s: float) -> int:
         """Learn one round (tokens drafted / accepted, seconds drafting / verifying / in all); the next k."""
         self.costs.record_round(self.drafter, num_drafted, draft_s, verify_s, round_s)
@@ -186,7 +203,11 @@ class DraftLength:
         if self.drafter is None:
             self.k, self.reason = 0, "plain decoding"
             return
-        choice = best_k(self.costs, self.drafter, self.acceptance, self.max_k)
+        thin = self.request_judged < THIN_EVIDENCE
+        choice = best_k(self.costs, self.drafter, self.optimistic_acceptance if thin else self.acceptance, self.max_k)
+        if choice.k == 0 and best_k(self.costs, self.drafter, self.optimistic_acceptance, self.max_k).k > 0:
+            choice = Choice(1, f"cost: drafting looks like a loss on {self.request_judged} tokens judged "
+                               f"(acceptance {self.acceptance:.2f}): one token to measure more")
         self.plain_rounds = self.plain_rounds + 1 if choice.k == 0 else 0
         if choice.k == 0 and self.plain_rounds % PROBE_EVERY == 0:
             choice = Choice(1, f"cost: probe (one token after {PROBE_EVERY} plain steps) to re-measure acceptance")
