@@ -6,11 +6,12 @@ writes DIR/mtp_drafter and DIR/block_drafter (config.json + model.safetensors ea
 DIR/drafters_training.json (settings, time, losses). Copy the two folders into assets/demo/.
 
 Data: the demo world's training conversations (`world.train_examples`, images included), in
-fresh batches of `--batch-size`, as the target was trained on them. The target runs once per
-batch without gradients: its hidden states are the drafters' inputs and its own greedy next
-token at every answer position (the argmax of its logits after each prefix) is their label.
-(The prefixes are the world's reference answers, which the target's greedy answers mostly
-equal: 13 of the first 16; generating its answers instead costs ~0.6 s a conversation here.)
+fresh batches of `--batch-size`, with every assistant turn replaced by the target's own greedy
+answer (`target_answers`: batched generation, turn by turn, so a second turn follows the
+target's first answer); `--reference-answers` keeps the world's reference answers instead.
+The target then runs once per batch without gradients: its hidden states are the drafters'
+inputs and its own greedy next token at every answer position (the argmax of its logits after
+each prefix) is their label, so the drafters learn what the target says, mistakes included.
 
 - MTP head: entry j reads the target's merged input embedding of token j + 1 and its last
   hidden state h_j and predicts the target's next token after token j + 1. Drafting k tokens
@@ -48,6 +49,36 @@ MTP_LAYERS = 1  # as Qwen3.5's mtp_num_hidden_layers
 BLOCK_LAYERS = 2
 BLOCK_SIZE = 5  # the anchor and 4 draft tokens (the engine's default k)
 BLOCK_TARGET_LAYERS = (2, 4, 6)  # hidden_states indices of the 6-layer target: after layers 2 and 4, and the last
+
+
+def target_answers(target, processor, examples: list[world.Example], max_new_tokens: int) -> list[world.Example]:
+    """`examples` with each assistant turn replaced by the target's greedy answer to the
+    conversation so far (its own earlier answers included). One batched `generate` per turn."""
+    examples = [world.Example(e.images, [dict(m) for m in e.messages], e.kind, e.pictures) for e in examples]
+    tokenizer = processor.tokenizer
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        turns = max(sum(m["role"] == "assistant" for m in e.messages) for e in examples)
+        for turn in range(turns):
+            asks = []  # (example, index of its assistant message number `turn`)
+            for example in examples:
+                at = [i for i, m in enumerate(example.messages) if m["role"] == "assistant"]
+                if turn < len(at):
+                    asks.append((example, at[turn]))
+            history = [e.messages[:i] for e, i in asks]
+            texts = [processor.apply_chat_template(h, add_generation_prompt=True) for h in history]
+            shown = [sum(c.get("type") == "image" for m in h for c in m["content"]) for h in history]
+            images = [image for (e, _), n in zip(asks, shown) for image in e.images[:n]]
+            enc = processor(text=texts, images=images or None, padding=True, return_tensors="pt")
+            with torch.inference_mode():
+                out = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                      pad_token_id=tokenizer.pad_token_id)
+            answers = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            for (example, index), answer in zip(asks, answers):
+                example.messages[index] = {"role": "assistant", "content": [{"type": "text", "text": answer.strip()}]}
+    finally:
+        tokenizer.padding_side = side
+    return examples
 
 
 class TargetPass:
@@ -164,6 +195,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--first-example", type=int, default=0, help="index of the first training conversation")
+    parser.add_argument("--reference-answers", action="store_true",
+                        help="train on the world's reference answers instead of the target's own")
+    parser.add_argument("--max-answer-tokens", type=int, default=96, help="longest target answer generated")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -183,6 +217,8 @@ def main(argv=None) -> None:
     for step in range(args.steps):
         first = args.first_example + step * args.batch_size
         examples = list(world.train_examples(first, args.batch_size))
+        if not args.reference_answers:
+            examples = target_answers(target, processor, examples, args.max_answer_tokens)
         batch = TargetPass(target, processor, examples, layers)
         lr = learning_rate(step, args.steps, args.lr, warmup=20)
         for optimizer in optimizers.values():
