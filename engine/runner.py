@@ -74,6 +74,8 @@ class CacheState:
 class Runner:
     """Prefill, extend and roll back one model's cache. `vocab_size` columns of logits are kept."""
 
+    state_type = CacheState  # what `prefill` returns
+
     def __init__(self, model, family: Family, vocab_size: int | None = None):
         self.model = model
         self.family = family
@@ -92,8 +94,8 @@ class Runner:
         cache = DynamicCache(config=self.model.config)
         cache.activate_past_recording()  # sliding-window layers keep what a rollback may need
         seq_len = inputs["input_ids"].shape[1]
-        state = CacheState(cache=cache, cache_len=seq_len, rope_pos=seq_len + rope_delta,
-                           prompt_positions=position_ids, rope_delta=rope_delta, reads=reads)
+        state = self.state_type(cache=cache, cache_len=seq_len, rope_pos=seq_len + rope_delta,
+                                prompt_positions=position_ids, rope_delta=rope_delta, reads=reads)
         out = self.model(**inputs, position_ids=position_ids, cache=cache,
                          use_cache=True, logits_to_keep=1, **self._hidden_request(state))
         self._keep_hidden(state, out, seq_len)
@@ -178,6 +180,10 @@ class Runner:
             self._keep_hidden(state, out, num_tokens)
             logits = out.logits
         return self._vocab(logits[0, -num_tokens:])
+
+    def checkpoint(self, state: CacheState) -> None:
+        """The cache holds committed tokens only, and a rollback to here may follow. Nothing to
+        do where a crop reaches any entry (engine/hybrid.py copies recurrent states here)."""
 
     def rollback(self, state: CacheState, num_tokens: int) -> None:
         """Drop the last `num_tokens` entries (0 is valid: it trims sliding-window layers)."""

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.hybrid import HybridRunner
+from engine.hybrid import runner_for
 from engine.runner import Runner
 from models.families import Family
-from models.loading import LoadOptions, has_linear_attention, load_config, load_vlm
+from models.loading import LoadOptions, load_config, load_vlm
 
 
 @dataclass
@@ -38,5 +38,4 @@ class Target:
 def load_target(name: str, options: LoadOptions = LoadOptions()) -> Target:
     config = load_config(name, options)
     vlm = load_vlm(name, options, config)
-    runner = (HybridRunner if has_linear_attention(config) else Runner)(vlm.model, vlm.family)
-    return Target(name, vlm.model, vlm.processor, vlm.family, runner, vlm.placeholder_ids)
+    return Target(name, vlm.model, vlm.processor, vlm.family, runner_for(vlm.model, vlm.family), vlm.placeholder_ids)

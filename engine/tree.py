@@ -92,6 +92,8 @@ def verify(target, state, last_token: int, draft) -> torch.Tensor:
     (n+1, V), row 0 after the last committed token, row 1 + i after node i."""
     tokens = [last_token] + draft.token_ids
     if draft.parents is None:
+        if draft.token_ids:
+            target.checkpoint(state)  # a rejection rolls back to here (engine/hybrid.py)
         return target.extend(state, tokens)
     return target.extend_tree(state, tokens, [-1] + [parent + 1 for parent in draft.parents])
 

@@ -137,7 +137,14 @@ def tokenizer_of(name: str, options: LoadOptions):
 
 def has_linear_attention(config) -> bool:
     """True when the text model has linear-attention (recurrent) layers (Qwen3.5)."""
-    return "linear_attention" in (getattr(config.get_text_config(), "layer_types", None) or ())
+    return "linear_attention" in recurrent_layer_types(config)
+
+
+def recurrent_layer_types(config) -> set[str]:
+    """The text model's layer types whose cache keeps a convolution or recurrent state, which no
+    crop rewinds (the types transformers' DynamicCache gives a linear-attention cache layer)."""
+    layer_types = getattr(config.get_text_config(), "layer_types", None) or ()
+    return set(layer_types) & {"linear_attention", "conv", "hybrid", "hybrid_sliding"}
 
 
 def load_vlm(name: str, options: LoadOptions, config=None, dtype: str | None = None) -> LoadedVLM:

@@ -49,6 +49,9 @@ class MarkovRunner:
         state.tokens += token_ids
         return self.table[torch.tensor(token_ids)].clone()
 
+    def checkpoint(self, state):
+        pass
+
     def rollback(self, state, num_tokens):
         if num_tokens:
             del state.tokens[-num_tokens:]

@@ -1,8 +1,9 @@
 """Drafters that are language models: a text-only LM, or a small VLM of the target's family.
 
 Serves: any `--drafter` folder or hub id whose config is a causal LM (kind "text_lm") or a VLM
-of the target's family ("vlm"), with attention layers only, whose tokenizer gives the target's
-ids to the tokens they share (checked at load).
+of the target's family ("vlm"), whose tokenizer gives the target's ids to the tokens they share
+(checked at load). Its layers may be attention or, as in every small Qwen3.5, linear attention
+(a recurrent state, rolled back by engine/hybrid.py's HybridRunner).
 
 Each request's session keeps its own KV cache and positions (a Runner state), prefilled on its
 own view of the prompt:
@@ -13,6 +14,10 @@ own view of the prompt:
 The answer tokens are shared ids, so the session feeds the target's committed tokens into its
 cache as they come. Rolling back after a rejection: the session keeps the list of answer tokens
 its cache holds, and crops to the common prefix with the committed answer before drafting again.
+With linear-attention layers a crop cannot rewind the recurrent state: `propose` checkpoints
+the cache once it holds the committed answer, before feeding its own draft tokens, and the
+rollback returns there, the accepted draft tokens left pending for the next pass (the design
+and its cost in engine/hybrid.py).
 
 Trees (`propose_tree`, engine/tree.py), as EAGLE-2's beam: depth by depth, one pass over the
 `branching` best nodes of the newest depth (a tree mask on the drafter's own cache) gives each
@@ -20,7 +25,8 @@ its `branching` most likely next tokens; of all nodes drafted, the `budget` of h
 probability (the product of the drafter's probabilities from the root) make the tree. Nodes
 are the drafter's top choices, not samples, also when sampling (engine/sampling.accept_tree
 keeps the target's distribution for such nodes). `accept` keeps the accepted path's entries in
-the drafter's cache and drops the other branches.
+the drafter's cache and drops the other branches. A drafter with linear-attention layers drafts
+chains (`tree_unsupported` names why: a tree pass would mix the branches in its recurrent state).
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from engine.drafters.base import Draft, DraftBuilder, DrafterUnavailable
+from engine.hybrid import runner_for
 from engine.prompt import Prompt, encode_text, encode_vlm
 from engine.runner import NO_READS, CacheState, Runner
 from engine.sampling import Sampler
 from engine.tree import best_nodes, subtree
 from models.families import TEXT_LM
 from models.loading import (LoadError, LoadOptions, check_vocabularies, drafter_options, family_of, from_pretrained,
-                            has_linear_attention, model_kwargs, processor_of, small_drafter_dtype, tokenizer_of)
+                            model_kwargs, processor_of, recurrent_layer_types, small_drafter_dtype, tokenizer_of)
 
 
 def serves(name: str, config) -> bool:
@@ -43,9 +50,11 @@ def serves(name: str, config) -> bool:
 
 
 def load(name: str, config, target, options: LoadOptions) -> ModelDrafter:
-    if has_linear_attention(config):
-        raise LoadError(f"drafter {name!r} has linear-attention layers, whose recurrent state a drafter's rollback "
-                        "cannot rewind; use a drafter with attention layers only, or --drafter ngram")
+    unchecked = recurrent_layer_types(config) - {"linear_attention"}
+    if unchecked:
+        raise LoadError(f"drafter {name!r} has {' and '.join(sorted(unchecked))} layers, a state whose rollback this "
+                        "engine has not been checked with; use a drafter with attention or linear-attention layers "
+                        "(Qwen3.5), or --drafter ngram")
     kwargs = model_kwargs(drafter_options(options))
     if hasattr(config, "vision_config"):
         family = family_of(config)
@@ -62,7 +71,7 @@ def load(name: str, config, target, options: LoadOptions) -> ModelDrafter:
     check_vocabularies(target.tokenizer, tokenizer, name)
     model = small_drafter_dtype(model, options)
     max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    return ModelDrafter(name, kind, Runner(model, family, vocab_size=target.vocab_size), encoder, max_positions)
+    return ModelDrafter(name, kind, runner_for(model, family, target.vocab_size), encoder, max_positions)
 
 
 class ModelDrafter:
@@ -100,9 +109,11 @@ class ModelSession:
             return builder.draft()
         self._sync(generated)
         pending = generated[len(self.cached_answer):]  # committed tokens not yet in the cache
-        for _ in range(k):
+        for step in range(k):
             logits = self.runner.extend(self.state, pending)[-1]  # (V,)
             self.cached_answer += pending
+            if step == 0 and k > 1:  # the committed answer only: a rejection of the drafts rolls back to here
+                self.runner.checkpoint(self.state)
             pending = [builder.sample(logits.index_fill(0, self.blocked.to(logits.device), float("-inf")))]
         # The last drafted token is not fed: if accepted, the next propose feeds it.
         return builder.draft()
