@@ -183,6 +183,18 @@ def block_loss(drafter, batch: TargetPass, lm_head: torch.Tensor, embed: torch.n
     return loss, accuracy
 
 
+def save(args, argv, mtp, block, log: list[dict], seconds: float) -> None:
+    """Both folders and drafters_training.json (settings, time, parameter counts, the loss log)."""
+    for name, module in (("mtp_drafter", mtp), ("block_drafter", block)):
+        drafter_heads.save(module, os.path.join(args.out, name))
+    with open(os.path.join(args.out, "drafters_training.json"), "w") as file:
+        json.dump({"command": " ".join(["python -m models.demo.train_drafters", *(argv or sys.argv[1:])]),
+                   "settings": vars(args), "train_seconds": round(seconds), "steps_done": log[-1]["step"] if log else 0,
+                   "parameters": {"mtp_drafter": sum(p.numel() for p in mtp.parameters()),
+                                  "block_drafter": sum(p.numel() for p in block.parameters())},
+                   "log": log}, file, indent=1)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m models.demo.train_drafters", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
@@ -197,6 +209,7 @@ def main(argv=None) -> None:
     parser.add_argument("--first-example", type=int, default=0, help="index of the first training conversation")
     parser.add_argument("--reference-answers", action="store_true",
                         help="train on the world's reference answers instead of the target's own")
+    parser.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: at the end only)")
     parser.add_argument("--max-answer-tokens", type=int, default=96, help="longest target answer generated")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -242,15 +255,10 @@ def main(argv=None) -> None:
             log.append(entry)
             print(json.dumps(entry), flush=True)
             sums = {}
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            save(args, argv, mtp, block, log, time.perf_counter() - started)
     seconds = time.perf_counter() - started
-    for name, module in (("mtp_drafter", mtp), ("block_drafter", block)):
-        drafter_heads.save(module, os.path.join(args.out, name))
-    with open(os.path.join(args.out, "drafters_training.json"), "w") as file:
-        json.dump({"command": " ".join(["python -m models.demo.train_drafters", *(argv or sys.argv[1:])]),
-                   "settings": vars(args), "train_seconds": round(seconds), "parameters": {
-                       "mtp_drafter": sum(p.numel() for p in mtp.parameters()),
-                       "block_drafter": sum(p.numel() for p in block.parameters())},
-                   "log": log}, file, indent=1)
+    save(args, argv, mtp, block, log, seconds)
     print(f"saved {args.out}/mtp_drafter and {args.out}/block_drafter ({seconds:.0f} s)")
 
 
