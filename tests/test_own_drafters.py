@@ -253,7 +253,7 @@ def qwen3_5(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("qwen3_5-mtp")
     target_dir = tiny_next.build_target("qwen3_5", root / "target")
-    target = tiny_next.load("qwen3_5", target_dir)
+    target = tiny_next.load(target_dir)
     checkpoint = root / "checkpoint"
     checkpoint.mkdir()
     config = json.loads((target_dir / "config.json").read_text())

@@ -43,7 +43,7 @@ class Zoo:
     def target(self, family: str):
         if family not in self.targets:
             folder = tiny_next.build_target(family, self.root / family)
-            self.targets[family] = tiny_next.load(family, folder)
+            self.targets[family] = tiny_next.load(folder)
         return self.targets[family]
 
     def drafter(self, family: str, name: str):
