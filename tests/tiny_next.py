@@ -2,7 +2,9 @@
 
 Families (the configs that build with transformers 5.24, vocabulary about 430):
 - qwen3_5:       Qwen3.5, text layers [linear_attention, full_attention] (a recurrent state to
-                 roll back), M-RoPE with mrope_section [2, 1, 1] interleaved, partial rotary 0.25.
+                 roll back), M-RoPE with mrope_section [2, 1, 1] interleaved, partial rotary 0.25;
+                 one MTP layer in the saved checkpoint, as hub checkpoints carry it (`mtp.*`,
+                 `mtp_num_hidden_layers: 1`), which `--drafter mtp` drafts with.
 - step3p7:       Step-3.7 with `num_nextn_predict_layers` MTP layers written into the saved
                  checkpoint (as hub checkpoints carry them: `model.layers.<N + k>.*`), 1-D RoPE;
                  one image = a 224-pixel global view of 16 <im_patch> tokens between <im_start>
@@ -25,6 +27,7 @@ processors are image-only (`build_image_only_processor`).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -45,6 +48,7 @@ from transformers import (
 )
 from transformers.modeling_layers import MtpModel
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 from transformers.processing_utils import ProcessorMixin
 
 from engine.target import load_target
@@ -92,6 +96,7 @@ def _qwen3_5(out_dir: Path, seed: int) -> Path:
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25,
                          "mrope_section": [2, 1, 1], "mrope_interleaved": True},
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        mtp_num_hidden_layers=1,  # as published checkpoints say; transformers builds no module for it
     )
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
                   temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64,
@@ -111,7 +116,26 @@ def _qwen3_5(out_dir: Path, seed: int) -> Path:
                 layer.linear_attn.A_log.uniform_(0.01, 0.1).log_()
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
+    _write_qwen3_5_mtp_layer(model.config.get_text_config(), out_dir / "model.safetensors")
     return out_dir
+
+
+def _write_qwen3_5_mtp_layer(text_config, checkpoint: Path, seed: int = 3) -> None:
+    """A random MTP layer appended to a saved checkpoint under the published top-level names:
+    `mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*` (a
+    full-attention decoder layer), `mtp.norm`."""
+    layer_config = copy.deepcopy(text_config)
+    layer_config.layer_types = ["full_attention"]
+    torch.manual_seed(seed)
+    layer = Qwen3_5DecoderLayer(layer_config, 0)
+    hidden = text_config.hidden_size
+    tensors = load_file(checkpoint)
+    tensors |= {f"mtp.layers.0.{name}": (weight + 0.2 * torch.randn_like(weight)).contiguous()
+                for name, weight in layer.state_dict().items()}
+    tensors |= {"mtp.fc.weight": torch.randn(hidden, 2 * hidden) * 0.1}
+    tensors |= {f"mtp.{name}.weight": torch.randn(hidden) * 0.1
+                for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    save_file(tensors, checkpoint, metadata={"format": "pt"})
 
 
 _STEP3P7_TOKENS = tiny._Tokens(
