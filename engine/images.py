@@ -100,7 +100,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
 def fit_to_processor(image: Image.Image, processor) -> Image.Image:
     """`image` shrunk to what `processor` (a VLM processor, or its image processor) resizes it
     to anyway; never enlarged, and unchanged when it is small enough or the processor crops
-    from the full resolution (pan-and-scan, any-resolution grids). Idempotent.
+    from the full resolution (pan-and-scan, any-resolution grids, Step-3.7's local crops).
+    Idempotent.
 
     Qwen-VL processors (`smart_resize`: a pixel budget, sides multiple of patch x merge) get
     exactly the size and resampling the processor uses, so its output is bit-for-bit the same
@@ -108,8 +109,9 @@ def fit_to_processor(image: Image.Image, processor) -> Image.Image:
     height and width, get the largest image that still covers that size."""
     images = getattr(processor, "image_processor", processor)
     size = _size_dict(getattr(images, "size", None))
+    crops_from_full_image = "pixel_values_local" in getattr(images, "model_input_names", ())  # Step-3.7
     if getattr(images, "do_pan_and_scan", False) or getattr(images, "image_grid_pinpoints", None) \
-            or not getattr(images, "do_resize", True) or not size:
+            or crops_from_full_image or not getattr(images, "do_resize", True) or not size:
         return image
     width, height = image.size
     if getattr(images, "merge_size", None) and getattr(images, "patch_size", None) and size.get("longest_edge"):

@@ -231,10 +231,10 @@ QWEN3_5_MTP_NAMES = {"fc.": "fc.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_n
                      "layers.": "stack.layers.", "norm.": "stack.norm."}
 
 
-def mtp_head_from_qwen3_5(checkpoint: str, out: str) -> MtpHead:
-    """Write an MtpHead folder (config.json + model.safetensors) from a Qwen3.5 / 3.6 checkpoint
-    folder's `mtp.*` weights; strict: every weight of the head must be found. Dense models only
-    (a MoE checkpoint's experts are named otherwise)."""
+def mtp_head_from_qwen3_5(checkpoint: str, out: str | None = None) -> MtpHead:
+    """An MtpHead from a Qwen3.5 / 3.6 checkpoint folder's `mtp.*` weights, written to folder
+    `out` (config.json + model.safetensors) if given; strict: every weight of the head must be
+    found. Dense models only (a MoE checkpoint's experts are named otherwise)."""
     config = AutoConfig.from_pretrained(checkpoint)
     text = config.get_text_config()
     num_layers = getattr(text, "mtp_num_hidden_layers", 0) or 0
@@ -261,7 +261,8 @@ def mtp_head_from_qwen3_5(checkpoint: str, out: str) -> MtpHead:
                 weights[QWEN3_5_MTP_NAMES[prefix] + rest[len(prefix):]] = tensor
     head = MtpHead(head_config)
     head.load_state_dict(weights, strict=True)
-    save(head, out)
+    if out is not None:
+        save(head, out)
     return head
 
 

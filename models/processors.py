@@ -1,14 +1,20 @@
 """Load a vision-language processor, also where torchvision is not installed.
 
-Without torchvision, transformers 5.24 has no video processors. Every image processor falls
-back to its `*Pil` class and works, but the processors whose constructor takes a
-`video_processor` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, SmolVLM) cannot be built at all: loading
-fails while fetching the video processor (`OSError` / `ImportError`), and passing
-`video_processor=None` fails the constructor's class check (`AttributeError: ...
-VIDEO_PROCESSOR_MAPPING ... _extra_content`). For those we build an *image-only* processor:
-a subclass of the same class whose constructor has no `video_processor` argument, holding the
-image processor, the tokenizer and the chat template. It renders prompts, expands image
-placeholders and saves exactly like the stock class; only `videos=` is unsupported.
+Without torchvision, transformers 5.24 has no video processors, and the image processors of
+Step-3.7 and MuseGlimmer exist only as torchvision classes; most others fall back to their
+`*Pil` class and work. So without torchvision `load_processor` builds an *image-only*
+processor wherever the stock one cannot be built or run:
+- classes whose constructor takes a `video_processor` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+  SmolVLM, MuseGlimmer) or also an audio `feature_extractor` (Gemma 4): AutoProcessor fails
+  while fetching them (`OSError` / `ImportError`; Gemma 4 without a saved feature extractor:
+  `TypeError`), and passing None fails the class check (`AttributeError: ...
+  VIDEO_PROCESSOR_MAPPING ... _extra_content`). The image-only processor is a subclass of
+  the same class whose constructor has no such arguments, holding the image processor, the
+  tokenizer and the chat template;
+- Step-3.7 and MuseGlimmer get the PIL image processors of models/image_processors.py,
+  built from the folder's saved settings.
+It renders prompts, expands image placeholders and saves exactly like the stock class; only
+`videos=` and `audio=` are unsupported.
 
 `image_budget` caps how many tokens one image becomes (a per-call processor option), and
 `image_token_ids` lists the multimodal placeholder ids a processor inserts for images (and
@@ -23,13 +29,16 @@ import math
 import re
 
 from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
+from transformers.image_processing_base import ImageProcessingMixin
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, processor_class_from_name
 from transformers.processing_utils import ProcessorMixin
+from transformers.utils import is_torchvision_available
+
+from models.image_processors import PIL_IMAGE_PROCESSORS
 
 logger = logging.getLogger(__name__)
 
-# Errors AutoProcessor raises when the class wants a video processor that cannot be loaded.
-_VIDEO_LOAD_ERRORS = (AttributeError, ImportError, OSError)
+_GEMMA4_SOFT_TOKENS = (70, 140, 280, 560, 1120)  # the tokens per image Gemma4ImageProcessorPil accepts
 
 # Attributes (of a processor or its tokenizer) that name a multimodal placeholder token,
 # e.g. image_token, video_token, boi_token, eoi_token, fake_image_token, global_image_tag,
@@ -41,31 +50,26 @@ _PLACEHOLDER_ATTRIBUTE = re.compile(r"\w*(image|img|video|vision|boi|eoi)\w*_(to
 # against the tokenizer's added tokens, never against ordinary vocabulary.
 _PLACEHOLDER_SPELLING = re.compile(
     r"<\|?(image|video|vision)[\w-]*\|?>|<row_\d+_col_\d+>|<fake_token_around_image>|<global-img>"
-    r"|<(start|end)_of_image>"
+    r"|<(start|end)_of_image>|<(im|patch)_(start|end)>|<patch_newline>"
 )
 
 
 def load_processor(path_or_id: str, trust_remote_code: bool = False) -> ProcessorMixin:
     """The multimodal processor saved in `path_or_id` (a folder or a hub id).
 
-    Tries `AutoProcessor` first; when its class needs a video processor that cannot be
-    loaded here, returns an image-only processor of the same class instead. Raises
-    ValueError, saying what to do, when the folder holds no multimodal processor.
+    `AutoProcessor`, or without torchvision an image-only processor of the same class where the
+    stock one needs torchvision (see above). Raises ValueError, saying what to do, when the
+    folder holds no multimodal processor.
     """
+    processor_class = _builtin_processor_class(path_or_id)
     try:
-        processor = AutoProcessor.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
-    except _VIDEO_LOAD_ERRORS as err:
-        processor_class = _builtin_processor_class(path_or_id)
-        if processor_class is None or "video_processor" not in processor_class.get_attributes():
-            if isinstance(err, OSError):  # a file is missing
-                raise _no_processor_error(path_or_id, f"{type(err).__name__}: {err}") from err
-            raise
-        logger.info("%s: %s without a video processor (%s)", path_or_id, processor_class.__name__, err)
-        try:
+        if processor_class is not None and _needs_image_only(processor_class, path_or_id):
+            logger.info("%s: %s without video / audio processors, PIL images", path_or_id, processor_class.__name__)
             processor = _load_image_only(processor_class, path_or_id)
-        except (OSError, ValueError) as image_only_err:
-            reason = f"{type(image_only_err).__name__}: {image_only_err}"
-            raise _no_processor_error(path_or_id, reason) from image_only_err
+        else:
+            processor = AutoProcessor.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
+    except OSError as err:  # a file is missing
+        raise _no_processor_error(path_or_id, f"{type(err).__name__}: {err}") from err
     except ValueError as err:  # AutoProcessor: "Unrecognized processing class in ..."
         raise _no_processor_error(path_or_id, str(err)) from err
 
@@ -80,25 +84,24 @@ def build_image_only_processor(
     """An instance of `processor_class` built from an image processor and a tokenizer only.
 
     For classes whose constructor wants a video processor (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-    SmolVLM); `kwargs` are the class's own options (chat_template, image_seq_len, ...).
-    The instance's class keeps the stock class name, so `save_pretrained` writes an ordinary
-    checkpoint that `load_processor` (and, with torchvision, `AutoProcessor`) reads back.
+    SmolVLM, MuseGlimmer) or an audio feature extractor too (Gemma 4); `kwargs` are the class's
+    own options (chat_template, image_seq_len, ...). The instance's class keeps the stock
+    class name, so `save_pretrained` writes an ordinary checkpoint that `load_processor` (and,
+    with torchvision, `AutoProcessor`) reads back.
     """
-    if "video_processor" not in processor_class.get_attributes():
+    dropped = _video_and_audio_attributes(processor_class)
+    if not dropped:
         return processor_class(image_processor=image_processor, tokenizer=tokenizer, **kwargs)
 
     def __init__(self, image_processor, tokenizer, **kwargs):
-        # The stock constructor forwards (image_processor, tokenizer, video_processor)
-        # positionally to ProcessorMixin.__init__, which pairs them with this class's
-        # attributes -- read from this signature: image_processor and tokenizer only.
         processor_class.__init__(
-            self, image_processor=image_processor, tokenizer=tokenizer, video_processor=None, **kwargs
+            self, image_processor=image_processor, tokenizer=tokenizer, **dict.fromkeys(dropped), **kwargs
         )
 
     # ProcessorMixin reads this signature to list the sub-processors and the options that
-    # save_pretrained writes (image_seq_len, ...): the stock one without video_processor.
+    # save_pretrained writes (image_seq_len, ...): the stock one without the dropped ones.
     stock = inspect.signature(processor_class.__init__)
-    parameters = [parameter for parameter in stock.parameters.values() if parameter.name != "video_processor"]
+    parameters = [parameter for parameter in stock.parameters.values() if parameter.name not in dropped]
     __init__.__signature__ = stock.replace(parameters=parameters)
 
     def apply_chat_template(self, conversation, chat_template=None, **kwargs):
@@ -108,14 +111,26 @@ def build_image_only_processor(
 
     image_only_class = type(
         processor_class.__name__,
-        (processor_class,),
+        (processor_class, _WithoutAbsentSubProcessors),
         {
             "__init__": __init__,
             "apply_chat_template": apply_chat_template,
-            "__doc__": f"{processor_class.__name__} without a video processor.",
+            "__doc__": f"{processor_class.__name__} without {' or '.join(dropped)}.",
         },
     )
     return image_only_class(image_processor=image_processor, tokenizer=tokenizer, **kwargs)
+
+
+class _WithoutAbsentSubProcessors(ProcessorMixin):
+    """Comes between a stock processor class and ProcessorMixin in an image-only class's method
+    order: the stock constructor's `super().__init__(..., video_processor=None)` lands here, and
+    sub-processors that are None and not in the image-only signature are not passed on (a
+    positional None beyond the signature's sub-processors is already ignored by ProcessorMixin)."""
+
+    def __init__(self, *args, **kwargs):
+        attributes = self.get_attributes()
+        super().__init__(*args, **{key: value for key, value in kwargs.items()
+                                   if value is not None or key in attributes or key == "chat_template"})
 
 
 def image_budget(processor: ProcessorMixin, max_image_tokens: int | None) -> dict:
@@ -128,6 +143,11 @@ def image_budget(processor: ProcessorMixin, max_image_tokens: int | None) -> dic
     - Tilers (Idefics3 / SmolVLM): an image is its tiles plus one global view, each
       `image_seq_len` tokens; the resize before tiling is capped so that at most
       n x n tiles fit, or the image is not split when even one tile would exceed the budget.
+    - Step-3.7: a global view plus local crops; the image's longest side (`max_image_size`) is
+      capped at n crops, so that at most n x n crops fit (at least one crop's side: an
+      elongated image is still cut along its long side).
+    - MuseGlimmer (`max_image_tokens`) and Gemma 4 (`max_soft_tokens`, one of a few sizes, at
+      least 70) take a number of tokens.
     - Families whose images are a fixed number of tokens (LLaVA, Gemma 3, ...): nothing to cap.
     """
     if not max_image_tokens:
@@ -138,6 +158,12 @@ def image_budget(processor: ProcessorMixin, max_image_tokens: int | None) -> dic
     if patch and merge and getattr(size, "longest_edge", None):
         max_pixels = min(size.longest_edge, max_image_tokens * (patch * merge) ** 2)
         return {"size": {"longest_edge": max_pixels, "shortest_edge": min(size.shortest_edge or max_pixels, max_pixels)}}
+    view_tokens = getattr(processor, "num_image_feature_size", 0)  # Step-3.7: its global view's and
+    crop_tokens = getattr(processor, "num_patch_feature_size", 0)  # one local crop's tokens
+    if view_tokens and crop_tokens:
+        crops_per_side = max(1, math.isqrt(max(0, max_image_tokens - view_tokens) // crop_tokens))
+        longest_side = crops_per_side * image_processor.patch_size
+        return {"max_image_size": min(image_processor.max_image_size, longest_side)}
     tile = (getattr(image_processor, "max_image_size", None) or {}).get("longest_edge")
     tokens_per_view = getattr(processor, "image_seq_len", None)
     if tile and tokens_per_view and getattr(size, "longest_edge", None):
@@ -145,6 +171,11 @@ def image_budget(processor: ProcessorMixin, max_image_tokens: int | None) -> dic
         if tiles_per_side < 1:
             return {"do_image_splitting": False}
         return {"size": {"longest_edge": min(size.longest_edge, tiles_per_side * tile)}}
+    if getattr(image_processor, "max_image_tokens", None):  # MuseGlimmer
+        return {"max_image_tokens": min(image_processor.max_image_tokens, max_image_tokens)}
+    if getattr(image_processor, "max_soft_tokens", None):  # Gemma 4
+        sizes = [n for n in _GEMMA4_SOFT_TOKENS if n <= min(image_processor.max_soft_tokens, max_image_tokens)]
+        return {"max_soft_tokens": max(sizes, default=_GEMMA4_SOFT_TOKENS[0])}
     return {}
 
 
@@ -153,7 +184,8 @@ def image_token_ids(processor: ProcessorMixin) -> set[int]:
 
     Qwen: <|image_pad|>, <|vision_start|>, <|vision_end|>, <|video_pad|>; Idefics3 / SmolVLM:
     <image>, <fake_token_around_image>, <global-img>, <row_i_col_j>; LLaVA: <image>;
-    Gemma 3: <image_soft_token>, <start_of_image>, <end_of_image>. Read from the
+    Gemma 3: <image_soft_token>, <start_of_image>, <end_of_image>; Step-3.7: <im_patch>,
+    <im_start>, <im_end>, <patch_start>, <patch_end>, <patch_newline>. Read from the
     processor's and tokenizer's named tokens plus the tokenizer's added tokens; only tokens
     present in the vocabulary are returned.
     """
@@ -170,7 +202,7 @@ def image_token_ids(processor: ProcessorMixin) -> set[int]:
 
 
 def _load_image_only(processor_class: type[ProcessorMixin], path_or_id: str) -> ProcessorMixin:
-    """`processor_class` loaded from `path_or_id` without its video processor."""
+    """`processor_class` loaded from `path_or_id` without its video and audio processors."""
     processor_dict, _ = processor_class.get_processor_dict(path_or_id)  # holds the chat template
     parameters = inspect.signature(processor_class.__init__).parameters
     attributes = processor_class.get_attributes()
@@ -179,10 +211,43 @@ def _load_image_only(processor_class: type[ProcessorMixin], path_or_id: str) -> 
     }
     return build_image_only_processor(
         processor_class,
-        image_processor=AutoImageProcessor.from_pretrained(path_or_id),
+        image_processor=_load_image_processor(path_or_id),
         tokenizer=AutoTokenizer.from_pretrained(path_or_id),
         **options,
     )
+
+
+def _load_image_processor(path_or_id: str):
+    """The folder's image processor: ours (models/image_processors.py) where transformers has only
+    a torchvision class, else AutoImageProcessor's (its `*Pil` class without torchvision)."""
+    settings, _ = ImageProcessingMixin.get_image_processor_dict(path_or_id)
+    pil_class = PIL_IMAGE_PROCESSORS.get(_image_processor_type(settings))
+    return pil_class.from_dict(settings) if pil_class else AutoImageProcessor.from_pretrained(path_or_id)
+
+
+def _needs_image_only(processor_class: type[ProcessorMixin], path_or_id: str) -> bool:
+    """Without torchvision: `processor_class` wants video / audio processors, or the folder's
+    image processor exists only as a torchvision class."""
+    if is_torchvision_available():
+        return False
+    if _video_and_audio_attributes(processor_class):
+        return True
+    try:
+        settings, _ = ImageProcessingMixin.get_image_processor_dict(path_or_id)
+    except OSError:
+        return False
+    return _image_processor_type(settings) in PIL_IMAGE_PROCESSORS
+
+
+def _video_and_audio_attributes(processor_class: type[ProcessorMixin]) -> list[str]:
+    """The sub-processors an image-only `processor_class` goes without: video_processor,
+    feature_extractor (audio), ..."""
+    return [name for name in processor_class.get_attributes()
+            if any(modality in name for modality in ("video", "audio", "feature_extractor"))]
+
+
+def _image_processor_type(settings: dict) -> str:
+    return (settings.get("image_processor_type") or "").removesuffix("Pil").removesuffix("Fast")
 
 
 def _builtin_processor_class(path_or_id: str) -> type[ProcessorMixin] | None:

@@ -28,12 +28,42 @@ def test_a_budget_caps_the_tokens_of_an_image(zoo, family):
     processor = load_processor(str(zoo.dir(family)))
     # The tiny processors allow 9 tokens an image (Qwen) or 2 x 2 tiles (Idefics3); real ones far more.
     processor.image_processor.size.longest_edge = 10**6 if family.startswith("qwen") else 5 * 32
+    assert_budget_caps(processor, smallest=4)
+
+
+@pytest.mark.parametrize("family", ["step3p7", "muse_glimmer"])
+def test_a_budget_caps_the_tokens_of_an_image_in_newer_families(tmp_path, family):
+    from tests import tiny_next
+
+    processor = load_processor(str(tiny_next.build_target(family, tmp_path / family)))
+    if family == "step3p7":
+        # Crops up to the published 3024 pixels. The least is the 16-token view plus the crops
+        # along an elongated image's long side (this photo, scaled, is just over 1.5 : 1): 24.
+        processor.image_processor.max_image_size = 3024
+    else:
+        processor.image_processor.max_image_tokens = 4096  # MuseGlimmer's own limit
+    assert_budget_caps(processor, smallest=32 if family == "step3p7" else 4)
+
+
+def assert_budget_caps(processor, smallest: int):
     natural = image_tokens(processor, None)
-    budgets = sorted({4, 9, 16, natural // 2, natural - 1})
+    budgets = sorted({smallest, 2 * smallest + 8, natural // 2, natural - 1})
     counts = [image_tokens(processor, budget) for budget in budgets]
     assert all(count <= budget for count, budget in zip(counts, budgets)), (natural, budgets, counts)
     assert counts == sorted(counts) and counts[0] < counts[-1] < natural  # a larger budget, more detail
     assert image_tokens(processor, natural * 100) == natural  # never enlarges
+
+
+def test_gemma4_budget_picks_a_supported_size(tmp_path):
+    """Gemma 4 takes 70, 140, 280, 560 or 1120 tokens an image: the largest within the budget
+    and the processor's own, never fewer than 70."""
+    from tests import tiny_next
+
+    processor = load_processor(str(tiny_next.build_target("gemma4", tmp_path / "gemma4")))
+    processor.image_processor.max_soft_tokens = 280
+    assert [image_budget(processor, budget)["max_soft_tokens"] for budget in (4, 70, 150, 300, 5000)] == \
+        [70, 70, 140, 280, 280]
+    assert image_tokens(processor, 150) <= 140 < image_tokens(processor, None) <= 280
 
 
 def test_fixed_count_families_have_nothing_to_cap(zoo):

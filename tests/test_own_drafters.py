@@ -239,40 +239,18 @@ def test_loading_checks_the_fit(zoo, heads, tmp_path):
 
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory):
-    """(target, checkpoint folder with mtp.* weights, the head folder converted from it). The
-    checkpoint is the tiny Qwen3.5 target's config with `mtp_num_hidden_layers: 1` and a
-    safetensors file holding random MTP weights under the published names, next to a main-model
-    weight the converter must ignore."""
-    import json
-
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+    """(target, its checkpoint's mtp.* weights, the head folder converted from them). The tiny
+    Qwen3.5 target's checkpoint holds random MTP weights under the published names next to the
+    main model's weights, which the converter must ignore."""
+    from safetensors.torch import load_file
 
     from tests import tiny_next
 
     root = tmp_path_factory.mktemp("qwen3_5-mtp")
     target_dir = tiny_next.build_target("qwen3_5", root / "target")
-    target = tiny_next.load("qwen3_5", target_dir)
-    checkpoint = root / "checkpoint"
-    checkpoint.mkdir()
-    config = json.loads((target_dir / "config.json").read_text())
-    config["text_config"]["mtp_num_hidden_layers"] = 1
-    (checkpoint / "config.json").write_text(json.dumps(config))
-    text = AutoConfig.from_pretrained(checkpoint).get_text_config()
-    text.layer_types = ["full_attention"]
-    torch.manual_seed(3)
-    layer = Qwen3_5DecoderLayer(text, 0)
-    hidden = text.hidden_size
-    weights = {f"mtp.layers.0.{name}": (w + 0.2 * torch.randn_like(w)).contiguous()
-               for name, w in layer.state_dict().items()}
-    weights |= {"mtp.fc.weight": torch.randn(hidden, 2 * hidden) * 0.1,
-                "mtp.pre_fc_norm_embedding.weight": torch.randn(hidden) * 0.1,
-                "mtp.pre_fc_norm_hidden.weight": torch.randn(hidden) * 0.1, "mtp.norm.weight": torch.randn(hidden) * 0.1,
-                "model.language_model.norm.weight": torch.ones(hidden)}
-    save_file(weights, str(checkpoint / "model.safetensors"))
-    drafter_heads.main([str(checkpoint), str(root / "head")])
-    return target, weights, str(root / "head")
+    drafter_heads.main([str(target_dir), str(root / "head")])
+    weights = {name: w for name, w in load_file(target_dir / "model.safetensors").items() if name.startswith("mtp.")}
+    return tiny_next.load(target_dir), weights, str(root / "head")
 
 
 def test_qwen3_5_checkpoint_mtp_weights_become_the_head(qwen3_5):
@@ -286,6 +264,9 @@ def test_qwen3_5_checkpoint_mtp_weights_become_the_head(qwen3_5):
     assert torch.equal(module.stack.norm.weight, weights["mtp.norm.weight"])
     assert torch.equal(module.stack.layers[0].self_attn.q_proj.weight, weights["mtp.layers.0.self_attn.q_proj.weight"])
     assert type(module.stack.norm).__name__ == "Qwen3_5RMSNorm"  # scales by 1 + w
+    from_target = load_drafter("mtp", target, FLOAT32).module  # --drafter mtp: the head built in memory
+    assert from_target.state_dict().keys() == module.state_dict().keys()
+    assert all(torch.equal(w, module.state_dict()[name]) for name, w in from_target.state_dict().items())
 
 
 @pytest.mark.parametrize("case", ["0", "1", "2", "second_turn"])

@@ -43,7 +43,7 @@ class Zoo:
     def target(self, family: str):
         if family not in self.targets:
             folder = tiny_next.build_target(family, self.root / family)
-            self.targets[family] = tiny_next.load(family, folder)
+            self.targets[family] = tiny_next.load(folder)
         return self.targets[family]
 
     def drafter(self, family: str, name: str):
@@ -317,7 +317,7 @@ def test_loading_refuses_drafters_that_do_not_fit_the_target(zoo):
 
     qwen3_5 = zoo.target("qwen3_5")
     with pytest.raises(LoadError, match="declares no MTP layers"):
-        load_drafter("mtp", qwen3_5)
+        load_drafter("mtp", zoo.target("gemma4"))
     dflash_folder = str(tiny_next.build_assistant("muse_glimmer", zoo.root / "refused-assistant"))
     with pytest.raises(LoadError, match="reads target layers .* M-RoPE rows"):
         load_drafter(dflash_folder, qwen3_5)

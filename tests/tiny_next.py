@@ -2,31 +2,33 @@
 
 Families (the configs that build with transformers 5.24, vocabulary about 430):
 - qwen3_5:       Qwen3.5, text layers [linear_attention, full_attention] (a recurrent state to
-                 roll back), M-RoPE with mrope_section [2, 1, 1] interleaved, partial rotary 0.25.
+                 roll back), M-RoPE with mrope_section [2, 1, 1] interleaved, partial rotary 0.25;
+                 one MTP layer in the saved checkpoint, as hub checkpoints carry it (`mtp.*`,
+                 `mtp_num_hidden_layers: 1`), which `--drafter mtp` drafts with.
 - step3p7:       Step-3.7 with `num_nextn_predict_layers` MTP layers written into the saved
                  checkpoint (as hub checkpoints carry them: `model.layers.<N + k>.*`), 1-D RoPE;
-                 one image = 16 <im_patch> tokens between <im_start> and <im_end>.
+                 one image = a 224-pixel global view of 16 <im_patch> tokens between <im_start>
+                 and <im_end>, plus 112-pixel local crops of 4 tokens each when the image is
+                 larger than 224 pixels or elongated (images over 448 pixels are scaled down).
 - muse_glimmer:  MuseGlimmer, 4 text layers (3 sliding with a 16-token window, 1 full NoPE), 1-D
-                 RoPE; `build_dflash_assistant` writes its DFlash assistant (hidden 64, 1 layer,
-                 block_size 4, target_layer_ids [0, 2]).
+                 RoPE; one image = at most 16 <|patch|> tokens; `build_dflash_assistant` writes
+                 its DFlash assistant (hidden 64, 1 layer, block_size 4, target_layer_ids [0, 2]).
 - gemma4:        Gemma 4, text layers [sliding (16-token window), full], per-layer inputs of size 8,
                  init std 0.05; one image = 70 soft tokens; `build_shared_cache_assistant` writes
                  its `gemma4_assistant` (hidden 32, 2 layers sharing all K/V with the target).
 
-Each builder writes a folder; `load(family, folder)` loads it as the engine's target.
-Tokenizers and chat templates come from tests/tiny.py (a byte-level BPE trained in-process).
-Step3p7's and MuseGlimmer's own image processors need torchvision, which is not installed here,
-and Gemma 4's and MuseGlimmer's processor classes insist on video (and audio) processors: their
-tiny processors are built below (Step3p7: the global view only, no local crops; MuseGlimmer:
-Qwen2-VL's PIL patchifier, same pixel layout; Gemma 4: its own PIL image processor, image-only)
-and handed to `load_target` in place of `load_processor`.
+Each builder writes a folder like a real checkpoint, processor files included (processor_config.json,
+tokenizer, chat template), so that it loads through `models.processors.load_processor`; `load(folder)`
+loads it as the engine's target. Tokenizers and chat templates come from tests/tiny.py (a byte-level
+BPE trained in-process). The image processors are the production PIL ones (models/image_processors.py
+for Step-3.7 and MuseGlimmer, transformers' own for Gemma 4), and MuseGlimmer's and Gemma 4's
+processors are image-only (`build_image_only_processor`).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import copy
 from pathlib import Path
-from unittest import mock
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -40,19 +42,19 @@ from transformers import (
     MuseGlimmerAssistantModel,
     MuseGlimmerConfig,
     MuseGlimmerProcessor,
-    Qwen2VLImageProcessorPil,
     Qwen3_5Config,
     Step3p7Config,
     Step3p7Processor,
 )
-from transformers.image_processing_backends import PilBackend
-from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 from transformers.modeling_layers import MtpModel
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 from transformers.processing_utils import ProcessorMixin
 
 from engine.target import load_target
 from models import loading
+from models.image_processors import MuseGlimmerImageProcessorPil, Step3p7ImageProcessorPil
+from models.processors import build_image_only_processor
 from tests import tiny
 
 FAMILIES: tuple[str, ...] = ("qwen3_5", "step3p7", "muse_glimmer", "gemma4")
@@ -69,22 +71,17 @@ def build_target(family: str, out_dir: Path, seed: int = 0) -> Path:
     return builders[family](Path(out_dir), seed)
 
 
-def load(family: str, folder: Path):
+def load(folder: Path):
     """The engine's Target for a folder written by `build_target` (float32, CPU)."""
-    with tiny_processors(family):
-        return load_target(str(folder), loading.LoadOptions(dtype="float32", device="cpu"))
+    return load_target(str(folder), loading.LoadOptions(dtype="float32", device="cpu"))
 
 
-@contextmanager
-def tiny_processors(family: str):
-    """While open, loading a `family` folder takes the tiny processor built below."""
-    processors = {"step3p7": _step3p7_processor, "muse_glimmer": _muse_glimmer_processor,
-                  "gemma4": _gemma4_processor}
-    if family not in processors:
-        yield
-        return
-    with mock.patch.object(loading, "load_processor", lambda name, **kwargs: processors[family]()):
-        yield
+def _processor(processor_class, image_processor, tokens: tiny._Tokens, image_part: str, **options) -> ProcessorMixin:
+    """An image-only `processor_class` with a tiny tokenizer and the Qwen-style chat template,
+    images written as `image_part`."""
+    template = tiny._QWEN_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", image_part)
+    return build_image_only_processor(processor_class, image_processor, tiny._tokenizer(tokens),
+                                      chat_template=template, **options)
 
 
 def _qwen3_5(out_dir: Path, seed: int) -> Path:
@@ -99,6 +96,7 @@ def _qwen3_5(out_dir: Path, seed: int) -> Path:
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25,
                          "mrope_section": [2, 1, 1], "mrope_interleaved": True},
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        mtp_num_hidden_layers=1,  # as published checkpoints say; transformers builds no module for it
     )
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
                   temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64,
@@ -118,25 +116,26 @@ def _qwen3_5(out_dir: Path, seed: int) -> Path:
                 layer.linear_attn.A_log.uniform_(0.01, 0.1).log_()
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
+    _write_qwen3_5_mtp_layer(model.config.get_text_config(), out_dir / "model.safetensors")
     return out_dir
 
 
-class Step3p7GlobalViewImageProcessor(PilBackend):
-    """Step3p7's image inputs without torchvision: each image's global view, no local crops."""
-
-    resample = PILImageResampling.BILINEAR
-    size = {"height": 64, "width": 64}
-    do_resize = do_rescale = do_normalize = do_convert_rgb = True
-    image_mean, image_std = OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-    model_input_names = ["pixel_values", "num_local_patches"]
-    vision_patch_size = 4  # Step3p7Processor: 64 / (4 * 4) = 4 x 4 = 16 image tokens
-    downsampler_stride = 4
-    patch_size = 32
-
-    def _preprocess(self, images, **kwargs):
-        out = super()._preprocess(images, **kwargs)
-        out["num_local_patches"] = torch.zeros(len(images), dtype=torch.long)
-        return out
+def _write_qwen3_5_mtp_layer(text_config, checkpoint: Path, seed: int = 3) -> None:
+    """A random MTP layer appended to a saved checkpoint under the published top-level names:
+    `mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*` (a
+    full-attention decoder layer), `mtp.norm`."""
+    layer_config = copy.deepcopy(text_config)
+    layer_config.layer_types = ["full_attention"]
+    torch.manual_seed(seed)
+    layer = Qwen3_5DecoderLayer(layer_config, 0)
+    hidden = text_config.hidden_size
+    tensors = load_file(checkpoint)
+    tensors |= {f"mtp.layers.0.{name}": (weight + 0.2 * torch.randn_like(weight)).contiguous()
+                for name, weight in layer.state_dict().items()}
+    tensors |= {"mtp.fc.weight": torch.randn(hidden, 2 * hidden) * 0.1}
+    tensors |= {f"mtp.{name}.weight": torch.randn(hidden) * 0.1
+                for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    save_file(tensors, checkpoint, metadata={"format": "pt"})
 
 
 _STEP3P7_TOKENS = tiny._Tokens(
@@ -146,9 +145,9 @@ _STEP3P7_TOKENS = tiny._Tokens(
 
 
 def _step3p7_processor() -> Step3p7Processor:
-    template = tiny._QWEN_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<im_patch>")
-    return Step3p7Processor(Step3p7GlobalViewImageProcessor(), tiny._tokenizer(_STEP3P7_TOKENS),
-                            chat_template=template)
+    # 14-pixel ViT patches, downsampled 4 x: a 224-pixel view is 4 x 4 tokens, a 112-pixel crop 2 x 2
+    image_processor = Step3p7ImageProcessorPil(size={"height": 224, "width": 224}, patch_size=112, max_image_size=448)
+    return _processor(Step3p7Processor, image_processor, _STEP3P7_TOKENS, "<im_patch>")
 
 
 def _step3p7(out_dir: Path, seed: int) -> Path:
@@ -161,15 +160,15 @@ def _step3p7(out_dir: Path, seed: int) -> Path:
         num_nextn_predict_layers=num_mtp, mlp_layer_types=["dense"] * (num_layers + num_mtp),
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=64,
-                  patch_size=4, max_position_embeddings=256, initializer_range=tiny.INIT_STD,
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=224,
+                  patch_size=14, max_position_embeddings=256, initializer_range=tiny.INIT_STD,
                   rope_parameters={"rope_type": "axial", "rope_theta": 1e4})
     config = Step3p7Config(text_config=text, vision_config=vision,
                            image_token_id=tokenizer.convert_tokens_to_ids("<im_patch>"))
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir)
-    processor.tokenizer.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
     _write_mtp_layers(model, out_dir / "model.safetensors", num_layers, num_mtp)
     return out_dir
 
@@ -192,16 +191,6 @@ def _write_mtp_layers(model, checkpoint: Path, num_layers: int, num_mtp: int) ->
     save_file(tensors, checkpoint, metadata={"format": "pt"})
 
 
-class MuseGlimmerImageOnlyProcessor(MuseGlimmerProcessor):
-    """MuseGlimmerProcessor without a video processor (its constructor insists on passing one)."""
-
-    def __init__(self, image_processor, tokenizer, chat_template=None, **kwargs):
-        self.image_token, self.image_start_token, self.image_end_token = "<|patch|>", "<|image_start|>", "<|image_end|>"
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        ProcessorMixin.__init__(self, image_processor=image_processor, tokenizer=tokenizer,
-                                chat_template=chat_template, **kwargs)
-
-
 _MUSE_GLIMMER_TOKENS = tiny._Tokens(
     bos="<|begin_of_text|>", eos="<|im_end|>", pad="<|pad|>", named={"image_token": "<|patch|>"},
     other=("<|im_start|>", "<|image_start|>", "<|image_end|>", "<|video|>", "<|mask|>"),
@@ -209,16 +198,14 @@ _MUSE_GLIMMER_TOKENS = tiny._Tokens(
 
 
 def _muse_glimmer_processor() -> MuseGlimmerProcessor:
-    # 14-pixel patches merged 2 x 2: 2x2 to 3x3 image tokens for tiny_images
-    image_processor = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
-                                               size={"shortest_edge": 56 ** 2, "longest_edge": 84 ** 2})
-    template = tiny._QWEN_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<|patch|>")
-    return MuseGlimmerImageOnlyProcessor(image_processor, tiny._tokenizer(_MUSE_GLIMMER_TOKENS),
-                                         chat_template=template)
+    # 14-pixel patches merged 2 x 2: 2x2 to 3x3 image tokens for tiny_images, at most 16 for any image
+    image_processor = MuseGlimmerImageProcessorPil(max_image_tokens=16)
+    return _processor(MuseGlimmerProcessor, image_processor, _MUSE_GLIMMER_TOKENS, "<|patch|>")
 
 
 def _muse_glimmer(out_dir: Path, seed: int) -> Path:
-    tokenizer = _muse_glimmer_processor().tokenizer
+    processor = _muse_glimmer_processor()
+    tokenizer = processor.tokenizer
     ids = tokenizer.convert_tokens_to_ids
     text = dict(
         _TEXT, num_hidden_layers=4, initializer_range=tiny.INIT_STD, head_dim=16, vocab_size=len(tokenizer),
@@ -231,7 +218,7 @@ def _muse_glimmer(out_dir: Path, seed: int) -> Path:
                                video_token_id=ids("<|video|>"), out_hidden_size=4 * 32, projector_hidden_size=64)
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
     return out_dir
 
 
@@ -257,22 +244,11 @@ def build_dflash_assistant(out_dir: Path, seed: int = 2) -> Path:
     return Path(out_dir)
 
 
-class Gemma4ImageOnlyProcessor(Gemma4Processor):
-    """Gemma4Processor without its audio feature extractor and video processor."""
-
-    def __init__(self, image_processor, tokenizer, chat_template=None, image_seq_length=70, **kwargs):
-        self.image_seq_length = image_seq_length
-        self.image_token, self.boi_token, self.eoi_token = tokenizer.image_token, tokenizer.boi_token, tokenizer.eoi_token
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        # validate_inputs refuses any input while boa / eoa tokens are unset, audio or not
-        self.video_token, self.audio_token, self.boa_token, self.eoa_token = None, "<|audio|>", "<|audio>", "<audio|>"
-        ProcessorMixin.__init__(self, image_processor=image_processor, tokenizer=tokenizer,
-                                chat_template=chat_template, **kwargs)
-
-
 _GEMMA4_TOKENS = tiny._Tokens(
     bos="<bos>", eos="<|im_end|>", pad="<pad>",
-    named={"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>"},
+    # as in Gemma 4's tokenizer_config.json; the processor refuses every input without boa / eoa
+    named={"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+           "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"},
     other=("<|im_start|>", "<|video|>"),
 )
 
@@ -280,15 +256,15 @@ _GEMMA4_TOKENS = tiny._Tokens(
 def _gemma4_processor() -> Gemma4Processor:
     # 4-pixel patches pooled 3 x 3; 70 soft tokens is the smallest budget Gemma 4 supports
     image_processor = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=3)
-    template = tiny._QWEN_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<|image|>")
-    return Gemma4ImageOnlyProcessor(image_processor, tiny._tokenizer(_GEMMA4_TOKENS), chat_template=template)
+    return _processor(Gemma4Processor, image_processor, _GEMMA4_TOKENS, "<|image|>", image_seq_length=70)
 
 
 _GEMMA4_STD = 0.05  # 0.2 collapses greedy output
 
 
 def _gemma4(out_dir: Path, seed: int) -> Path:
-    tokenizer = _gemma4_processor().tokenizer
+    processor = _gemma4_processor()
+    tokenizer = processor.tokenizer
     ids = tokenizer.convert_tokens_to_ids
     text = dict(
         _TEXT, initializer_range=_GEMMA4_STD, head_dim=16, global_head_dim=16, vocab_size=len(tokenizer),
@@ -304,7 +280,7 @@ def _gemma4(out_dir: Path, seed: int) -> Path:
                           initializer_range=_GEMMA4_STD)
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
     return out_dir
 
 

@@ -2,6 +2,8 @@
 
 Serves: `--drafter mtp`, for a target whose config declares MTP layers (`num_mtp_layers` /
 `num_nextn_predict_layers`); the layers are read again from the target's own checkpoint.
+Qwen3.5 / 3.6 checkpoints (`mtp_num_hidden_layers`), for which transformers builds no MTP
+module, get the project's MTP head built from their `mtp.*` weights (engine/drafters/mtp_head.py).
 Reads from the target: hidden state 0 (the merged input embeddings) and -1 (the last).
 
 MTP layer k (0-based) at entry j reads two things and predicts token j + k + 2:
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.drafters import mtp_head
 from engine.drafters.base import Draft, DraftBuilder
 from engine.drafters.target_positions import TargetPositions
 from engine.prompt import Prompt
@@ -51,6 +54,8 @@ def load(name: str, config, target, options) -> MtpDrafter:
     from transformers.modeling_layers import MtpModel
 
     text_config = target.model.config.get_text_config()
+    if getattr(text_config, "mtp_num_hidden_layers", None):  # Qwen3.5 / 3.6
+        return mtp_head.load_qwen3_5(name, target, options)
     if not getattr(text_config, "num_mtp_layers", None):
         raise LoadError(f"--drafter mtp: {target.name!r} ({text_config.model_type}) declares no MTP layers "
                         "(num_mtp_layers / num_nextn_predict_layers); pick another drafter")

@@ -28,16 +28,20 @@ and runs entries 10 .. 12 (embedding x_11 .. x_13), then drafts from entry 12.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import DynamicCache
 
 from engine.drafters.base import Draft, DraftBuilder
-from engine.drafters.target_head import TargetHead, load_module, require_hidden
+from engine.drafters.target_head import TargetHead, load_module, module_dtype, require_hidden
 from engine.drafters.target_positions import TargetPositions
 from engine.prompt import Prompt
 from engine.runner import CacheState, TargetReads
 from engine.sampling import Sampler
+from models import drafter_heads
 from models.drafter_heads import MtpHeadConfig, causal_mask
+from models.loading import LoadError
 
 READS = (0, -1)  # merged input embeddings, last hidden state
 
@@ -48,6 +52,24 @@ def serves(name: str, config) -> bool:
 
 def load(name: str, config, target, options) -> MtpHeadDrafter:
     module = load_module(name, config, target, options)
+    return MtpHeadDrafter(name, module, TargetHead(target, next(module.parameters()).dtype), target.family)
+
+
+def load_qwen3_5(name: str, target, options) -> MtpHeadDrafter:
+    """`--drafter mtp` for a Qwen3.5 / 3.6 target: transformers 5.24 builds no module for the
+    `mtp.*` weights of its checkpoint, so they become this head (models/drafter_heads.py), read
+    from the target's folder (or its hub snapshot)."""
+    folder = target.name
+    if not os.path.isdir(folder):
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(folder, allow_patterns=["*.json", "*.safetensors"])
+    try:
+        module = drafter_heads.mtp_head_from_qwen3_5(folder)
+    except (OSError, RuntimeError, ValueError) as error:  # no mtp.* weights, or missing / mis-shaped ones
+        raise LoadError(f"--drafter mtp: cannot read the MTP layers of {target.name!r}: "
+                        f"{' '.join(str(error).split())}") from error
+    module = module.to(device=target.model.device, dtype=module_dtype(target, options)).eval()
     return MtpHeadDrafter(name, module, TargetHead(target, next(module.parameters()).dtype), target.family)
 
 
