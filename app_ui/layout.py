@@ -160,7 +160,8 @@ def _ab_tab(examples: list[dict]) -> SimpleNamespace:
     message = _message_box("ab-input")
     with gr.Row():
         verdict = gr.Markdown(views.ab_markdown(None), elem_id="ab-verdict", container=True)
-        stop = gr.Button("Stop", variant="stop", size="sm", elem_id="ab-stop", scale=0, min_width=120)
+        stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="ab-stop", scale=0, min_width=120,
+                         interactive=False)
     with gr.Row(equal_height=False):
         plain = gr.Textbox(label="Plain", lines=6, max_lines=16, interactive=False)
         speculative = gr.HighlightedText(label="Speculative", elem_classes=["tokens"],
@@ -253,8 +254,11 @@ def _wire_ab(engine: Engine, gpu: Callable, session: gr.State, settings: list, a
         options = Options(mode="speculative", **dict(zip(settings, values)))
         yield from _ab_live(engine, message_value, session, options, _arrival(request))
 
-    ab.message.submit(ab_live, [ab.message, session, *settings.values()], ab.panels, show_progress_on=ab.panels[:1],
-                      api_visibility="private", **GENERATE)
+    running = dict(fn=lambda: gr.Button(variant="stop", interactive=True), outputs=[ab.stop], **INSTANT)
+    idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[ab.stop], **INSTANT)
+    ab.message.submit(**running).then(ab_live, [ab.message, session, *settings.values()], ab.panels,
+                                      show_progress_on=ab.panels[:1], api_visibility="private", **GENERATE) \
+        .then(**idle)
     ab.stop.click(_stop, [session], None, queue=False, api_visibility="private")
 
 

@@ -192,23 +192,28 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     good = [r for r in rows if r["decode_tok_s"]]
-    names = [f"{r['engine']}\n{r['mode']}" + (f"\n{r['drafter']}" if r["drafter"] else "") for r in good]
-    left.bar(range(len(good)), [r["decode_tok_s"] for r in good],
-             color=["tab:blue" if r["engine"] == "this" else "tab:gray" for r in good])
-    left.set_xticks(range(len(good)), names, fontsize=7)
-    left.set_ylabel("decode tokens/s (median)")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 1.6 + 0.32 * len(good)))
+    names = [f"{r['engine']} {r['mode']}" + (f" ({r['drafter']})" if r["drafter"] else "") for r in good]
+    speeds = [r["decode_tok_s"] for r in good]
+    left.barh(range(len(good)), speeds, color=["tab:blue" if r["engine"] == "this" else "tab:gray" for r in good])
+    for y, speed in enumerate(speeds):
+        left.text(speed, y, f" {speed:.0f}", va="center", fontsize=7)
+    left.set_yticks(range(len(good)), names, fontsize=8)
+    left.invert_yaxis()  # the table's order, top to bottom
+    left.set_xlabel("decode tokens/s (median)")
     left.set_title("Decode speed per engine")
-    for r in good:
-        if r.get("accepted_by_position"):
-            right.plot(range(1, len(r["accepted_by_position"]) + 1), r["accepted_by_position"], marker="o",
-                       label=f"{r['engine']} {r['drafter']}")
+    drafted = [r for r in good if r.get("accepted_by_position")]
+    colours = plt.get_cmap("tab20")
+    for index, r in enumerate(drafted):
+        fixed = "k=" in (r["drafter"] or "")
+        right.plot(range(1, len(r["accepted_by_position"]) + 1), r["accepted_by_position"], marker="o",
+                   linestyle="--" if fixed else "-", color=colours(index % 20), label=f"{r['engine']} {r['drafter']}")
     right.set_xlabel("draft position")
     right.set_ylabel("acceptance")
     right.set_ylim(0, 1.05)
-    right.set_title("Acceptance by draft position")
-    right.legend(fontsize=8)
+    right.set_title("Acceptance by draft position (dashed: k fixed)")
+    right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

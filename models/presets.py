@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "demo")
 DEFAULT_MODEL = os.path.join(ASSETS, "target")
-DEFAULT_DRAFTER = os.path.join(ASSETS, "vlm_drafter")
-DEMO_DRAFTERS = ("text_drafter", "mtp_drafter", "block_drafter")  # after the default; models/demo/README.md
+DEFAULT_DRAFTER = os.path.join(ASSETS, "mtp_drafter")
+DEMO_DRAFTERS = ("vlm_drafter", "text_drafter", "block_drafter")  # after the default; models/demo/README.md
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    # The small VLM drafter first (the default): it is the fastest in the benchmark (README, Benchmark).
+    # The MTP head first (the default): it is the fastest in the benchmark (README, Benchmark).
     "demo": Preset(DEFAULT_MODEL, (DEFAULT_DRAFTER, *(os.path.join(ASSETS, d) for d in DEMO_DRAFTERS), "ngram"),
                    "bundled Qwen2-VL-family model trained on a synthetic world; runs offline on a CPU"),
     "smolvlm-256m": Preset("HuggingFaceTB/SmolVLM-256M-Instruct", ("HuggingFaceTB/SmolLM2-135M-Instruct", "ngram"),

@@ -92,11 +92,14 @@ def test_ab_tab_compares_plain_and_speculative(page):
     from playwright.sync_api import expect
 
     page.get_by_role("tab", name="A/B").click()
+    stop = page.locator("#ab-stop")
+    expect(stop).to_be_disabled()  # nothing to stop yet
     send(page, "ab-input", "What does this chart show?", ["chart.png"])
     verdict = page.locator("#ab-verdict")
     expect(verdict).to_contain_text("Speedup", timeout=120_000)
     expect(verdict).to_contain_text("identical")
     expect(page.locator("#ab-table")).to_contain_text("Speculative")
+    expect(stop).to_be_disabled()  # grey again once both answers are in
     page.screenshot(path=os.path.join(SCREENSHOTS, "ab.png"), full_page=True)
 
 

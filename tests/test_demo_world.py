@@ -125,8 +125,8 @@ def test_eval_command_prints_the_documented_json(capsys):
     assert (result["questions"], result["seed"], result["dtype"]) == (3, 5, "float32")
     assert len(result["questions_sha256"]) == 64
     assert [(r["mode"], r["drafter"]) for r in result["rows"]] == [
-        ("plain", None), ("speculative", "vlm_drafter"), ("speculative", "text_drafter"),
-        ("speculative", "mtp_drafter"), ("speculative", "block_drafter"), ("speculative", "ngram")]
+        ("plain", None), ("speculative", "mtp_drafter"), ("speculative", "vlm_drafter"),
+        ("speculative", "text_drafter"), ("speculative", "block_drafter"), ("speculative", "ngram")]
     assert all(r["identical_to_plain"] == 1.0 and 0 <= r["accuracy"] <= 1 for r in result["rows"])
     per_kind = result["rows"][0]["per_kind"]
     assert sum(c["questions"] for c in per_kind.values()) == 3
