@@ -121,6 +121,7 @@ def cost_model(engine, messages, k: int, repeats: int = 7, max_tokens: int = 9, 
     token = prompt.input_ids[-1]
 
     def extend_and_undo(n):
+        target.checkpoint(state)  # a hybrid target (Qwen3.5) rolls back to here
         target.extend(state, [token] * n)
         target.rollback(state, n)
 

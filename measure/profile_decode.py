@@ -29,6 +29,7 @@ from measure.bench import demo_requests, messages_of
 def profile_steps(runner, state, token: int, steps: int) -> tuple[float, list]:
     """(ms per step without the profiler, profiler's per-operator averages)."""
     def step():
+        runner.checkpoint(state)  # a hybrid model (Qwen3.5) rolls back to here
         runner.extend(state, [token])
         runner.rollback(state, 1)
 

@@ -50,7 +50,7 @@ def test_bench_runs_end_to_end_with_text_vlm_and_ngram_drafters(zoo, tmp_path, c
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("family, drafter, label", [("step3p7", "mtp", "mtp"),
+@pytest.mark.parametrize("family, drafter, label", [("step3p7", "mtp", "mtp"), ("qwen3_5", "mtp", "mtp"),
                                                     ("muse_glimmer", "assistant", "assistant"),
                                                     ("gemma4", "assistant", "assistant")])
 def test_bench_covers_drafters_that_read_the_target(tmp_path, family, drafter, label):
