@@ -34,11 +34,11 @@ Where the numbers come from, all measured while answering (no calibration pass):
 
 Stopping on thin evidence: after one rejected round the estimate rests on a few tokens, and a
 drafter stopped on so little is only probed again PROBE_EVERY rounds later, after a short answer
-has ended. So when k = 0 wins at the estimate but not at an optimistic a, OPTIMISM standard
-errors higher (sqrt(a (1 - a) / (n + 1)) over the request's n judged tokens and the pseudo-tokens,
-not decayed: the error says how much was seen), the round drafts one token to learn more. A
-drafter that keeps failing is stopped within a few rounds, as the estimate firms up; the length
-of a draft is always chosen at the estimate itself.
+has ended. So while fewer than THIN_EVIDENCE of the request's drafted tokens have been judged,
+k is chosen at an optimistic a, OPTIMISM standard errors higher (sqrt(a (1 - a) / (n + 1)) over
+those n tokens and the pseudo-tokens), and where k = 0 wins at the estimate but not at that
+optimistic a, the round drafts one token to learn more. After that the estimate alone decides,
+so a drafter that keeps failing is stopped within a few rounds.
 """
 
 from __future__ import annotations
@@ -203,11 +203,14 @@ class DraftLength:
         if self.drafter is None:
             self.k, self.reason = 0, "plain decoding"
             return
-        thin = self.request_judged < THIN_EVIDENCE
-        choice = best_k(self.costs, self.drafter, self.optimistic_acceptance if thin else self.acceptance, self.max_k)
-        if choice.k == 0 and best_k(self.costs, self.drafter, self.optimistic_acceptance, self.max_k).k > 0:
-            choice = Choice(1, f"cost: drafting looks like a loss on {self.request_judged} tokens judged "
-                               f"(acceptance {self.acceptance:.2f}): one token to measure more")
+        choice = best_k(self.costs, self.drafter, self.acceptance, self.max_k)
+        if self.request_judged < THIN_EVIDENCE:  # little seen yet: choose at the optimistic acceptance
+            hopeful = best_k(self.costs, self.drafter, self.optimistic_acceptance, self.max_k)
+            if choice.k > 0:
+                choice = hopeful
+            elif hopeful.k > 0:
+                choice = Choice(1, f"cost: drafting looks like a loss on {self.request_judged} tokens judged "
+                                   f"(acceptance {self.acceptance:.2f}): one token to measure more")
         self.plain_rounds = self.plain_rounds + 1 if choice.k == 0 else 0
         if choice.k == 0 and self.plain_rounds % PROBE_EVERY == 0:
             choice = Choice(1, f"cost: probe (one token after {PROBE_EVERY} plain steps) to re-measure acceptance")
