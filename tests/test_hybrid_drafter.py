@@ -55,7 +55,7 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(folders):
-    return tiny_next.load("qwen3_5", folders.target)
+    return tiny_next.load(folders.target)
 
 
 @pytest.fixture(scope="module")
