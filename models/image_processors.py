@@ -35,6 +35,7 @@ from transformers.processing_utils import ImagesKwargs
 
 _STEP3P7 = Step3p7ImageProcessor  # transformers' torchvision class: its settings are read below
 
+
 def step3p7_plan(width: int, height: int, image_size: int, patch_size: int, max_image_size: int) -> tuple:
     """transformers' `Step3p7ImageProcessor._plan_patches`, with `max_image_size` an argument
     (transformers reads it from the instance, so a per-call value is ignored there; the image
