@@ -28,6 +28,7 @@ import json
 import os
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, PreTrainedConfig
@@ -251,14 +252,15 @@ def mtp_head_from_qwen3_5(checkpoint: str, out: str | None = None) -> MtpHead:
         layers_from="qwen3_5", layer_config={k: v for k, v in layer_config.items() if not k.startswith("_")})
     weights = {}
     for path in _safetensors_files(checkpoint):
-        for name, tensor in load_file(path).items():
-            rest = name.removeprefix("model.")  # "mtp.*" at the top level (or under "model.")
-            if rest.startswith("mtp."):
-                rest = rest.removeprefix("mtp.")
-                prefix = next((p for p in QWEN3_5_MTP_NAMES if rest.startswith(p)), None)
-                if prefix is None:
-                    raise ValueError(f"{checkpoint}: unknown MTP weight {name!r}")
-                weights[QWEN3_5_MTP_NAMES[prefix] + rest[len(prefix):]] = tensor
+        with safe_open(path, framework="pt") as shard:  # reads the mtp.* tensors only, not the model's
+            for name in shard.keys():
+                rest = name.removeprefix("model.")  # "mtp.*" at the top level (or under "model.")
+                if rest.startswith("mtp."):
+                    rest = rest.removeprefix("mtp.")
+                    prefix = next((p for p in QWEN3_5_MTP_NAMES if rest.startswith(p)), None)
+                    if prefix is None:
+                        raise ValueError(f"{checkpoint}: unknown MTP weight {name!r}")
+                    weights[QWEN3_5_MTP_NAMES[prefix] + rest[len(prefix):]] = shard.get_tensor(name)
     head = MtpHead(head_config)
     head.load_state_dict(weights, strict=True)
     if out is not None:

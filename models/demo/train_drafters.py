@@ -54,17 +54,13 @@ BLOCK_TARGET_LAYERS = (2, 4, 6)  # hidden_states indices of the 6-layer target: 
 def target_answers(target, processor, examples: list[world.Example], max_new_tokens: int) -> list[world.Example]:
     """`examples` with each assistant turn replaced by the target's greedy answer to the
     conversation so far (its own earlier answers included). One batched `generate` per turn."""
-    examples = [world.Example(e.images, [dict(m) for m in e.messages], e.kind, e.pictures) for e in examples]
+    examples = [world.Example(e.images, list(e.messages), e.kind, e.pictures) for e in examples]
     tokenizer = processor.tokenizer
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     try:
-        turns = max(sum(m["role"] == "assistant" for m in e.messages) for e in examples)
-        for turn in range(turns):
-            asks = []  # (example, index of its assistant message number `turn`)
-            for example in examples:
-                at = [i for i, m in enumerate(example.messages) if m["role"] == "assistant"]
-                if turn < len(at):
-                    asks.append((example, at[turn]))
+        slots = [[i for i, m in enumerate(e.messages) if m["role"] == "assistant"] for e in examples]
+        for turn in range(max(map(len, slots))):
+            asks = [(e, at[turn]) for e, at in zip(examples, slots) if turn < len(at)]  # (example, message index)
             history = [e.messages[:i] for e, i in asks]
             texts = [processor.apply_chat_template(h, add_generation_prompt=True) for h in history]
             shown = [sum(c.get("type") == "image" for m in h for c in m["content"]) for h in history]
@@ -75,7 +71,7 @@ def target_answers(target, processor, examples: list[world.Example], max_new_tok
                                       pad_token_id=tokenizer.pad_token_id)
             answers = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
             for (example, index), answer in zip(asks, answers):
-                example.messages[index] = {"role": "assistant", "content": [{"type": "text", "text": answer.strip()}]}
+                example.messages[index] = world.assistant_turn(answer.strip())
     finally:
         tokenizer.padding_side = side
     return examples

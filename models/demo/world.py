@@ -457,7 +457,7 @@ def _user_turn(draft: _Draft) -> dict:
     return {"role": "user", "content": content}
 
 
-def _assistant_turn(text: str) -> dict:
+def assistant_turn(text: str) -> dict:
     return {"role": "assistant", "content": [{"type": "text", "text": text}]}
 
 
@@ -485,7 +485,7 @@ def train_examples(start: int, count: int) -> Iterator[Example]:
         messages = []
         if rng.random() < 0.2:
             messages.append({"role": "system", "content": [{"type": "text", "text": rng.choice(SYSTEM_PROMPTS)}]})
-        messages += [_user_turn(first), _assistant_turn(first.reference)]
+        messages += [_user_turn(first), assistant_turn(first.reference)]
         if rng.random() < 0.16:
             if rng.random() < 0.5 and len(first.specs) == 1:
                 follow = _ASK[type(first.specs[0])](rng, first.specs[0])
@@ -493,7 +493,7 @@ def train_examples(start: int, count: int) -> Iterator[Example]:
             else:
                 second = _draw_question(rng, "train")
             drafts.append(second)
-            messages += [_user_turn(second), _assistant_turn(second.reference)]
+            messages += [_user_turn(second), assistant_turn(second.reference)]
         pictures = tuple(s for d in drafts for s in d.specs)
         yield Example([render(s) for s in pictures], messages, "+".join(d.kind for d in drafts), pictures)
 
