@@ -45,8 +45,7 @@ def exactness_short(family: str = "qwen2_5_vl") -> dict:
     import tempfile
     from pathlib import Path
 
-    from tests.conftest import TinyZoo
-    from tests.test_engine_exact import DRAFTERS, conversation, run
+    from measure.exactness import DRAFTERS, TinyZoo, conversation, run
 
     started = time.perf_counter()
     zoo, failures, cases = TinyZoo(Path(tempfile.mkdtemp())), [], 0

@@ -4,7 +4,7 @@ cached on disk, for measuring speed at real sizes (measure/realscale.py, measure
 The shapes below are the `config.json` values that Hugging Face publishes with each checkpoint
 (huggingface.co/<id>/blob/main/config.json; ids in SHAPES). Only the shape matters here: the
 weights are random (normal, std 0.02) and the tokenizer is the tests' small byte-level BPE
-(tests/tiny.py) with the family's special tokens, so prompts are longer in tokens than the real
+(models/tiny.py) with the family's special tokens, so prompts are longer in tokens than the real
 tokenizer's but the embedding and output layers have the real vocabulary size. Image processors
 use the published patch and merge sizes.
 
@@ -86,7 +86,7 @@ def build(name: str, quick: bool, cache: Path, tokenizer_from: Path | None = Non
     folder = Path(cache) / (name + ("-quick" if quick else ""))
     if (folder / "model.safetensors").exists() or (folder / "model.safetensors.index.json").exists():
         return folder
-    from tests import tiny  # the offline tokenizer, processors and chat templates of the tests
+    from models import tiny  # the offline tokenizer, processors and chat templates of the tests
 
     shape = SHAPES[name]
     print(f"building {folder} (random weights, once)", file=sys.stderr)
@@ -153,7 +153,7 @@ def _processor(family: str, tokenizer, shape: dict):
     from transformers import Idefics3ImageProcessorPil, Idefics3Processor, Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
 
     from models.processors import build_image_only_processor
-    from tests import tiny
+    from models import tiny
 
     if family == "qwen2_5_vl":  # Qwen2.5-VL's published min / max pixels
         image_processor = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,

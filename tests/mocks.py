@@ -26,13 +26,14 @@ class CharTokenizer:
 class MarkovState:
     tokens: list[int]
     tree: list[int] | None = None  # a draft tree's tokens, until keep_path
+    reading: bool = True  # computing what a drafter reads, until a fallback stops it
 
     @property
     def cache_len(self):
         return len(self.tokens)
 
     def stop_reading(self):
-        pass
+        self.reading = False
 
 
 class MarkovRunner:
@@ -43,7 +44,8 @@ class MarkovRunner:
 
     def prefill(self, inputs, reads=NO_READS):
         tokens = inputs["input_ids"][0].tolist()
-        return self.table[tokens[-1]].clone(), MarkovState(tokens)
+        self.state = MarkovState(tokens)  # the latest request's, for tests to inspect
+        return self.table[tokens[-1]].clone(), self.state
 
     def extend(self, state, token_ids):
         state.tokens += token_ids
@@ -131,6 +133,44 @@ class ScriptedDrafter(MarkovDrafter):
         if self.fail_at_round is not None and self.rounds >= self.fail_at_round:
             raise RuntimeError("drafter exploded mid-answer")
         return Draft(self.continuation[len(generated):len(generated) + k])
+
+
+class FaultyDrafter(MarkovDrafter):
+    """Drafts from its table (the target's own: every draft is right), except that the `call`-th
+    call of `method` ("begin", "propose", "propose_tree", "accept" or "tree_unsupported") raises.
+    `calls_after_fault` counts every call made to it after that."""
+
+    def __init__(self, table: torch.Tensor, method: str, call: int = 1):
+        super().__init__(table, "faulty")
+        self.method, self.call, self.calls = method, call, 0
+        self.faulted, self.calls_after_fault = False, 0
+
+    def _called(self, method: str) -> None:
+        self.calls_after_fault += self.faulted
+        self.calls += method == self.method
+        if method == self.method and self.calls == self.call:
+            self.faulted = True
+            raise RuntimeError(f"{method} exploded")
+
+    def begin(self, prompt, target_state):
+        self._called("begin")
+        return super().begin(prompt, target_state)
+
+    def propose(self, generated, k, sampler):
+        self._called("propose")
+        return super().propose(generated, k, sampler)
+
+    def propose_tree(self, generated, depth, budget, branching, sampler):
+        self._called("propose_tree")
+        return super().propose_tree(generated, depth, budget, branching, sampler)
+
+    def accept(self, num_accepted, path=None):
+        self._called("accept")
+        super().accept(num_accepted, path)
+
+    def tree_unsupported(self):
+        self._called("tree_unsupported")
+        return super().tree_unsupported()
 
 
 def expected_accepts(truth: list[int], proposed: list[int], draft_lengths: list[int]) -> list[int]:

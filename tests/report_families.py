@@ -18,9 +18,8 @@ import torch
 
 from engine.engine import Engine
 from engine.loop import DecodeSettings, Done
-from tests import tiny
-from tests.conftest import TinyZoo
-from tests.test_engine_exact import CASES, conversation
+from models import tiny
+from measure.exactness import CASES, TinyZoo, conversation
 
 DECODE = DecodeSettings(max_new_tokens=24, draft_tokens=4, stop_token_ids=frozenset({-1}))
 

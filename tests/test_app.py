@@ -4,74 +4,44 @@ the same conversation (float32, greedy: exactly equal)."""
 
 from __future__ import annotations
 
-import socket
-import time
+import threading
 
 import pytest
-from gradio_client import Client, handle_file
+from gradio_client import Client
 from gradio_client.exceptions import AppError
-from gradio_client.utils import Status
 
 import app
 from app_ui import layout, views
 from app_ui.session import Options, Session, new_turn
 from app_ui.setup import read_config
 from engine.ab import Side, compare, first_difference_index
-from engine.engine import Engine
-from engine.images import load_image
-from engine.loop import DecodeSettings, Done
+from engine.loop import DecodeSettings
 from engine.stats import Stats
 from tests.conftest import ROOT
+from tests.helpers import (SHORT, Gate, launch_app, message, reference, reference_engine, wait_until,
+                           wait_until_queued)
 
 IMAGES = [f"{ROOT}/assets/examples/two_scenes_a.png", f"{ROOT}/assets/examples/chart.png"]
 STATS_KEYS = {"decode_tok_s", "ttft_s", "prefill_s", "acceptance", "tokens_per_forward", "drafted", "accepted",
               "fallback_reason", "finish_reason", "summary"}
-SHORT = 24  # max_new_tokens for most turns: enough to stream, quick on a shared CPU
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LONG = 400  # max_new_tokens of an answer held at a gate and stopped: "Describe the image." never ends early
 
 
 @pytest.fixture(scope="module")
-def url(zoo):
-    argv = ["--model", str(zoo.dir("qwen2_vl")), "--drafter", str(zoo.dir("qwen2_vl", "text_drafter")),
-            "--port", str(free_port()), "--host", "127.0.0.1", "--no-browser"]
-    demo = app.main(argv, block=False)
-    yield demo.local_url
-    demo.close()
+def server(zoo):
+    served = launch_app(zoo, "--host", "127.0.0.1")
+    yield served
+    served.demo.close()
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server.url
 
 
 @pytest.fixture(scope="module")
 def engine(zoo):
-    """The reference: the same weights, loaded apart from the app."""
-    return Engine(zoo.target("qwen2_vl"), {"text": zoo.drafter("qwen2_vl", "text_drafter")})
-
-
-def reference(engine, turns: list[tuple[str, list[str], str | None]], drafter="text", max_new_tokens=SHORT) -> Done:
-    """The engine's answer to the last of `turns` = [(text, image paths, earlier answer or None)]."""
-    messages = []
-    for text, paths, answer in turns:
-        content = [{"type": "image", "image": load_image(p)} for p in paths] + [{"type": "text", "text": text}]
-        messages.append({"role": "user", "content": content})
-        if answer is not None:
-            messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
-    *_, done = engine.stream(messages, drafter=drafter, decode=DecodeSettings(max_new_tokens=max_new_tokens))
-    return done
-
-
-def wait_for_output(job, timeout: float = 60) -> None:
-    """Until the answer is streaming."""
-    deadline = time.monotonic() + timeout
-    while not job.outputs() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert job.outputs(), "no output"
-
-
-def message(text: str, paths: list[str] = ()) -> dict:
-    return {"text": text, "files": [handle_file(p) for p in paths]}
+    return reference_engine(zoo)
 
 
 def test_chat_streams_answer_and_statistics_and_keeps_images_in_history(url, engine):
@@ -108,40 +78,44 @@ def test_ab_greedy_answers_are_identical(url, engine):
     assert speedup > 0
 
 
-def test_stop_mid_answer_then_next_turn_is_answered_as_by_a_fresh_engine(url, engine):
-    long = 400
-    assert len(reference(engine, [("Describe the image.", [], None)], None, long).token_ids) == long  # no early end
-    client = Client(url, verbose=False)
-    job = client.submit(message("Describe the image."), mode="plain", max_new_tokens=long, api_name="/chat")
-    wait_for_output(job)
-    client.predict(api_name="/stop")
+def test_stop_mid_answer_then_next_turn_is_answered_as_by_a_fresh_engine(server, engine):
+    assert len(reference(engine, [("Describe the image.", [], None)], None, LONG).token_ids) == LONG  # no early end
+    client = Client(server.url, verbose=False)
+    with Gate(server.engine.target.runner, at=3) as gate:
+        job = client.submit(message("Describe the image."), mode="plain", max_new_tokens=LONG, api_name="/chat")
+        gate.wait()
+        client.predict(api_name="/stop")
     partial, stats = job.result(timeout=60)
-    assert stats["finish_reason"] == "stopped" and 0 < stats["new_tokens"] < long
+    assert stats["finish_reason"] == "stopped" and stats["new_tokens"] == 4  # the first token, then 3 passes
 
     answer, stats = client.predict(message("Describe each image.", IMAGES), max_new_tokens=SHORT, api_name="/chat")
     expected = reference(engine, [("Describe the image.", [], partial), ("Describe each image.", IMAGES, None)])
     assert answer == expected.text and stats["finish_reason"] != "stopped"
 
-    # A cancelled request (the client went away) also leaves the engine ready.
-    job = client.submit(message("Describe the image."), mode="plain", max_new_tokens=long, api_name="/chat")
-    wait_for_output(job)
-    job.cancel()
+    # A cancelled request (the client went away mid-answer) also leaves the engine ready. Gradio
+    # answers the cancel, then closes the answer's stream, which waits for the held pass.
+    with Gate(server.engine.target.runner, at=3) as gate:
+        job = client.submit(message("Describe the image."), mode="plain", max_new_tokens=LONG, api_name="/chat")
+        gate.wait()
+        cancelling = threading.Thread(target=job.cancel)
+        cancelling.start()
+        wait_until(job.done, "the request ended for its client")
+    cancelling.join()
     client.predict(api_name="/clear")
     answer, _ = client.predict(message("Describe each image.", IMAGES), max_new_tokens=SHORT, api_name="/chat")
     assert answer == reference(engine, [("Describe each image.", IMAGES, None)]).text
 
 
-def test_one_generation_at_a_time_and_a_waiting_client_sees_its_place(url, engine):
-    first, second = Client(url, verbose=False), Client(url, verbose=False)
-    running = first.submit(message("Describe the image."), mode="plain", max_new_tokens=1500, api_name="/chat")
-    wait_for_output(running)
-    waiting = second.submit(message("And the chart?"), max_new_tokens=SHORT, api_name="/chat")
-    deadline = time.monotonic() + 30
-    while waiting.status().code != Status.IN_QUEUE and time.monotonic() < deadline:
-        time.sleep(0.02)
-    status = waiting.status()
-    assert status.code == Status.IN_QUEUE and status.rank == 0 and status.queue_size >= 1
-    first.predict(api_name="/stop")  # stops the first client's answer only
+def test_one_generation_at_a_time_and_a_waiting_client_sees_its_place(server, engine):
+    first, second = Client(server.url, verbose=False), Client(server.url, verbose=False)
+    with Gate(server.engine.target.runner) as gate:  # the first answer holds the engine
+        running = first.submit(message("Describe the image."), mode="plain", max_new_tokens=LONG, api_name="/chat")
+        gate.wait()
+        waiting = second.submit(message("And the chart?"), max_new_tokens=SHORT, api_name="/chat")
+        wait_until_queued(waiting)
+        status = waiting.status()
+        assert status.rank == 0 and status.queue_size >= 1
+        first.predict(api_name="/stop")  # stops the first client's answer only
     assert running.result(timeout=60)[1]["finish_reason"] == "stopped"
     answer, stats = waiting.result(timeout=60)
     assert stats["finish_reason"] != "stopped"

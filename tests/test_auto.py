@@ -10,7 +10,7 @@ import pytest
 from engine.auto import EXPLORE_EVERY, MIN_TOKENS, DrafterChooser
 from engine.engine import Engine
 from engine.loop import DecodeSettings, Done
-from tests.test_engine_exact import conversation
+from measure.exactness import conversation
 
 # decode tok/s each mock drafter delivers, by the request's image count: the text drafter
 # (blind to images) wins on text, the VLM drafter on image requests, n-gram never.

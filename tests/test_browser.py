@@ -16,7 +16,7 @@ import pytest
 import app
 from models.presets import DEFAULT_MODEL
 from tests.conftest import ROOT
-from tests.test_app import free_port
+from tests.helpers import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from engine.__main__ import main
-from tests import tiny
+from models import tiny
 from tests.conftest import ROOT
 
 

@@ -9,40 +9,10 @@ import torch
 
 from engine.engine import Engine
 from engine.loop import DecodeSettings, Done
-from tests import tiny
+from measure.exactness import CASES, DRAFTERS, MAX_NEW, conversation, run
+from models import tiny
 from tests.oracles import uncached_forward
 
-DRAFTERS = ("text_drafter", "vlm_drafter", "ngram")
-MAX_NEW = 24
-
-
-def user(text, images=()):
-    return {"role": "user", "content": [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]}
-
-
-def conversation(num_images: int, two_turns: bool = False):
-    images = tiny.tiny_images(max(num_images, 1) + 1, seed=num_images)
-    if not two_turns:
-        return [user("Describe what you see, then say more.", images[:num_images])]
-    return [user("What is in these pictures?", images[:2]),
-            {"role": "assistant", "content": [{"type": "text", "text": "A red square and a blue circle."}]},
-            user("And which one is larger?")]
-
-
-def run(zoo, family, drafter_role, messages, k=4, adaptive=False, events=False, tree_nodes=0):
-    target = zoo.target(family)
-    drafters = {drafter_role: zoo.drafter(family, drafter_role)} if drafter_role else {}
-    engine = Engine(target, drafters)
-    stream = list(engine.stream(messages, drafter=drafter_role,
-                                decode=DecodeSettings(max_new_tokens=MAX_NEW, draft_tokens=k, adaptive=adaptive,
-                                                      stop_token_ids=frozenset({-1}), tree_nodes=tree_nodes)))
-    done = stream[-1]
-    assert isinstance(done, Done)
-    assert sum(len(e.token_ids) for e in stream[:-1]) == len(done.token_ids)
-    return stream if events else done
-
-
-CASES = [(n, False) for n in (0, 1, 2, 4)] + [(2, True)]
 SLIDING_WINDOW = ("gemma3",)
 
 

@@ -10,7 +10,7 @@ import torch
 from engine.engine import Engine, RequestError
 from engine.loop import DecodeSettings, Done
 from engine.sampling import SamplingSettings
-from tests.test_engine_exact import conversation
+from measure.exactness import conversation
 
 DECODE = DecodeSettings(max_new_tokens=16, draft_tokens=3, stop_token_ids=frozenset({-1}))
 

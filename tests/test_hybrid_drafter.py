@@ -1,7 +1,7 @@
 """Drafters with linear-attention layers (a small Qwen3.5) on a tiny Qwen3.5 target (float32).
 
 The drafters, built here:
-    text_lm  a Qwen3_5ForCausalLM holding the target's language weights (tests/tiny.py
+    text_lm  a Qwen3_5ForCausalLM holding the target's language weights (models/tiny.py
              `build_text_drafter`): layers [linear_attention, full_attention], the target's
              slow decay, so a recurrent state that keeps a rejected token changes the logits.
     vlm      the target's own folder loaded as a VLM drafter (same family, same weights).
@@ -36,7 +36,8 @@ from engine.loop import DecodeSettings
 from engine.prompt import encode_text, encode_vlm
 from engine.runner import Runner
 from models.loading import LoadError, LoadOptions
-from tests import tiny, tiny_next
+from models import tiny
+from tests import tiny_next
 from tests.oracles import uncached_forward
 from tests.test_target_drafters import IMAGE_COUNTS, ForcedDrafter, answer, assert_forced_acceptance, corrupt, messages
 

@@ -9,7 +9,8 @@ from scipy.stats import chi2
 
 from engine.loop import DecodeSettings, Done, generate
 from engine.sampling import SamplingSettings
-from tests.mocks import CharTokenizer, MarkovDrafter, MarkovRunner, ScriptedDrafter, expected_accepts, prompt_of
+from tests.mocks import (CharTokenizer, FaultyDrafter, MarkovDrafter, MarkovRunner, ScriptedDrafter, expected_accepts,
+                         prompt_of)
 
 V = 8
 GREEDY = SamplingSettings()
@@ -74,6 +75,26 @@ def test_failing_drafter_falls_back_to_plain_and_completes(fail):
     done = answer(t, ScriptedDrafter(truth, **fail))[-1]
     assert done.token_ids == truth
     assert "drafter" in done.stats.fallback_reason and "exploded" in done.stats.fallback_reason
+
+
+@pytest.mark.parametrize("method,call,tree_nodes", [
+    ("begin", 1, 0), ("propose", 3, 0), ("accept", 3, 0),
+    ("tree_unsupported", 1, 4), ("propose_tree", 3, 4), ("accept", 3, 4)])
+def test_a_drafter_call_that_raises_hands_the_request_to_plain_decoding(method, call, tree_nodes):
+    """Any drafter call that raises ends drafting for the request, with the call named in the
+    reason; the answer is plain greedy's, the target stops computing what the drafter read, and
+    the drafter is never called again."""
+    t = table(18)  # a 6-token cycle
+    truth = plain_ids(t)
+    drafter, target = FaultyDrafter(t, method, call), MarkovRunner(t)
+    events = list(generate(target, CharTokenizer(), prompt_of([1, 2, 3]), drafter, GREEDY,
+                           DecodeSettings(max_new_tokens=30, draft_tokens=4, tree_nodes=tree_nodes)))
+    done = events[-1]
+    assert done.token_ids == truth
+    assert done.stats.fallback_reason.startswith(f"drafter failed in {method} "), done.stats.fallback_reason
+    assert done.stats.fallback_reason.endswith(f"RuntimeError: {method} exploded")
+    assert drafter.faulted and drafter.calls_after_fault == 0 and not target.state.reading
+    assert (done.stats.drafted == 0) == (call == 1)  # drafts before the fault only
 
 
 def test_stop_token_inside_an_accepted_draft_ends_the_answer():

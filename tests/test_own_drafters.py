@@ -1,5 +1,5 @@
 """The project's own drafter modules (models/drafter_heads.py: MTP head, block drafter) on the
-tiny M-RoPE target (tests/tiny.py qwen2_vl), float32, random module weights.
+tiny M-RoPE target (models/tiny.py qwen2_vl), float32, random module weights.
 
 - forced acceptance with 0, 1, 2 and 4 images, a prompt that ends with an image, and a second
   turn after an image turn: the real drafter runs and only its token choice is forced to the
@@ -26,7 +26,7 @@ from engine.loop import DecodeSettings, Done
 from engine.runner import NO_READS
 from models import drafter_heads
 from models.loading import LoadError
-from tests import tiny
+from models import tiny
 from tests.conftest import MODEL_OPTIONS as FLOAT32
 from tests.mocks import expected_accepts
 from tests.oracles import uncached_forward

@@ -12,7 +12,7 @@ from app_ui.setup import read_config
 from engine.build import EngineSpec, build_engine
 from engine.loop import DecodeSettings
 from models.loading import LoadOptions
-from tests import tiny
+from models import tiny
 
 
 @pytest.mark.usefixtures("one_thread")

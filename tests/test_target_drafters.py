@@ -25,7 +25,8 @@ from engine.engine import Engine
 from engine.loop import DecodeSettings, Done
 from engine.runner import Runner
 from engine.drafters.registry import load_drafter
-from tests import tiny, tiny_next
+from models import tiny
+from tests import tiny_next
 from tests.mocks import ScriptedDrafter, expected_accepts
 from tests.oracles import uncached_forward
 

@@ -1,4 +1,4 @@
-"""The tiny models of tests/tiny.py load, generate with images and agree with their text drafters."""
+"""The tiny models of models/tiny.py load, generate with images and agree with their text drafters."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from models.processors import image_token_ids, load_processor
-from tests.tiny import FAMILIES, build_target, build_text_drafter, build_vlm_drafter, tiny_images
+from models.tiny import FAMILIES, build_target, build_text_drafter, build_vlm_drafter, tiny_images
 
 TEXT_PROMPT = [{"role": "user", "content": [{"type": "text", "text": "What is in the picture? Two apples."}]}]
 IMAGE_PROMPT = [

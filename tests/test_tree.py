@@ -13,7 +13,7 @@ from engine.loop import DecodeSettings, Done
 from engine.sampling import Sampler, SamplingSettings, accept_tree
 from engine.tree import ancestor_mask, best_nodes, tree_depths
 from tests.mocks import ScriptedTreeDrafter
-from tests.test_engine_exact import conversation
+from measure.exactness import conversation
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_NEW = 24

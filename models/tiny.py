@@ -1,4 +1,5 @@
-"""Tiny random-weight vision-language models for CPU tests, saved like real checkpoints.
+"""Tiny random-weight vision-language models for CPU tests and the GPU check's short mode, saved like
+real checkpoints.
 
 Every builder writes a folder that loads through the ordinary paths:
 `AutoModelForImageTextToText.from_pretrained(folder)` with `models.processors.load_processor(folder)`

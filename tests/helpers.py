@@ -1,0 +1,148 @@
+"""Helpers the test modules share: the app served in-process, the reference answers it is checked
+against, the gate that holds an answer mid-decode, and the process's memory.
+
+A test that needs an answer still running holds it at a `Gate` (never at "long enough"):
+
+    with Gate(server.engine.target.runner, at=5) as gate:
+        job = client.submit(message("Describe the image."), max_new_tokens=400, api_name="/chat")
+        gate.wait()                       # the answer is about to run its 5th target pass
+        client.predict(api_name="/stop")  # ...which is where it stops: stats["target_forwards"] == 5
+    partial, stats = job.result(timeout=120)   # leaving the block released the gate
+"""
+
+from __future__ import annotations
+
+import gc
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from gradio_client import handle_file
+from gradio_client.utils import Status
+from PIL import Image
+
+import app
+from app_ui import setup
+from engine.engine import Engine
+from engine.images import load_image
+from engine.loop import DecodeSettings, Done
+
+SHORT = 24  # max_new_tokens of a reference answer unless asked: enough to stream, quick on a shared CPU
+WAIT_S = 120  # the longest a test waits for the server to reach a point it must reach
+
+
+class Gate:
+    """Holds the target's `at`-th pass (a call of `runner.extend`, counted from entering the block:
+    each decode or chain-verify pass is one) until the test releases it. `wait()` returns when that
+    pass has been asked for and is held; leaving the block releases it and restores the runner.
+    A Stop sent while the pass is held ends the answer right after that pass. Draft trees verify
+    through `extend_tree`, which the gate does not count."""
+
+    def __init__(self, runner, at: int = 1):
+        self.runner, self.at, self.calls = runner, at, 0
+        self.held, self.opened = threading.Event(), threading.Event()
+        self.extend, self.own_extend = runner.extend, vars(runner).get("extend")  # own: another test's wrapper
+
+    def __enter__(self) -> Gate:
+        self.runner.extend = self._extend  # on the instance: the class's method is untouched
+        return self
+
+    def __exit__(self, *error) -> None:
+        self.release()
+        if self.own_extend is None:
+            del self.runner.extend
+        else:
+            self.runner.extend = self.own_extend
+
+    def wait(self, timeout: float = WAIT_S) -> None:
+        assert self.held.wait(timeout), f"the answer never reached target pass {self.at} ({self.calls} passes)"
+
+    def release(self) -> None:
+        self.opened.set()
+
+    def _extend(self, state, token_ids):
+        self.calls += 1
+        if self.calls == self.at:
+            self.held.set()
+            self.opened.wait(WAIT_S)  # bounded: a failed test must not hang the server forever
+        return self.extend(state, token_ids)
+
+
+def wait_until(condition, what: str, timeout: float = WAIT_S) -> None:
+    """Until `condition()` holds, polled (for what the server offers no event for: its queue, its
+    sweeps of idle conversations); fails after `timeout` seconds saying `what` never happened."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.02)
+
+
+def wait_until_queued(*jobs) -> None:
+    """Until each gradio_client job waits in the server's queue."""
+    wait_until(lambda: all(job.status().code == Status.IN_QUEUE for job in jobs), "queued")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_app(zoo, *argv: str, **main_options) -> SimpleNamespace:
+    """`python app.py --model M --drafter D --no-browser` with the tiny Qwen2-VL target and its text
+    drafter (n-gram comes too), as a user starts it: no --host, no --share, none of their
+    environment variables. `url`, `demo`, and the `engine` it built (for gates and faults)."""
+    built = {}
+    load_engine = setup.load_engine
+
+    def keep(config):
+        built["engine"] = load_engine(config)
+        return built["engine"]
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("VLM_HOST", "GRADIO_SERVER_NAME", "SPACE_ID", "VLM_SHARE", "GRADIO_SHARE"):
+            patch.delenv(name, raising=False)
+        patch.setattr(setup, "load_engine", keep)
+        demo = app.main(["--model", str(zoo.dir("qwen2_vl")), "--drafter", str(zoo.dir("qwen2_vl", "text_drafter")),
+                         "--port", str(free_port()), "--no-browser", *argv], block=False, **main_options)
+    return SimpleNamespace(url=demo.local_url, demo=demo, engine=built["engine"])
+
+
+def reference_engine(zoo) -> Engine:
+    """The reference: the app's weights with its drafters, loaded apart from the app."""
+    return Engine(zoo.target("qwen2_vl"), {"text": zoo.drafter("qwen2_vl", "text_drafter"),
+                                           "ngram": zoo.drafter("qwen2_vl", "ngram")})
+
+
+def reference(engine, turns: list[tuple[str, list[str], str | None]], drafter="text", max_new_tokens=SHORT) -> Done:
+    """The engine's answer to the last of `turns` = [(text, image paths, earlier answer or None)]."""
+    messages = []
+    for text, paths, answer in turns:
+        content = [{"type": "image", "image": load_image(p)} for p in paths] + [{"type": "text", "text": text}]
+        messages.append({"role": "user", "content": content})
+        if answer is not None:
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+    *_, done = engine.stream(messages, drafter=drafter, decode=DecodeSettings(max_new_tokens=max_new_tokens))
+    return done
+
+
+def message(text: str, paths: list[str] = ()) -> dict:
+    """A /chat message as gradio_client sends it."""
+    return {"text": text, "files": [handle_file(p) for p in paths]}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith("VmRSS")).split()[1]) * 1024
+
+
+def live_objects() -> dict[str, int]:
+    """How many tensors and PIL images the process holds, and the pixels of its largest image."""
+    gc.collect()
+    objects = gc.get_objects()
+    images = [obj for obj in objects if isinstance(obj, Image.Image)]
+    return {"tensors": sum(isinstance(obj, torch.Tensor) for obj in objects), "images": len(images),
+            "largest_image_pixels": max((image.width * image.height for image in images), default=0)}
