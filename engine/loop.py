@@ -7,15 +7,14 @@ decodes one token. The CLI, the app, the A/B mode and the benchmark all consume 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from engine import tree
 from engine.draft_length import DraftLength, PassCosts
-from engine.drafters.base import Draft, Drafter, DrafterUnavailable, DraftSession
+from engine.drafters.base import Drafter, GuardedSession
 from engine.prompt import Prompt
-from engine.runner import NO_READS, CacheState, Runner
+from engine.runner import NO_READS, Runner
 from engine.sampling import Sampler, SamplingSettings, accept_tree
 from engine.stats import Clock, Stats
 
@@ -79,8 +78,10 @@ def generate(
     generated = [first_token]
     stats.new_tokens = 1
     yield _chunk(text, [first_token], 0, stats)
-    session = _begin(drafter, prompt, state, stats) if not _finished(generated, decode, stats, stop) else None
-    tree_nodes = _tree_nodes(decode, target, state, drafter, session, stats)
+    drafting = GuardedSession(drafter, state, stats)  # every drafter call: a failure decodes plainly from there
+    if not _finished(generated, decode, stats, stop):
+        drafting.begin(prompt)
+    tree_nodes = _tree_nodes(decode, target, drafting, stats)
     length = DraftLength(decode.draft_tokens, decode.adaptive, decode.max_draft_tokens, costs,
                          drafter.name if drafter else None)
     while not _finished(generated, decode, stats, stop):
@@ -89,10 +90,7 @@ def generate(
         # 2. Draft up to k tokens deep: a chain, or a tree of up to tree_nodes nodes (none when
         #    plain, after a fallback, or when drafting is a loss).
         stats.record_draft_length(len(generated), length.k, length.reason)
-        draft = _propose(session, generated, min(length.k, remaining - 1), sampler, stats, tree_nodes, decode)
-        if draft is None:
-            session, draft = None, Draft([])
-            state.stop_reading()
+        draft = drafting.propose(generated, min(length.k, remaining - 1), sampler, tree_nodes, decode.tree_branching)
         drafted_at = clock.now()
         # 3. Verify: one target pass over the last committed token and every draft node, (n+1, V).
         target_logits = tree.verify(target, state, generated[-1], draft)
@@ -101,8 +99,7 @@ def generate(
         path, bonus_token = accept_tree(sampler, draft.token_ids, draft.parents, draft.probs, target_logits)
         # 5. Keep that path in the target's cache, drop the rest; the drafter learns the pass.
         tree.keep(target, state, draft, path)
-        if session is not None:
-            session.accept(len(path)) if draft.parents is None else session.accept(len(path), path)
+        drafting.accept(draft, path, generated)
         new_tokens = _truncate([draft.token_ids[node] for node in path] + [bonus_token], remaining, decode)
         generated += new_tokens
         # 6. Statistics, then the next draft length from this round's counts and timings.
@@ -126,47 +123,13 @@ def _chunk(text: TextStream, new_tokens: list[int], num_drafted: int, stats: Sta
     return Chunk("".join(piece for piece, _ in spans), new_tokens, origins, stats, spans)
 
 
-def _begin(drafter: Drafter | None, prompt: Prompt, state: CacheState, stats: Stats) -> DraftSession | None:
-    """The drafter's session for this request; None (plain decoding) when it cannot serve it."""
-    if drafter is None:
-        return None
-    started = time.perf_counter()
-    try:
-        return drafter.begin(prompt, state)
-    except Exception as error:  # any drafter failure falls back to plain decoding
-        stats.fallback_reason = _reason(error, "at prefill")
-        state.stop_reading()
-        return None
-    finally:
-        stats.drafter_prefill_s = time.perf_counter() - started
-
-
-def _tree_nodes(decode: DecodeSettings, target, state, drafter, session, stats: Stats) -> int:
+def _tree_nodes(decode: DecodeSettings, target, drafting: GuardedSession, stats: Stats) -> int:
     """The node budget of each draft tree; 0 for chains (the reason in stats when a tree was asked)."""
-    if decode.tree_nodes <= 0 or session is None:
+    if decode.tree_nodes <= 0 or drafting.session is None:
         return 0
-    stats.tree_fallback = tree.fallback_reason(target, state, drafter, session)
+    stats.tree_fallback = drafting.tree_unsupported(target)
     stats.draft_shape = "chain" if stats.tree_fallback else "tree"
     return 0 if stats.tree_fallback else decode.tree_nodes
-
-
-def _propose(session: DraftSession | None, generated, k, sampler, stats, tree_nodes, decode) -> Draft | None:
-    """The session's draft; an empty one when decoding plainly, None when the drafter failed."""
-    if session is None:
-        return Draft([])
-    try:
-        if tree_nodes and k > 0:
-            return session.propose_tree(generated, k, tree_nodes, decode.tree_branching, sampler)
-        return session.propose(generated, k, sampler)
-    except Exception as error:
-        stats.fallback_reason = _reason(error, f"after {len(generated)} tokens")
-        return None
-
-
-def _reason(error: Exception, when: str) -> str:
-    if isinstance(error, DrafterUnavailable):
-        return str(error)
-    return f"drafter failed {when}: {type(error).__name__}: {error}"
 
 
 def _truncate(tokens: list[int], remaining: int, decode: DecodeSettings) -> list[int]:

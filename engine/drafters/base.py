@@ -14,9 +14,10 @@ its own `DraftSession` from `begin`, and drops it when the request ends:
 
 `generated` is the whole answer so far (committed tokens only). An empty draft is a valid
 answer: the loop then decodes one token plainly. A drafter that cannot serve a request raises
-`DrafterUnavailable(reason)` from `begin` (or `propose`); any exception from a drafter hands
-the rest of the request to plain decoding, with the reason in the statistics, and the target
-stops computing what the drafter read.
+`DrafterUnavailable(reason)` from `begin` (or `propose`); any exception from any drafter call
+hands the rest of the request to plain decoding, with the reason in the statistics, and the
+target stops computing what the drafter read. The loop makes every call through one
+`GuardedSession`, which owns that policy.
 
 What a reading drafter finds in the target's CacheState (engine/runner.py): after prefill,
 `hidden` (one (S, H) per asked layer) and `shared_kv` cover the prompt, and `prompt_positions`
@@ -38,11 +39,13 @@ and loads them with its own fit checks (`load(name, config, target, options)`); 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from engine import tree
 from engine.prompt import Prompt
 from engine.runner import CacheState, TargetReads
 from engine.sampling import Sampler
@@ -107,3 +110,60 @@ class Drafter(Protocol):
     reads: TargetReads  # what each target pass must also compute for it
 
     def begin(self, prompt: Prompt, target: CacheState) -> DraftSession: ...
+
+
+class GuardedSession:
+    """One request's drafter session behind the fallback policy; the loop makes every drafter
+    call through it. When any call raises (`begin`, `propose`, `propose_tree`, `accept`,
+    `tree_unsupported`), drafting ends for the rest of the request: `stats.fallback_reason` names
+    the call and the error, the target stops computing what the drafter read
+    (`state.stop_reading()`), the drafter is not called again, and every later draft is empty,
+    so the request decodes plainly. The answer stays exact: a draft is only a proposal that
+    the target verifies, and the target's cache never holds more than it verified."""
+
+    def __init__(self, drafter: Drafter | None, state: CacheState, stats):
+        self.drafter, self.state, self.stats = drafter, state, stats
+        self.session: DraftSession | None = None  # None: decoding plainly
+
+    def begin(self, prompt: Prompt) -> None:
+        """The drafter's own prefill, timed in stats.drafter_prefill_s (none without a drafter)."""
+        if self.drafter is not None:
+            started = time.perf_counter()
+            self.session = self._call("begin", "at prefill", self.drafter.begin, prompt, self.state)
+            self.stats.drafter_prefill_s = time.perf_counter() - started
+
+    def tree_unsupported(self, target) -> str | None:
+        """Why this request drafts chains although a tree was asked (tree.fallback_reason)."""
+        reason = self._call("tree_unsupported", "at prefill", tree.fallback_reason, target, self.state, self.drafter,
+                            self.session)
+        return reason if self.session is not None else "the drafter failed: decoding plainly"
+
+    def propose(self, generated: list[int], k: int, sampler: Sampler, tree_nodes: int = 0, branching: int = 2) -> Draft:
+        """Up to k tokens after generated[-1]: a chain, or a tree of up to `tree_nodes` nodes; empty
+        when decoding plainly."""
+        draft = None
+        when = f"after {len(generated)} tokens"
+        if self.session is not None and tree_nodes and k > 0:
+            draft = self._call("propose_tree", when, self.session.propose_tree, generated, k, tree_nodes, branching,
+                               sampler)
+        elif self.session is not None:
+            draft = self._call("propose", when, self.session.propose, generated, k, sampler)
+        return draft if draft is not None else Draft([])
+
+    def accept(self, draft: Draft, path: list[int], generated: list[int]) -> None:
+        """The drafter learns the verify pass: the accepted nodes `path` of `draft` (a chain's first
+        len(path) tokens); `generated`: the answer before them."""
+        if self.session is not None:
+            learned = (len(path),) if draft.parents is None else (len(path), path)
+            self._call("accept", f"after {len(generated)} tokens", self.session.accept, *learned)
+
+    def _call(self, method: str, when: str, call, *args):
+        """call(*args), or None after it raised: then drafting ends for this request."""
+        try:
+            return call(*args)
+        except Exception as error:  # any drafter failure falls back to plain decoding
+            reason = f"drafter failed in {method} {when}: {type(error).__name__}: {error}"
+            self.stats.fallback_reason = str(error) if isinstance(error, DrafterUnavailable) else reason
+            self.session = None
+            self.state.stop_reading()
+            return None
