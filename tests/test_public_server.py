@@ -116,9 +116,14 @@ def settings(text: str, files: list[str] = (), **changes) -> list:
 
 # --- 1. memory, 2. privacy, 3. disk ------------------------------------------------------------------
 
-def test_memory_per_visitor_is_bounded_and_idle_visitors_expire(server, engine, photos, monkeypatch):
+def test_memory_per_visitor_is_bounded_and_idle_visitors_expire(server, engine, photos, monkeypatch, tmp_path):
     def visit(i: int) -> list[str]:
-        paths = upload(server.url, [photos[(i + k) % 4] for k in range(PHOTOS_PER_VISITOR)]).json()
+        # Photos with bytes of their own (a tail a JPEG decoder ignores), from an address of its own:
+        # no visitor shares an upload (Gradio names uploads by content) or an upload bound with another.
+        copies = [tmp_path / f"visitor{i}-{k}.jpg" for k in range(PHOTOS_PER_VISITOR)]
+        for k, copy in enumerate(copies):
+            copy.write_bytes(open(photos[(i + k) % 4], "rb").read() + f"visitor {i}".encode())
+        paths = upload(server.url, [str(copy) for copy in copies], f"127.0.0.{20 + i}").json()
         kind, outputs = call(server.url, settings(f"Visitor {i}: what is in these photos?", paths))
         assert kind == "complete", outputs
         answer, stats = outputs
