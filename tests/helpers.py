@@ -13,6 +13,7 @@ A test that needs an answer still running holds it at a `Gate` (never at "long e
 from __future__ import annotations
 
 import gc
+import json
 import socket
 import threading
 import time
@@ -26,6 +27,7 @@ from PIL import Image
 
 import app
 from app_ui import setup
+from engine.__main__ import main as cli_main
 from engine.engine import Engine
 from engine.images import load_image
 from engine.loop import DecodeSettings, Done
@@ -146,3 +148,9 @@ def live_objects() -> dict[str, int]:
     images = [obj for obj in objects if isinstance(obj, Image.Image)]
     return {"tensors": sum(isinstance(obj, torch.Tensor) for obj in objects), "images": len(images),
             "largest_image_pixels": max((image.width * image.height for image in images), default=0)}
+
+
+def cli_json(capsys, argv: list[str]) -> dict:
+    """What `python -m engine ARGV --json` prints, parsed; the exit status must be 0."""
+    assert cli_main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)

@@ -4,6 +4,8 @@
 extend_tree / keep_path for draft trees): the logits after token t are `table[t]`. `MarkovDrafter` drafts from another table, so tests
 control exactly where drafts agree with the target. Both mock drafters follow the drafter
 contract (engine/drafters/base.py) and are their own session: `begin` returns the drafter.
+`FaultyDrafter` raises in the drafter call a test names; `ForcedDrafter` wraps a real drafter
+and forces its token choices (the forced-acceptance tests).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.drafters.base import Draft
+from engine.loop import Done
 from engine.prompt import Prompt
 from engine.runner import NO_READS
 
@@ -231,3 +234,67 @@ class ScriptedTreeDrafter(ScriptedDrafter):
         path = path or []
         self.paths.append([token_ids[node] for node in path])
         self.second_child_accepted += sum(parents.index(parents[node]) != node for node in path)
+
+
+# Answer positions whose token a forced drafter gets wrong. Chosen so that drafts of 2 and of 4
+# tokens meet rejections at every offset (0 .. k-1 accepted) as well as full acceptances.
+CORRUPTED = (3, 4, 9, 13, 15, 16, 21)
+
+
+def corrupt(truth: list[int], positions=CORRUPTED) -> list[int]:
+    """The true answer with the tokens at `positions` replaced by another id."""
+    corrupted = list(truth)
+    for i in positions:
+        corrupted[i] = truth[i] + 1
+    return corrupted
+
+
+def assert_forced_acceptance(done: Done, truth: list[int], proposed: list[int], accepted: list[int]):
+    assert done.token_ids == truth
+    assert done.stats.fallback_reason is None
+    assert accepted == expected_accepts(truth, proposed, done.stats.draft_lengths)
+    rounds = list(zip(done.stats.draft_lengths, accepted))
+    assert any(a == 0 < k for k, a in rounds), rounds  # a rejection of the first draft token,
+    assert any(0 < a < k for k, a in rounds), rounds  # one after an accepted prefix,
+    assert any(a == k > 1 for k, a in rounds), rounds  # and a whole draft accepted
+
+
+class ForcedSampler:
+    """Stands in for the request's sampler inside one `propose`: the drafter computes its logits
+    as always, but its i-th draw returns continuation[first + i]. The logits are kept."""
+
+    def __init__(self, settings, continuation: list[int], first: int):
+        self.settings, self.continuation, self.first = settings, continuation, first
+        self.logits: list[torch.Tensor] = []
+
+    def next_token(self, logits: torch.Tensor):
+        token = self.continuation[self.first + len(self.logits)]
+        self.logits.append(logits.clone())
+        return token, None
+
+
+class ForcedDrafter:
+    """A real drafter whose token choices are forced to `continuation`; records every round's
+    (answer length, drafter logits) and the accepted counts."""
+
+    def __init__(self, inner, continuation: list[int]):
+        self.inner, self.continuation = inner, continuation
+        self.name, self.kind, self.reads = inner.name, inner.kind, inner.reads
+        self.rounds: list[tuple[int, list[torch.Tensor]]] = []
+        self.accepted: list[int] = []
+        self.session = None
+
+    def begin(self, prompt, target_state):
+        self.session = self.inner.begin(prompt, target_state)
+        return self
+
+    def propose(self, generated, k, sampler):
+        forced = ForcedSampler(sampler.settings, self.continuation, len(generated))
+        draft = self.session.propose(generated, k, forced)
+        assert draft.token_ids == self.continuation[len(generated):len(generated) + len(draft.token_ids)]
+        self.rounds.append((len(generated), forced.logits))
+        return draft
+
+    def accept(self, num_accepted):
+        self.accepted.append(num_accepted)
+        self.session.accept(num_accepted)

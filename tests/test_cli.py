@@ -12,6 +12,7 @@ import pytest
 from engine.__main__ import main
 from models import tiny
 from tests.conftest import ROOT
+from tests.helpers import cli_json
 
 
 @pytest.fixture(scope="module")
@@ -22,11 +23,6 @@ def image_files(tmp_path_factory):
         paths.append(str(folder / f"picture{i}.png"))
         image.save(paths[-1])
     return paths
-
-
-def cli_json(capsys, argv):
-    assert main(argv + ["--json"]) == 0
-    return json.loads(capsys.readouterr().out)
 
 
 def test_json_answer_speculative_equals_plain(zoo, image_files, capsys):

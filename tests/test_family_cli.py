@@ -25,7 +25,7 @@ from app_ui.setup import load_engine, read_config, warm_up
 from models.processors import load_processor
 from tests import tiny_next
 from tests.conftest import ROOT
-from tests.test_cli import cli_json
+from tests.helpers import cli_json
 
 PHOTOS = [f"{ROOT}/assets/examples/rocket.jpg", f"{ROOT}/assets/examples/chelsea.png"]  # 640 x 427, 451 x 300
 DRAFTERS = {"step3p7": ("mtp", "mtp"), "muse_glimmer": ("assistant", "dflash"),

@@ -39,7 +39,8 @@ from models.loading import LoadError, LoadOptions
 from models import tiny
 from tests import tiny_next
 from tests.oracles import uncached_forward
-from tests.test_target_drafters import IMAGE_COUNTS, ForcedDrafter, answer, assert_forced_acceptance, corrupt, messages
+from tests.mocks import ForcedDrafter, assert_forced_acceptance, corrupt
+from tests.tiny_next import IMAGE_COUNTS, answer, messages
 
 OPTIONS = LoadOptions(dtype="float32", device="cpu")
 DRAFTERS = ("text_lm", "vlm")

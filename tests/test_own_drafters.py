@@ -28,9 +28,8 @@ from models import drafter_heads
 from models.loading import LoadError
 from models import tiny
 from tests.conftest import MODEL_OPTIONS as FLOAT32
-from tests.mocks import expected_accepts
+from tests.mocks import ForcedDrafter, corrupt, expected_accepts
 from tests.oracles import uncached_forward
-from tests.test_target_drafters import ForcedDrafter, corrupt
 
 MAX_NEW = 24
 FAMILY = "qwen2_vl"

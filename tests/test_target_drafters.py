@@ -22,16 +22,14 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.loop import DecodeSettings, Done
+from engine.loop import DecodeSettings
 from engine.runner import Runner
 from engine.drafters.registry import load_drafter
-from models import tiny
 from tests import tiny_next
-from tests.mocks import ScriptedDrafter, expected_accepts
+from tests.tiny_next import IMAGE_COUNTS, MAX_NEW, answer, messages
+from tests.mocks import ForcedDrafter, ScriptedDrafter, assert_forced_acceptance, corrupt
 from tests.oracles import uncached_forward
 
-MAX_NEW = 24
-IMAGE_COUNTS = (0, 1, 2)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -60,84 +58,6 @@ class Zoo:
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     return Zoo(tmp_path_factory.mktemp("tiny-next"))
-
-
-def messages(num_images: int):
-    images = tiny.tiny_images(num_images, seed=num_images)
-    content = [{"type": "image", "image": image} for image in images]
-    return [{"role": "user", "content": content + [{"type": "text", "text": "Describe what you see, then say more."}]}]
-
-
-def answer(target, num_images, drafter=None, k=4, adaptive=False) -> Done:
-    engine = Engine(target, {"drafter": drafter} if drafter else {})
-    decode = DecodeSettings(max_new_tokens=MAX_NEW, draft_tokens=k, adaptive=adaptive, stop_token_ids=frozenset({-1}))
-    done = list(engine.stream(messages(num_images), drafter="drafter" if drafter else None, decode=decode))[-1]
-    assert isinstance(done, Done)
-    return done
-
-
-# Answer positions whose token a forced drafter gets wrong. Chosen so that drafts of 2 and of 4
-# tokens meet rejections at every offset (0 .. k-1 accepted) as well as full acceptances.
-CORRUPTED = (3, 4, 9, 13, 15, 16, 21)
-
-
-def corrupt(truth: list[int], positions=CORRUPTED) -> list[int]:
-    """The true answer with the tokens at `positions` replaced by another id."""
-    corrupted = list(truth)
-    for i in positions:
-        corrupted[i] = truth[i] + 1
-    return corrupted
-
-
-def assert_forced_acceptance(done: Done, truth: list[int], proposed: list[int], accepted: list[int]):
-    assert done.token_ids == truth
-    assert done.stats.fallback_reason is None
-    assert accepted == expected_accepts(truth, proposed, done.stats.draft_lengths)
-    rounds = list(zip(done.stats.draft_lengths, accepted))
-    assert any(a == 0 < k for k, a in rounds), rounds  # a rejection of the first draft token,
-    assert any(0 < a < k for k, a in rounds), rounds  # one after an accepted prefix,
-    assert any(a == k > 1 for k, a in rounds), rounds  # and a whole draft accepted
-
-
-class ForcedSampler:
-    """Stands in for the request's sampler inside one `propose`: the drafter computes its logits
-    as always, but its i-th draw returns continuation[first + i]. The logits are kept."""
-
-    def __init__(self, settings, continuation: list[int], first: int):
-        self.settings, self.continuation, self.first = settings, continuation, first
-        self.logits: list[torch.Tensor] = []
-
-    def next_token(self, logits: torch.Tensor):
-        token = self.continuation[self.first + len(self.logits)]
-        self.logits.append(logits.clone())
-        return token, None
-
-
-class ForcedDrafter:
-    """A real drafter whose token choices are forced to `continuation`; records every round's
-    (answer length, drafter logits) and the accepted counts."""
-
-    def __init__(self, inner, continuation: list[int]):
-        self.inner, self.continuation = inner, continuation
-        self.name, self.kind, self.reads = inner.name, inner.kind, inner.reads
-        self.rounds: list[tuple[int, list[torch.Tensor]]] = []
-        self.accepted: list[int] = []
-        self.session = None
-
-    def begin(self, prompt, target_state):
-        self.session = self.inner.begin(prompt, target_state)
-        return self
-
-    def propose(self, generated, k, sampler):
-        forced = ForcedSampler(sampler.settings, self.continuation, len(generated))
-        draft = self.session.propose(generated, k, forced)
-        assert draft.token_ids == self.continuation[len(generated):len(generated) + len(draft.token_ids)]
-        self.rounds.append((len(generated), forced.logits))
-        return draft
-
-    def accept(self, num_accepted):
-        self.accepted.append(num_accepted)
-        self.session.accept(num_accepted)
 
 
 def uncached_target_hidden(target, prompt, answer_ids: list[int], layers: tuple[int, ...]):

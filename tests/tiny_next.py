@@ -51,6 +51,8 @@ from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImagePr
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 from transformers.processing_utils import ProcessorMixin
 
+from engine.engine import Engine
+from engine.loop import DecodeSettings, Done
 from engine.target import load_target
 from models import loading
 from models.image_processors import MuseGlimmerImageProcessorPil, Step3p7ImageProcessorPil
@@ -299,3 +301,22 @@ def build_shared_cache_assistant(out_dir: Path, seed: int = 3) -> Path:
     assistant.generation_config.num_assistant_tokens = 4  # what transformers' own assisted generation drafts
     assistant.save_pretrained(out_dir)
     return Path(out_dir)
+
+
+# The question the tests of these families ask, with 0, 1 or 2 images, and its answer.
+MAX_NEW = 24
+IMAGE_COUNTS = (0, 1, 2)
+
+
+def messages(num_images: int):
+    images = tiny.tiny_images(num_images, seed=num_images)
+    content = [{"type": "image", "image": image} for image in images]
+    return [{"role": "user", "content": content + [{"type": "text", "text": "Describe what you see, then say more."}]}]
+
+
+def answer(target, num_images, drafter=None, k=4, adaptive=False) -> Done:
+    engine = Engine(target, {"drafter": drafter} if drafter else {})
+    decode = DecodeSettings(max_new_tokens=MAX_NEW, draft_tokens=k, adaptive=adaptive, stop_token_ids=frozenset({-1}))
+    done = list(engine.stream(messages(num_images), drafter="drafter" if drafter else None, decode=decode))[-1]
+    assert isinstance(done, Done)
+    return done
