@@ -142,12 +142,16 @@ def rss_bytes() -> int:
 
 
 def live_objects() -> dict[str, int]:
-    """How many tensors and PIL images the process holds, and the pixels of its largest image."""
+    """How many tensors and PIL images the process holds."""
     gc.collect()
     objects = gc.get_objects()
-    images = [obj for obj in objects if isinstance(obj, Image.Image)]
-    return {"tensors": sum(isinstance(obj, torch.Tensor) for obj in objects), "images": len(images),
-            "largest_image_pixels": max((image.width * image.height for image in images), default=0)}
+    return {"tensors": sum(isinstance(obj, torch.Tensor) for obj in objects),
+            "images": sum(isinstance(obj, Image.Image) for obj in objects)}
+
+
+def live_images() -> list[Image.Image]:
+    gc.collect()
+    return [obj for obj in gc.get_objects() if isinstance(obj, Image.Image)]
 
 
 def cli_json(capsys, argv: list[str]) -> dict:

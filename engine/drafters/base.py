@@ -49,6 +49,7 @@ from engine import tree
 from engine.prompt import Prompt
 from engine.runner import CacheState, TargetReads
 from engine.sampling import Sampler
+from engine.stats import Stats
 
 
 class DrafterUnavailable(Exception):
@@ -121,7 +122,7 @@ class GuardedSession:
     so the request decodes plainly. The answer stays exact: a draft is only a proposal that
     the target verifies, and the target's cache never holds more than it verified."""
 
-    def __init__(self, drafter: Drafter | None, state: CacheState, stats):
+    def __init__(self, drafter: Drafter | None, state: CacheState, stats: Stats):
         self.drafter, self.state, self.stats = drafter, state, stats
         self.session: DraftSession | None = None  # None: decoding plainly
 
