@@ -77,7 +77,12 @@ class Engine:
         """The conversation made ready for the target: text checked and its markup neutralized,
         images shrunk to the processor's size, then rendered, tokenized and processed, each image
         at most about `max_image_tokens` tokens (None: the engine's default; 0: the processor's own
-        limit). Raises RequestError (ContextError when the prompt does not fit the context)."""
+        limit). Raises RequestError (ContextError when the prompt does not fit the context).
+        Under the lock: the processor is shared with the request being answered."""
+        with self.lock:
+            return self._prepare(messages, max_image_tokens)
+
+    def _prepare(self, messages: list[dict], max_image_tokens: int | None = None) -> Prompt:
         budget = self.max_image_tokens if max_image_tokens is None else (max_image_tokens or None)
         messages = normalize(messages)
         limit = self.context_limit()
@@ -124,7 +129,7 @@ class Engine:
             yield self.stopped(drafter)
             return
         with self.lock:  # the chooser and the processor are shared: all of a request's work under it
-            prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, max_image_tokens)
+            prompt = messages if isinstance(messages, Prompt) else self._prepare(messages, max_image_tokens)
             auto_choice = None
             if drafter == AUTO:
                 drafter, auto_choice = self.chooser.choose(len(prompt.images))
