@@ -88,7 +88,7 @@ def generate(
     first_token, _ = sampler.next_token(logits)
     first_token_at = clock.now()
     stats.prefill_s = first_token_at - started
-    stats.ttft_s = stats.prepare_s + stats.prefill_s
+    stats.ttft_s = stats.total_s = stats.prepare_s + stats.prefill_s
     generated = [first_token]
     stats.new_tokens = 1
     yield _chunk(text, [first_token], 0, stats)

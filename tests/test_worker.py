@@ -6,6 +6,7 @@ the events are Engine.stream's. Running answers are held at a gate in the target
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import fields
 
 import pytest
@@ -136,3 +137,18 @@ def test_a_refused_request_raises_in_its_reader_and_the_worker_goes_on(engine):
     with pytest.raises(RequestError, match="unknown drafter 'eagle'"):
         list(engine.worker.submit(ask("hello"), drafter="eagle", decode=DECODE))
     assert list(engine.worker.submit(ask("hello"), decode=DECODE))[-1].stats.new_tokens == 12
+
+
+def test_the_loop_times_from_the_request_start_and_says_what_the_engine_decided(engine):
+    """Statistics are made by the loop alone, from what the engine passes (RequestInfo)."""
+    started = time.perf_counter() - 5.0  # five seconds of image and prompt preparation before the loop
+    events = list(engine.stream(conversation(1), "auto", decode=DECODE, started=started))
+    for event in events:
+        stats = event.stats
+        assert stats.prepare_s >= 5.0 and stats.ttft_s == stats.prepare_s + stats.prefill_s
+        assert stats.total_s >= stats.ttft_s and stats.auto_choice  # the auto choice on every event, not patched on
+    limit = engine.context_limit()
+    prompt = engine.prepare(conversation(1))
+    room = limit - len(prompt.input_ids)
+    done = list(engine.stream(prompt, decode=DecodeSettings(max_new_tokens=room + 50, stop_token_ids=frozenset({-1}))))
+    assert done[-1].stats.finish_reason == "context" and len(done[-1].token_ids) == room
