@@ -116,9 +116,8 @@ class Stats:
     def snapshot(self) -> Stats:
         """A copy that later rounds do not change (lists copied, their items are never mutated)."""
         snapshot = copy.copy(self)
-        for name in (f.name for f in fields(self)):
-            if isinstance(getattr(self, name), list):
-                setattr(snapshot, name, list(getattr(self, name)))
+        for name in LIST_FIELDS:
+            setattr(snapshot, name, list(getattr(self, name)))
         return snapshot
 
     def as_dict(self) -> dict:
@@ -136,3 +135,6 @@ class Stats:
         if self.fallback_reason:
             parts.append(f"fell back to plain: {self.fallback_reason}")
         return " · ".join(parts)
+
+
+LIST_FIELDS = tuple(f.name for f in fields(Stats) if f.default_factory is list)
