@@ -27,6 +27,7 @@ from app_ui import views
 from app_ui.session import Options, Session, Turn, answer, messages_for, new_turn, question_of
 from app_ui.visitors import Visitors
 from engine.ab import ABProgress, run_ab
+from engine.backend import BuiltIn
 from engine.engine import Engine, RequestError
 from engine.images import ImageError
 from models.presets import DEFAULT_MODEL
@@ -505,7 +506,7 @@ def _ab_events(engine: Engine, message_value, session: Session, options: Options
     drafter = options.drafter_for(engine) if engine.drafters else None  # run_ab says why None cannot do
     stop, session.running = session.begin(arrived), True
     try:
-        for event in run_ab(engine, messages, drafter, options.sampling(), options.decode(), stop,
+        for event in run_ab(BuiltIn(engine), messages, drafter, options.sampling(), options.decode(), stop,
                             options.max_image_tokens):
             if not isinstance(event, ABProgress) and not event.stopped:
                 session.plain_tok_s, session.plain_question = event.plain.stats.decode_tok_s, question_of(turn)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 from PIL import Image
 
 from engine.ab import Side
+from engine.backend import BuiltIn, Request
 from engine.engine import ContextError, Engine, RequestError, check_text
 from engine.images import fit_to_processor, load_image
 from engine.loop import DecodeSettings
@@ -304,9 +305,9 @@ def answer(engine: Engine, session: Session, turn: Turn, options: Options, start
     try:
         drafter = options.drafter_for(engine)
         prompt = None if stop.is_set() else fit_to_context(engine, session, turn, options)[0]
-        events = engine.stream(prompt or messages_for(session, turn, options.system_prompt), drafter=drafter,
-                               sampling=options.sampling(), decode=options.decode(), stop=stop, started=started,
-                               max_image_tokens=options.max_image_tokens)
+        events = BuiltIn(engine).stream(Request(
+            prompt or messages_for(session, turn, options.system_prompt), drafter, options.sampling(),
+            options.decode(), stop, started, options.max_image_tokens))
         with closing(events):
             for event in events:
                 side.update(event)

@@ -1,6 +1,6 @@
 """Command line: answer one prompt about zero or more images, plainly or speculatively.
 
-    python -m engine [--preset NAME] [--model ID_OR_DIR] [--drafter ID_OR_DIR|ngram|mtp|none] [--mode plain|speculative]
+    python -m engine [--backend URL] [--preset NAME] [--model ID_OR_DIR] [--drafter ID_OR_DIR|ngram|mtp|none] [--mode plain|speculative]
                      [--image PATH]... [--max-new-tokens N] [--dtype D] [--drafter-dtype D] [--device D]
                      [--quantization 4bit|8bit] [--trust-remote-code] [--temperature T] [--top-p P]
                      [--top-k K] [--seed S] [--draft-tokens K] [--adaptive] [--draft-tree NODES]
@@ -44,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(0: chains, the default)")
     parser.add_argument("--tree-branching", type=int, default=DecodeSettings.tree_branching,
                         help="a draft tree node's most children (default 2)")
+    parser.add_argument("--backend", metavar="URL",
+                        help="answer with a remote OpenAI-compatible server (llama-server, vLLM, SGLang) instead "
+                             "of loading a model; its API key, if any, from VLM_BACKEND_API_KEY (docs/backends.md)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     return parser.parse_args(argv)
 
@@ -54,6 +57,7 @@ def main(argv=None) -> int:
 
     from transformers.utils import logging as hf_logging
 
+    from engine.backend import BuiltIn, Request
     from engine.build import build_engine, spec_from_args
     from engine.engine import RequestError
     from models.loading import LoadError
@@ -62,20 +66,23 @@ def main(argv=None) -> int:
     hf_logging.set_verbosity_error()
     try:
         images = [load_image(path) for path in args.image]
-        spec = spec_from_args(args)
-        # The command line answers with one drafter: the first named (or the preset's first), or
-        # with --drafter auto the one that `auto` picks among them all.
-        spec = replace(spec, drafters=(spec.drafters if spec.auto else spec.drafters[:1])
-                       if args.mode == "speculative" else ())
-        engine = build_engine(spec)
+        if args.backend:
+            backend = remote(args.backend)  # the server decides its own speculative decoding
+        else:
+            spec = spec_from_args(args)
+            # The command line answers with one drafter: the first named (or the preset's first), or
+            # with --drafter auto the one that `auto` picks among them all.
+            spec = replace(spec, drafters=(spec.drafters if spec.auto else spec.drafters[:1])
+                           if args.mode == "speculative" else ())
+            backend = BuiltIn(build_engine(spec))
         content = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": args.prompt}]
-        events = engine.stream(
+        events = backend.stream(Request(
             [{"role": "user", "content": content}],
-            drafter=engine.default_drafter,
+            drafter=backend.capabilities.default_drafter,
             sampling=SamplingSettings(args.temperature, args.top_p, args.top_k, args.seed),
             decode=DecodeSettings(args.max_new_tokens, args.draft_tokens, args.adaptive,
                                   tree_nodes=args.draft_tree, tree_branching=args.tree_branching),
-        )
+        ))
         for event in events:
             if isinstance(event, Done):
                 done = event
@@ -89,6 +96,16 @@ def main(argv=None) -> int:
     else:
         print(f"\n[{done.stats.summary()}]", file=sys.stderr)
     return 0
+
+
+def remote(url: str):
+    from engine.backends.openai import OpenAIServer
+    from engine.engine import RequestError
+
+    try:
+        return OpenAIServer(url)
+    except ValueError as error:  # not an http(s) URL
+        raise RequestError(str(error)) from None
 
 
 if __name__ == "__main__":

@@ -1,22 +1,22 @@
 """A/B: one turn answered plainly, then speculatively, by the same engine, and compared.
 
-    for event in run_ab(engine, messages, drafter="text"):
+    for event in run_ab(BuiltIn(engine), messages, drafter="text"):
         if isinstance(event, ABProgress):
             ...  # live: both sides' text and statistics so far
         else:
             result = event  # ABResult, always the last event
 
-Both sides are ordinary `engine.stream` calls (the engine's one decode loop), run one after the
-other: the plain run has finished before the speculative one starts, so each side's Stats time
-only that side's work. Whatever the caller does between events counts in the running side's
-time, as for any consumer of `engine.stream`: keep it light (throttle rendering).
+Both sides are ordinary requests to a backend (engine/backend.py; the built-in engine's one
+decode loop), run one after the other: the plain run has finished before the speculative one
+starts, so each side's Stats time only that side's work. The backend decodes on its own thread
+(engine/worker.py), so what the caller does between events is not in the figures.
 
 Conventions:
 - decode_speedup = speculative decode_tok_s / plain decode_tok_s: the rate speculative decoding
   changes (prefill is the same work on both sides). None when the plain side decoded nothing.
 - time_ratio = plain total_s / speculative total_s: the whole answer, prefill included;
   above 1 means the speculative answer finished sooner.
-- identical compares token ids. With greedy sampling it must be True (the engine's exactness
+- identical compares token ids (the texts when the backend gives no ids). With greedy sampling it must be True (the engine's exactness
   guarantee); with temperature > 0 the two sides draw differently and usually differ.
 - A stop (the `stop` event) ends the A/B early: the result has stopped=True, no speedup, no
   comparison (identical and first_difference are None: the answers were not both finished),
@@ -29,12 +29,14 @@ import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
-from engine.engine import Engine, RequestError
+from engine.backend import Backend, BuiltIn, Request
+from engine.engine import RequestError
 from engine.loop import Chunk, DecodeSettings, Done
 from engine.sampling import SamplingSettings
 from engine.stats import Stats
 
 DIFFERENCE_TOKENS = 8  # how much of each side `Difference` shows from the first differing token
+DIFFERENCE_CHARS = 32  # the same, when the sides are compared as text
 
 
 @dataclass
@@ -73,7 +75,7 @@ class ABProgress:
 
 @dataclass
 class Difference:
-    index: int  # the first token index at which the answers differ
+    index: int  # the first token index at which the answers differ (a character index when compared as text)
     char_index: int  # where that token starts in the answer text (the common prefix's length)
     plain: str  # the plain answer from that token on (a few tokens; "" if it ended there)
     speculative: str  # the same for the speculative answer
@@ -99,7 +101,7 @@ class ABResult:
 
 
 def run_ab(
-    engine: Engine,
+    backend: Backend,
     messages: list[dict],
     drafter: str | None = None,
     sampling: SamplingSettings = SamplingSettings(),
@@ -108,43 +110,50 @@ def run_ab(
     max_image_tokens: int | None = None,
 ) -> Iterator[ABProgress | ABResult]:
     """Answer the conversation's last user turn plainly, then with `drafter` (default: the
-    engine's default drafter), each image at most `max_image_tokens` tokens (engine.prepare);
+    backend's default drafter), each image at most `max_image_tokens` tokens (engine.prepare);
     an ABProgress after every chunk, then one ABResult."""
-    drafter = drafter or engine.default_drafter
+    drafter = drafter or backend.capabilities.default_drafter
     if drafter is None:
         raise RequestError("A/B needs a drafter and none is loaded")
     plain, speculative = Side("plain"), Side("speculative")
     for side, side_drafter in ((plain, None), (speculative, drafter)):
         if stop is not None and stop.is_set():
             break
-        for event in engine.stream(messages, drafter=side_drafter, sampling=sampling, decode=decode, stop=stop,
-                                   max_image_tokens=max_image_tokens):
+        for event in backend.stream(Request(messages, side_drafter, sampling, decode, stop,
+                                            max_image_tokens=max_image_tokens)):
             side.update(event)
             yield ABProgress(side.mode, plain, speculative)
-    yield compare(engine.target.tokenizer, plain, speculative)
+    yield compare(backend.engine.target.tokenizer if isinstance(backend, BuiltIn) else None, plain, speculative)
 
 
 def compare(tokenizer, plain: Side, speculative: Side) -> ABResult:
-    """Speedup and identity of two finished sides (see the module's conventions)."""
+    """Speedup and identity of two finished sides (see the module's conventions); with no
+    `tokenizer` the texts are compared, character by character."""
     stopped = not (plain.done and speculative.done) or "stopped" in (
         plain.stats.finish_reason, speculative.stats.finish_reason)
     if stopped:
         return ABResult(plain, speculative, None, None, identical=None, first_difference=None, stopped=True)
-    index = first_difference_index(plain.token_ids, speculative.token_ids)
-    difference = None if index is None else Difference(
-        index=index,
-        char_index=len(tokenizer.decode(plain.token_ids[:index], skip_special_tokens=True)),
-        plain=tokenizer.decode(plain.token_ids[index:index + DIFFERENCE_TOKENS], skip_special_tokens=True),
-        speculative=tokenizer.decode(speculative.token_ids[index:index + DIFFERENCE_TOKENS],
-                                     skip_special_tokens=True),
-    )
+    if tokenizer is None:
+        index = first_difference_index(plain.text, speculative.text)
+        difference = None if index is None else Difference(
+            index, index, plain.text[index:index + DIFFERENCE_CHARS],
+            speculative.text[index:index + DIFFERENCE_CHARS])
+    else:
+        index = first_difference_index(plain.token_ids, speculative.token_ids)
+        difference = None if index is None else Difference(
+            index=index,
+            char_index=len(tokenizer.decode(plain.token_ids[:index], skip_special_tokens=True)),
+            plain=tokenizer.decode(plain.token_ids[index:index + DIFFERENCE_TOKENS], skip_special_tokens=True),
+            speculative=tokenizer.decode(speculative.token_ids[index:index + DIFFERENCE_TOKENS],
+                                         skip_special_tokens=True),
+        )
     decode_speedup = _ratio(speculative.stats.decode_tok_s, plain.stats.decode_tok_s)
     time_ratio = _ratio(plain.stats.total_s, speculative.stats.total_s)
     return ABResult(plain, speculative, decode_speedup, time_ratio, identical=index is None,
                     first_difference=difference)
 
 
-def first_difference_index(a: list[int], b: list[int]) -> int | None:
+def first_difference_index(a: list[int] | str, b: list[int] | str) -> int | None:
     """The first index where the sequences differ (a prefix differs at the shorter's end)."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:

@@ -2,7 +2,10 @@
 
     engine = build_engine(EngineSpec(...))        # engine/build.py, or Engine(target, drafters)
     for event in engine.stream(messages, drafter="text"):
-        ...  # Chunk events, then one Done with the statistics
+        ...  # Chunk events, then one Done; each carries a snapshot of the statistics
+
+`stream` runs in the caller's thread (the CLI, the benchmark); callers on several threads (the
+app) go through `engine.worker` (engine/worker.py), or the backend interface (engine/backend.py).
 
 All per-request state (KV caches, positions, the drafter's session, the sampler's generator) is
 created inside `stream` and dropped when it ends, so requests cannot see each other's state;
@@ -23,12 +26,13 @@ import torch
 from engine.auto import DrafterChooser
 from engine.draft_length import PassCosts
 from engine.drafters.base import Drafter
-from engine.loop import Chunk, DecodeSettings, Done, generate
+from engine.loop import Chunk, DecodeSettings, Done, RequestInfo, generate
 from engine.images import fit_to_processor
 from engine.prompt import Prompt, encode_vlm, images_of, neutralize, normalize
 from engine.sampling import SamplingSettings
 from engine.stats import Stats
 from engine.target import Target
+from engine.worker import Worker
 
 
 AUTO = "auto"  # the drafter name that picks one per request
@@ -53,6 +57,7 @@ class Engine:
         self.lock = threading.Lock()  # one generation per loaded model at a time
         self.costs = PassCosts()  # measured pass costs: the draft length (engine/draft_length.py)
         self.chooser = DrafterChooser(list(self.drafters))  # what each drafter delivered: "auto"
+        self.worker = Worker(self)  # serves concurrent callers one request at a time (engine/worker.py)
 
     @property
     def default_drafter(self) -> str | None:
@@ -72,7 +77,12 @@ class Engine:
         """The conversation made ready for the target: text checked and its markup neutralized,
         images shrunk to the processor's size, then rendered, tokenized and processed, each image
         at most about `max_image_tokens` tokens (None: the engine's default; 0: the processor's own
-        limit). Raises RequestError (ContextError when the prompt does not fit the context)."""
+        limit). Raises RequestError (ContextError when the prompt does not fit the context).
+        Under the lock: the processor is shared with the request being answered."""
+        with self.lock:
+            return self._prepare(messages, max_image_tokens)
+
+    def _prepare(self, messages: list[dict], max_image_tokens: int | None = None) -> Prompt:
         budget = self.max_image_tokens if max_image_tokens is None else (max_image_tokens or None)
         messages = normalize(messages)
         limit = self.context_limit()
@@ -116,28 +126,23 @@ class Engine:
             raise RequestError(f"unknown drafter {drafter!r}; loaded: {', '.join(self.drafters) or 'none'}")
         sampling, decode = checked_settings(sampling, decode)
         if stop is not None and stop.is_set():
-            name = self.drafters[drafter].name if drafter in self.drafters else drafter
-            yield Done("", [], Stats(mode="speculative" if drafter else "plain", finish_reason="stopped",
-                                     drafter=name))
+            yield self.stopped(drafter)
             return
-        prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, max_image_tokens)
-        auto_choice = None
-        if drafter == AUTO:
-            drafter, auto_choice = self.chooser.choose(len(prompt.images))
-        if not decode.stop_token_ids:
-            decode = replace(decode, stop_token_ids=self.stop_token_ids())
-        room = self.context_limit() - len(prompt.input_ids) if self.context_limit() else None
-        cut_by_context = room is not None and decode.max_new_tokens >= room
-        if cut_by_context:  # the answer must fit the context too
-            decode = replace(decode, max_new_tokens=room)
-        with self.lock:
-            prepare_s = time.perf_counter() - started  # waiting for the lock included
+        with self.lock:  # the chooser and the processor are shared: all of a request's work under it
+            prompt = messages if isinstance(messages, Prompt) else self._prepare(messages, max_image_tokens)
+            auto_choice = None
+            if drafter == AUTO:
+                drafter, auto_choice = self.chooser.choose(len(prompt.images))
+            if not decode.stop_token_ids:
+                decode = replace(decode, stop_token_ids=self.stop_token_ids())
+            room = self.context_limit() - len(prompt.input_ids) if self.context_limit() else None
+            context_cut = room is not None and decode.max_new_tokens >= room
+            if context_cut:  # the answer must fit the context too
+                decode = replace(decode, max_new_tokens=room)
             try:
                 for event in generate(self.target.runner, self.target.tokenizer, prompt,
                                       self.drafters.get(drafter) if drafter else None, sampling, decode, stop,
-                                      self.costs):
-                    count_from_request(event.stats, prepare_s, cut_by_context)
-                    event.stats.auto_choice = auto_choice
+                                      self.costs, RequestInfo(started, context_cut, auto_choice)):
                     if isinstance(event, Done) and drafter:
                         self.chooser.record(drafter, len(prompt.images), event.stats.decode_tokens,
                                             event.stats.decode_tok_s)
@@ -147,6 +152,11 @@ class Engine:
                     torch.cuda.empty_cache()  # this request's caches are gone; the next one starts clean
                 raise RequestError("out of memory while answering; try fewer or smaller images, a shorter "
                                    "conversation or fewer new tokens") from None
+
+    def stopped(self, drafter: str | None) -> Done:
+        """The answer of a request stopped before it started: empty, finish_reason "stopped"."""
+        name = self.drafters[drafter].name if drafter in self.drafters else drafter
+        return Done("", [], Stats(mode="speculative" if drafter else "plain", finish_reason="stopped", drafter=name))
 
 
 MIN_TEMPERATURE = 1e-3  # below it sampling is greedy in effect, and logits / T can overflow: decode greedily
@@ -195,13 +205,3 @@ def checked_settings(sampling: SamplingSettings, decode: DecodeSettings) -> tupl
     if 0 < sampling.temperature < MIN_TEMPERATURE:
         sampling = replace(sampling, temperature=0.0)
     return sampling, decode
-
-
-def count_from_request(stats: Stats, prepare_s: float, cut_by_context: bool) -> None:
-    """Times from the request's start rather than the prefill's: `prepare_s` (images and prompt
-    processing) is in `ttft_s` and `total_s`. An answer cut at the context's end says so."""
-    if stats.prepare_s != prepare_s:
-        stats.prepare_s = prepare_s
-        stats.ttft_s = prepare_s + stats.prefill_s
-    if cut_by_context and stats.finish_reason == "max_new_tokens":
-        stats.finish_reason = "context"

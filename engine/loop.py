@@ -30,6 +30,15 @@ class DecodeSettings:
     tree_branching: int = 2  # a tree node's most children
 
 
+@dataclass(frozen=True)
+class RequestInfo:
+    """What the caller knows of the request before decoding starts, for its statistics."""
+
+    started: float | None = None  # the request's start (time.perf_counter()); None: when decoding starts
+    context_cut: bool = False  # max_new_tokens was cut to the room left in the context: finish "context"
+    auto_choice: str | None = None  # with drafter "auto": which drafter was picked and why
+
+
 @dataclass
 class Chunk:
     """New tokens of the answer. origins[i] is "draft" (an accepted draft token) or "target"."""
@@ -37,7 +46,7 @@ class Chunk:
     text: str  # the new text since the previous chunk
     token_ids: list[int]
     origins: list[str]
-    stats: Stats  # live: updated as the answer grows
+    stats: Stats  # a snapshot: the statistics when this chunk was made
     spans: list[tuple[str, str]]  # the text by origin: [(accepted drafts' text, "draft"), (text, "target")]
 
 
@@ -57,16 +66,19 @@ def generate(
     decode: DecodeSettings,
     stop: threading.Event | None = None,
     costs: PassCosts | None = None,
+    request: RequestInfo = RequestInfo(),
 ) -> Iterator[Chunk | Done]:
     """Answer `prompt`; `costs`, the engine's measured pass costs, are read and updated to choose
-    the draft length (engine/draft_length.py)."""
+    the draft length (engine/draft_length.py). Every event carries a snapshot of the statistics;
+    times count from `request.started` (engine/stats.py)."""
     clock = Clock(target.device)
     started = clock.now()
     sampler = Sampler(sampling)
     stats = Stats(mode="speculative" if drafter else "plain",
                   drafter=drafter.name if drafter else None, drafter_kind=drafter.kind if drafter else None,
                   prefill_tokens=len(prompt.input_ids), prefill_image_tokens=prompt.num_image_tokens,
-                  max_image_tokens=prompt.max_image_tokens)
+                  max_image_tokens=prompt.max_image_tokens, auto_choice=request.auto_choice,
+                  prepare_s=0.0 if request.started is None else started - request.started)
     text = TextStream(tokenizer)
     # 1. Prefill the target (its logits give the first token, yielded at once; it keeps what
     #    the drafter reads), then the drafter (a session of its own for this request), only if
@@ -74,17 +86,18 @@ def generate(
     logits, state = target.prefill(prompt.target_inputs, drafter.reads if drafter else NO_READS)
     first_token, _ = sampler.next_token(logits)
     first_token_at = clock.now()
-    stats.prefill_s = stats.ttft_s = first_token_at - started
+    stats.prefill_s = first_token_at - started
+    stats.ttft_s = stats.total_s = stats.prepare_s + stats.prefill_s
     generated = [first_token]
     stats.new_tokens = 1
     yield _chunk(text, [first_token], 0, stats)
     drafting = GuardedSession(drafter, state, stats)  # every drafter call: a failure decodes plainly from there
-    if not _finished(generated, decode, stats, stop):
+    if not _finished(generated, decode, stats, stop, request):
         drafting.begin(prompt)
     tree_nodes = _tree_nodes(decode, target, drafting, stats)
     length = DraftLength(decode.draft_tokens, decode.adaptive, decode.max_draft_tokens, costs,
                          drafter.name if drafter else None)
-    while not _finished(generated, decode, stats, stop):
+    while not _finished(generated, decode, stats, stop, request):
         remaining = decode.max_new_tokens - len(generated)
         round_started = clock.now()
         # 2. Draft up to k tokens deep: a chain, or a tree of up to tree_nodes nodes (none when
@@ -112,7 +125,7 @@ def generate(
         yield _chunk(text, new_tokens, min(len(path), len(new_tokens)), stats)
     length.finish()
     stats.record_time(started, first_token_at, clock.now())
-    yield Done(text.full(), generated, stats)
+    yield Done(text.full(), generated, stats.snapshot())
 
 
 def _chunk(text: TextStream, new_tokens: list[int], num_drafted: int, stats: Stats) -> Chunk:
@@ -120,7 +133,7 @@ def _chunk(text: TextStream, new_tokens: list[int], num_drafted: int, stats: Sta
     spans = [(text.push(new_tokens[:num_drafted]), "draft"), (text.push(new_tokens[num_drafted:]), "target")]
     spans = [(piece, origin) for piece, origin in spans if piece]
     origins = ["draft"] * num_drafted + ["target"] * (len(new_tokens) - num_drafted)
-    return Chunk("".join(piece for piece, _ in spans), new_tokens, origins, stats, spans)
+    return Chunk("".join(piece for piece, _ in spans), new_tokens, origins, stats.snapshot(), spans)
 
 
 def _tree_nodes(decode: DecodeSettings, target, drafting: GuardedSession, stats: Stats) -> int:
@@ -149,11 +162,11 @@ def _counted(num_drafted: int, num_accepted: int, num_new: int, depth: int) -> t
     return num_drafted, num_accepted, num_new, depth
 
 
-def _finished(generated: list[int], decode: DecodeSettings, stats: Stats, stop) -> bool:
+def _finished(generated: list[int], decode: DecodeSettings, stats: Stats, stop, request: RequestInfo) -> bool:
     if generated[-1] in decode.stop_token_ids:
         stats.finish_reason = "stop_token"
     elif len(generated) >= decode.max_new_tokens:
-        stats.finish_reason = "max_new_tokens"
+        stats.finish_reason = "context" if request.context_cut else "max_new_tokens"
     elif stop is not None and stop.is_set():
         stats.finish_reason = "stopped"
     return stats.finish_reason is not None

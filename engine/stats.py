@@ -23,8 +23,9 @@ Conventions:
 
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -50,7 +51,7 @@ class Stats:
     prefill_image_tokens: int = 0
     max_image_tokens: int | None = None  # the budget of tokens per image (None: the processor's own limit)
     prefill_s: float = 0.0
-    prepare_s: float = 0.0  # from the request's start to the prefill (set by Engine.stream)
+    prepare_s: float = 0.0  # from the request's start to the prefill: images, prompt, the wait for the engine
     ttft_s: float = 0.0
     drafter_prefill_s: float = 0.0  # the drafter's own prefill (begin), after the first token
     decode_tokens: int = 0
@@ -77,6 +78,7 @@ class Stats:
     fallback_reason: str | None = None
     finish_reason: str | None = None  # "stop_token", "max_new_tokens", "context" (the context is full), "stopped"
     tok_s_curve: list[float] = field(default_factory=list)  # running decode tok/s after each round
+    unknown: tuple[str, ...] = ()  # fields the backend cannot measure (engine/backend.py): None in as_dict
 
     def record_round(self, num_drafted: int, num_accepted: int, num_emitted: int, depth: int | None = None) -> None:
         """One verify pass: `num_drafted` proposed (nodes), `num_accepted` kept, `num_emitted`
@@ -111,8 +113,16 @@ class Stats:
         self.decode_tok_s = self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
         self.tok_s_curve.append(round(self.decode_tok_s, 2))
 
+    def snapshot(self) -> Stats:
+        """A copy that later rounds do not change (lists copied, their items are never mutated)."""
+        snapshot = copy.copy(self)
+        for name in LIST_FIELDS:
+            setattr(snapshot, name, list(getattr(self, name)))
+        return snapshot
+
     def as_dict(self) -> dict:
-        return asdict(self)
+        values = asdict(self)
+        return {**values, **{name: None for name in self.unknown}}
 
     def summary(self) -> str:
         """One line for a chat history or a log."""
@@ -125,3 +135,6 @@ class Stats:
         if self.fallback_reason:
             parts.append(f"fell back to plain: {self.fallback_reason}")
         return " · ".join(parts)
+
+
+LIST_FIELDS = tuple(f.name for f in fields(Stats) if f.default_factory is list)
