@@ -4,7 +4,7 @@ A `Session` lives in one `gr.State` per browser tab or `gradio_client.Client`, s
 image of one visitor reaches another. It holds the answered turns (their images shrunk to the
 size the model's processor uses), the turn being answered, and what Stop has asked for.
 
-Policies (the README's "Limits and safety"):
+Policies (docs/app.md, "Limits and failures"):
 - Stop applies to the request that is running and to any that arrived before it and still wait
   in the queue; a Stop sent while nothing was asked is not kept for the next request.
 - A conversation that outgrows the context leaves out its oldest answered turns (their images

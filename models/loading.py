@@ -37,12 +37,11 @@ class LoadOptions:
     quantization: str | None = None  # None | "4bit" | "8bit" (bitsandbytes)
     trust_remote_code: bool = False
     # Dtype of a drafter that is its own language model (text LM or VLM). "auto": float32 on a
-    # CPU for drafters under SMALL_DRAFTER_PARAMETERS (a CPU's bfloat16 matmul has a fixed cost,
-    # ~50 us, that dominates a tiny model's decode step; see the README's Benchmark), else
-    # `dtype`. Measured on this 2-core CPU, one token: 28 M parameters 17.7 ms float32 / 12.6 ms
-    # bfloat16, 143 M 54 / 27 ms, 494 M 80 / 81 ms at a 3B target's context: from tens of
-    # millions of parameters up, float32 buys nothing and doubles the memory. The target
-    # verifies every token, so a drafter's dtype never changes the answer.
+    # CPU for drafters under SMALL_DRAFTER_PARAMETERS (a CPU's bfloat16 matmul has a fixed cost
+    # that dominates a tiny model's decode step), else `dtype`: from tens of millions of
+    # parameters up, float32 buys nothing and doubles the memory (the measured figures and their
+    # commands: docs/benchmarks.md, "Where a step's time goes"). The target verifies every
+    # token, so a drafter's dtype never changes the answer.
     drafter_dtype: str = "auto"
 
 

@@ -32,8 +32,8 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     # A pass over new text tokens may call the language model and the output head directly:
-    # the multimodal wrapper only embeds tokens and then calls them (measured: ~0.1 ms a step
-    # saved on CPU). Set for families whose wrapper does nothing else to text tokens.
+    # the multimodal wrapper only embeds tokens and then calls them (the saving, measured:
+    # docs/benchmarks.md). Set for families whose wrapper does nothing else to text tokens.
     direct_text_steps: bool = False
 
     def prefill_positions(self, model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
