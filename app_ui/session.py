@@ -226,7 +226,7 @@ def new_turn(message: dict | str | None, engine: Engine, session: Session | None
         where = f" ({earlier} earlier in this conversation; start a new chat to free them)" if earlier else ""
         raise RequestError(f"{len(files)} images in this message{where}: the limit is {engine.max_images} "
                            "images per conversation")
-    images = [fit_to_processor(load_image(path, name=os.path.basename(path)), engine.target.processor)
+    images = [fit_to_processor(load_image(path, name=os.path.basename(path)), engine.target.processor, engine.target.family)
               for path in files]
     return Turn(text, files, images, arrived=arrived, load_s=time.perf_counter() - arrived)
 

@@ -15,7 +15,6 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from models.families import Family, family_for_config
-from models.processors import image_token_ids, load_processor
 
 
 class LoadError(ValueError):
@@ -123,9 +122,9 @@ def family_of(config) -> Family:
         raise LoadError(str(error)) from None
 
 
-def processor_of(name: str, options: LoadOptions):
+def processor_of(name: str, family: Family, options: LoadOptions):
     try:
-        return load_processor(name, trust_remote_code=options.trust_remote_code)
+        return family.load_processor(name, trust_remote_code=options.trust_remote_code)
     except ValueError as error:
         raise LoadError(str(error)) from None
 
@@ -154,8 +153,8 @@ def load_vlm(name: str, options: LoadOptions, config=None, dtype: str | None = N
                         "vision-language model (a text-only model can be a --drafter)")
     family = family_of(config)
     model = from_pretrained(AutoModelForImageTextToText, name, model_kwargs(options, dtype))
-    processor = processor_of(name, options)
-    return LoadedVLM(name, model, processor, family, frozenset(image_token_ids(processor)))
+    processor = processor_of(name, family, options)
+    return LoadedVLM(name, model, processor, family, frozenset(family.placeholder_ids(processor)))
 
 
 def fit_dtype(parameters: int, memory_bytes: int) -> tuple[str, str]:
