@@ -4,7 +4,7 @@ close over the `engine` argument of `build_demo`); sessions live in one gr.State
 Events that generate share the concurrency group "generate" with a limit of 1: one generation
 per loaded model at a time, the others wait in Gradio's queue and see their place in it.
 
-API (see the README): /chat, /ab, /stop, /clear. Every callback tells `Visitors` that its session
+API (README, API): /chat, /ab, /stop, /clear. Every callback tells `Visitors` that its session
 is live; a cleared conversation's uploads are deleted (app_ui/visitors.py).
 """
 

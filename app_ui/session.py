@@ -4,7 +4,7 @@ A `Session` lives in one `gr.State` per browser tab or `gradio_client.Client`, s
 image of one visitor reaches another. It holds the answered turns (their images shrunk to the
 size the model's processor uses), the turn being answered, and what Stop has asked for.
 
-Policies (the README's "Limits and safety"):
+Policies (docs/app.md, "Limits and failures"):
 - Stop applies to the request that is running and to any that arrived before it and still wait
   in the queue; a Stop sent while nothing was asked is not kept for the next request.
 - A conversation that outgrows the context leaves out its oldest answered turns (their images
@@ -227,7 +227,7 @@ def new_turn(message: dict | str | None, engine: Engine, session: Session | None
         where = f" ({earlier} earlier in this conversation; start a new chat to free them)" if earlier else ""
         raise RequestError(f"{len(files)} images in this message{where}: the limit is {engine.max_images} "
                            "images per conversation")
-    images = [fit_to_processor(load_image(path, name=os.path.basename(path)), engine.target.processor)
+    images = [fit_to_processor(load_image(path, name=os.path.basename(path)), engine.target.processor, engine.target.family)
               for path in files]
     return Turn(text, files, images, arrived=arrived, load_s=time.perf_counter() - arrived)
 

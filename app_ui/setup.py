@@ -75,17 +75,23 @@ def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
     def env(name: str, default=None):
         return environ.get(f"VLM_{name}") or default
 
-    parser = _Parser(prog="python app.py", description="Chat with a VLM; speculative decoding.")
+    parser = _Parser(prog="python app.py", description="Chat with a VLM; speculative decoding.",
+                     epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
     try:
         add_model_flags(parser, env=env)
     except LoadError as error:
         raise SetupError(str(error)) from None
     parser.add_argument("--host", default=env("HOST", environ.get("GRADIO_SERVER_NAME")
-                                             or ("0.0.0.0" if on_space else "127.0.0.1")))
-    parser.add_argument("--port", type=_whole("--port", 1, 65535))
-    parser.add_argument("--share", action="store_true", default=env("SHARE", "").lower() in TRUE)
-    parser.add_argument("--no-browser", action="store_true", default=on_space or env("NO_BROWSER", "").lower() in TRUE)
-    parser.add_argument("--max-images", type=_whole("--max-images", 1, MAX_IMAGES))
+                                             or ("0.0.0.0" if on_space else "127.0.0.1")),
+                        help="the address to serve on (default: 127.0.0.1; 0.0.0.0 on a Space)")
+    parser.add_argument("--port", type=_whole("--port", 1, 65535),
+                        help="the port to serve on (default: 7860, or the next free one)")
+    parser.add_argument("--share", action="store_true", default=env("SHARE", "").lower() in TRUE,
+                        help="also serve a public gradio.live link")
+    parser.add_argument("--no-browser", action="store_true", default=on_space or env("NO_BROWSER", "").lower() in TRUE,
+                        help="do not open a browser (never opened on a Space)")
+    parser.add_argument("--max-images", type=_whole("--max-images", 1, MAX_IMAGES),
+                        help=f"images per conversation, 1 to {MAX_IMAGES} (default: 8)")
     args = parser.parse_args(argv)
     _check_variables(args)
 
@@ -104,6 +110,13 @@ def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
 
 
 MAX_IMAGES = 64
+ENVIRONMENT = """environment variables (a flag wins over its variable):
+  VLM_PRESET, VLM_MODEL, VLM_DTYPE, VLM_DRAFTER_DTYPE, VLM_DEVICE, VLM_QUANTIZATION,
+  VLM_MAX_IMAGE_TOKENS, VLM_HOST, VLM_PORT, VLM_MAX_IMAGES   the flag of the same name
+  VLM_DRAFTER                                                 --drafter; several separated by commas
+  VLM_TRUST_REMOTE_CODE=1, VLM_SHARE=1, VLM_NO_BROWSER=1      the switches
+  GRADIO_SERVER_NAME, GRADIO_SERVER_PORT                      host and port, after VLM_HOST and VLM_PORT
+  SPACE_ID (set on a Hugging Face Space)                      serve on 0.0.0.0, open no browser"""
 # Flags whose value a variable may give (argparse checks a flag's value, not a default's).
 VARIABLE_CHOICES = {"preset": ("PRESET", sorted(PRESETS)), "dtype": ("DTYPE", DTYPES),
                     "device": ("DEVICE", DEVICES), "drafter_dtype": ("DRAFTER_DTYPE", DRAFTER_DTYPES),

@@ -37,8 +37,8 @@ class Limits:
     upload_bytes_total: int = 2048 * MB  # on disk at once, all clients
     request_bytes: int = 4 * MB  # any request body but an upload's
     sweep_s: float = 10.0
-    # Gradio keeps its own state for this many sessions, the most recently active (about 115 kB
-    # each, measured: the page's components as that visitor last saw them); an older one is dropped.
+    # Gradio keeps its own state for this many sessions, the most recently active (the page's
+    # components as that visitor last saw them; size per session: docs/app.md); an older one is dropped.
     sessions: int = 1000
 
 

@@ -27,8 +27,8 @@ from models.loading import (DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, Load
 from models.presets import PRESETS, resolve
 
 TRUE = ("1", "true", "yes", "on")
-# The default budget of tokens per image on a CPU (0.3 megapixels on Qwen2.5-VL): a 12 MP phone photo is
-# ~15,500 tokens at Qwen2.5-VL's own limit, minutes of prefill on a CPU; on a GPU the processor's own limit.
+# The default budget of tokens per image on a CPU; on a GPU the processor's own limit. A phone photo at a
+# processor's own limit is minutes of prefill on a CPU (docs/realscale.md has the measured figures).
 CPU_IMAGE_TOKENS = 384
 DRAFTER_KEYS = {"text_lm": "text", "vlm": "vlm", "shared_cache": "assistant"}  # else the kind itself
 
@@ -66,7 +66,8 @@ def add_model_flags(parser: argparse.ArgumentParser, env: Callable[[str], str | 
     parser.add_argument("--drafter-dtype", default=flag_default("DRAFTER_DTYPE", LoadOptions.drafter_dtype),
                         choices=DRAFTER_DTYPES,
                         help='"auto" (default): float32 on a CPU for drafters under 10M parameters, else --dtype')
-    parser.add_argument("--device", default=flag_default("DEVICE", LoadOptions.device), choices=DEVICES)
+    parser.add_argument("--device", default=flag_default("DEVICE", LoadOptions.device), choices=DEVICES,
+                        help='where the models run; "auto" (default): cuda when there is one, else cpu')
     parser.add_argument("--quantization", default=flag_default("QUANTIZATION"), choices=QUANTIZATIONS,
                         help="load the target in 4 or 8 bits (bitsandbytes)")
     parser.add_argument("--max-image-tokens", type=int, default=_int_or_none(flag_default("MAX_IMAGE_TOKENS")),

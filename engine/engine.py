@@ -90,12 +90,12 @@ class Engine:
             for part in message["content"]:
                 if part["type"] == "text":
                     check_text(part["text"], limit)
-        messages = fit_images(neutralize(messages, self.target.tokenizer), self.target.processor)
+        messages = fit_images(neutralize(messages, self.target.tokenizer), self.target.processor, self.target.family)
         images = images_of(messages)
         if len(images) > self.max_images:
             raise RequestError(f"{len(images)} images in the conversation; the limit is {self.max_images}")
         try:
-            inputs = encode_vlm(self.target.processor, messages, budget)
+            inputs = encode_vlm(self.target.processor, self.target.family, messages, budget)
         except ValueError as error:  # e.g. Qwen's processor refuses an aspect ratio over 200:1
             raise RequestError(f"the model's processor cannot prepare this message: {error}") from None
         prompt = Prompt(messages, images, inputs, self.target.placeholder_ids, budget)
@@ -179,11 +179,11 @@ def check_text(text: str, context_limit: int | None, what: str = "the message") 
         raise RequestError(f"{what} is not valid Unicode (an unpaired surrogate at character {error.start})") from None
 
 
-def fit_images(messages: list[dict], processor) -> list[dict]:
-    """Normalized `messages` with every image shrunk to what `processor` uses (fit_to_processor:
-    unchanged when already that small)."""
+def fit_images(messages: list[dict], processor, family) -> list[dict]:
+    """Normalized `messages` with every image shrunk to what `processor` (of `family`) uses
+    (fit_to_processor: unchanged when already that small)."""
     return [{"role": m["role"], "content": [
-        {**part, "image": fit_to_processor(part["image"], processor)} if part["type"] == "image" else part
+        {**part, "image": fit_to_processor(part["image"], processor, family)} if part["type"] == "image" else part
         for part in m["content"]]} for m in messages]
 
 

@@ -97,25 +97,24 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def fit_to_processor(image: Image.Image, processor) -> Image.Image:
+def fit_to_processor(image: Image.Image, processor, family=None) -> Image.Image:
     """`image` shrunk to what `processor` (a VLM processor, or its image processor) resizes it
     to anyway; never enlarged, and unchanged when it is small enough or the processor crops
-    from the full resolution (pan-and-scan, any-resolution grids, Step-3.7's local crops).
-    Idempotent.
+    from the full resolution (pan-and-scan, any-resolution grids). Idempotent.
 
-    Qwen-VL processors (`smart_resize`: a pixel budget, sides multiple of patch x merge) get
-    exactly the size and resampling the processor uses, so its output is bit-for-bit the same
-    as for the full image; processors that resize to a longest or shortest edge, or to a fixed
-    height and width, get the largest image that still covers that size."""
+    A `family` (models/families) with a resize rule of its own gives the size
+    (`Family.fitted_size`: Qwen-VL's exact `smart_resize`, so the processor's output is
+    bit-for-bit the same as for the full image); else processors that resize to a longest or
+    shortest edge, or to a fixed height and width, get the largest image that still covers it."""
     images = getattr(processor, "image_processor", processor)
     size = _size_dict(getattr(images, "size", None))
-    crops_from_full_image = "pixel_values_local" in getattr(images, "model_input_names", ())  # Step-3.7
     if getattr(images, "do_pan_and_scan", False) or getattr(images, "image_grid_pinpoints", None) \
-            or crops_from_full_image or not getattr(images, "do_resize", True) or not size:
+            or not getattr(images, "do_resize", True) or not size:
         return image
     width, height = image.size
-    if getattr(images, "merge_size", None) and getattr(images, "patch_size", None) and size.get("longest_edge"):
-        new_size = _smart_size(width, height, images.patch_size * images.merge_size, size["longest_edge"])
+    family_size = family.fitted_size(images, width, height) if family is not None else None
+    if family_size is not None:
+        new_size = family_size
     elif size.get("longest_edge"):
         new_size = _scaled(width, height, size["longest_edge"] / max(width, height))
     elif size.get("shortest_edge"):
@@ -134,18 +133,6 @@ def _size_dict(size) -> dict:
         return {}
     items = size.items() if isinstance(size, dict) else vars(size).items()
     return {key: value for key, value in items if isinstance(value, (int, float)) and value > 0}
-
-
-def _smart_size(width: int, height: int, factor: int, max_pixels: int) -> tuple[int, int] | None:
-    """Qwen-VL's `smart_resize` when it shrinks (over `max_pixels`); None when it would not, or
-    when it refuses the aspect ratio (over 200:1: the processor says so itself)."""
-    if max(width, height) > 200 * min(width, height):
-        return None
-    if round(height / factor) * factor * round(width / factor) * factor <= max_pixels:
-        return None
-    beta = math.sqrt(height * width / max_pixels)
-    return (max(factor, math.floor(width / beta / factor) * factor),
-            max(factor, math.floor(height / beta / factor) * factor))
 
 
 def _scaled(width: int, height: int, scale: float) -> tuple[int, int] | None:

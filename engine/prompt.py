@@ -20,8 +20,6 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from models.processors import image_budget
-
 
 @dataclass
 class Prompt:
@@ -31,11 +29,12 @@ class Prompt:
     placeholder_ids: frozenset[int]  # image placeholder / marker ids of the target's family
     max_image_tokens: int | None = None  # the budget each image was processed with (None: the processor's own)
 
-    @property
+    @functools.cached_property
     def input_ids(self) -> list[int]:
+        """The prompt's ids, read from the tensor once per Prompt (shared: do not modify)."""
         return self.target_inputs["input_ids"][0].tolist()
 
-    @property
+    @functools.cached_property
     def num_image_tokens(self) -> int:
         return sum(token in self.placeholder_ids for token in self.input_ids)
 
@@ -101,12 +100,12 @@ def render(processor_or_tokenizer, messages: list[dict]) -> str:
     return processor_or_tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
 
 
-def encode_vlm(processor, messages: list[dict], max_image_tokens: int | None = None) -> dict[str, torch.Tensor]:
-    """Processor outputs for a VLM: input_ids (1, S), attention_mask, pixel values, grids...; each
-    image at most about `max_image_tokens` tokens (models.processors.image_budget)."""
+def encode_vlm(processor, family, messages: list[dict], max_image_tokens: int | None = None) -> dict[str, torch.Tensor]:
+    """Processor outputs for a VLM of `family`: input_ids (1, S), attention_mask, pixel values,
+    grids...; each image at most about `max_image_tokens` tokens (Family.image_budget)."""
     text = render(processor, messages)
     images = images_of(messages)
-    budget = image_budget(processor, max_image_tokens) if images else {}
+    budget = family.image_budget(processor, max_image_tokens) if images else {}
     inputs = processor(text=[text], images=images or None, return_tensors="pt", **budget)
     return {name: value for name, value in inputs.items() if isinstance(value, torch.Tensor)}
 

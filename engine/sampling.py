@@ -112,12 +112,12 @@ def accept_tree(
             path.append(child)
             row = child + 1
 
-    target_probs = sampler.probs(target_logits).cpu()  # (n+1, V)
+    target_probs, draft_probs = _to_host(sampler.probs(target_logits), draft_probs)  # (n+1, V), (n, V) | None
     while True:
         p = target_probs[row]
         for child in children[row]:
             token = draft_tokens[child]
-            q = draft_probs[child].cpu() if draft_probs is not None else _one_hot(token, p)
+            q = draft_probs[child] if draft_probs is not None else _one_hot(token, p)
             if sampler.uniform() * float(q[token]) <= float(p[token]):  # accept with min(1, p/q)
                 path.append(child)
                 row = child + 1
@@ -128,6 +128,14 @@ def accept_tree(
             p = residual / residual.sum()
         else:
             return path, sampler.draw(p)
+
+
+def _to_host(target_probs: torch.Tensor, draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Both distributions on the CPU in float32, in one transfer (one host sync a round, not one a node)."""
+    if draft_probs is None:
+        return target_probs.float().cpu(), None
+    both = torch.cat([target_probs.float(), draft_probs.to(target_probs.device, torch.float32)]).cpu()
+    return both[:len(target_probs)], both[len(target_probs):]
 
 
 def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ profiles `steps` single-token steps of the target (a plain decode step) and of e
 drafter (a draft step), each followed by its rollback, and prints per model: milliseconds per
 step, the share spent in `aten::linear` (matrix products) and the five most expensive
 operators. This is how the benchmark's drafter cost was traced to bfloat16 matmuls on a CPU
-(README, Benchmark). `--wrapped` runs every step through the multimodal wrapper's forward, as
+(docs/benchmarks.md). `--wrapped` runs every step through the multimodal wrapper's forward, as
 the engine did before it called Qwen-VL language models directly.
 """
 

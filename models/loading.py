@@ -15,7 +15,6 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from models.families import Family, family_for_config
-from models.processors import image_token_ids, load_processor
 
 
 class LoadError(ValueError):
@@ -37,12 +36,11 @@ class LoadOptions:
     quantization: str | None = None  # None | "4bit" | "8bit" (bitsandbytes)
     trust_remote_code: bool = False
     # Dtype of a drafter that is its own language model (text LM or VLM). "auto": float32 on a
-    # CPU for drafters under SMALL_DRAFTER_PARAMETERS (a CPU's bfloat16 matmul has a fixed cost,
-    # ~50 us, that dominates a tiny model's decode step; see the README's Benchmark), else
-    # `dtype`. Measured on this 2-core CPU, one token: 28 M parameters 17.7 ms float32 / 12.6 ms
-    # bfloat16, 143 M 54 / 27 ms, 494 M 80 / 81 ms at a 3B target's context: from tens of
-    # millions of parameters up, float32 buys nothing and doubles the memory. The target
-    # verifies every token, so a drafter's dtype never changes the answer.
+    # CPU for drafters under SMALL_DRAFTER_PARAMETERS (a CPU's bfloat16 matmul has a fixed cost
+    # that dominates a tiny model's decode step), else `dtype`: from tens of millions of
+    # parameters up, float32 buys nothing and doubles the memory (the measured figures and their
+    # commands: docs/benchmarks.md, "Where a step's time goes"). The target verifies every
+    # token, so a drafter's dtype never changes the answer.
     drafter_dtype: str = "auto"
 
 
@@ -124,9 +122,9 @@ def family_of(config) -> Family:
         raise LoadError(str(error)) from None
 
 
-def processor_of(name: str, options: LoadOptions):
+def processor_of(name: str, family: Family, options: LoadOptions):
     try:
-        return load_processor(name, trust_remote_code=options.trust_remote_code)
+        return family.load_processor(name, trust_remote_code=options.trust_remote_code)
     except ValueError as error:
         raise LoadError(str(error)) from None
 
@@ -155,8 +153,8 @@ def load_vlm(name: str, options: LoadOptions, config=None, dtype: str | None = N
                         "vision-language model (a text-only model can be a --drafter)")
     family = family_of(config)
     model = from_pretrained(AutoModelForImageTextToText, name, model_kwargs(options, dtype))
-    processor = processor_of(name, options)
-    return LoadedVLM(name, model, processor, family, frozenset(image_token_ids(processor)))
+    processor = processor_of(name, family, options)
+    return LoadedVLM(name, model, processor, family, frozenset(family.placeholder_ids(processor)))
 
 
 def fit_dtype(parameters: int, memory_bytes: int) -> tuple[str, str]:

@@ -3,7 +3,7 @@
 Presets other than `demo` need the Hugging Face hub (or a local copy of the weights); their
 loading code is the same `from_pretrained` path as the bundled model's, and the vocabulary
 check in `models.loading.check_vocabularies` runs on them at load time. What we could check
-offline, from the published configs, is in the `note` of each preset (and in the README).
+offline, from the published configs, is in the `note` of each preset (and in docs/models.md).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    # The MTP head first (the default): it is the fastest in the benchmark (README, Benchmark).
+    # The MTP head first (the default): it is the fastest drafter in the benchmark (docs/benchmarks.md).
     "demo": Preset(DEFAULT_MODEL, (DEFAULT_DRAFTER, *(os.path.join(ASSETS, d) for d in DEMO_DRAFTERS), "ngram"),
                    "bundled Qwen2-VL-family model trained on a synthetic world; runs offline on a CPU"),
     "smolvlm-256m": Preset("HuggingFaceTB/SmolVLM-256M-Instruct", ("HuggingFaceTB/SmolLM2-135M-Instruct", "ngram"),

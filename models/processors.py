@@ -11,21 +11,22 @@ processor wherever the stock one cannot be built or run:
   VIDEO_PROCESSOR_MAPPING ... _extra_content`). The image-only processor is a subclass of
   the same class whose constructor has no such arguments, holding the image processor, the
   tokenizer and the chat template;
-- Step-3.7 and MuseGlimmer get the PIL image processors of models/image_processors.py,
+- a family whose transformers image processor exists only as a torchvision class (Step-3.7,
+  MuseGlimmer) passes its own PIL class (`pil_image_processor`, defined in its family file),
   built from the folder's saved settings.
 It renders prompts, expands image placeholders and saves exactly like the stock class; only
 `videos=` and `audio=` are unsupported.
 
-`image_budget` caps how many tokens one image becomes (a per-call processor option), and
-`image_token_ids` lists the multimodal placeholder ids a processor inserts for images (and
+`placeholder_ids` lists the multimodal placeholder ids a processor inserts for images (and
 videos), so that a text-only drafter can drop them and an n-gram drafter never proposes them.
+What differs between families (image budgets, the spellings of their placeholders, their
+image processors) is in models/families/: this module is the machinery they share.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import math
 import re
 
 from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
@@ -34,38 +35,28 @@ from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, pr
 from transformers.processing_utils import ProcessorMixin
 from transformers.utils import is_torchvision_available
 
-from models.image_processors import PIL_IMAGE_PROCESSORS
-
 logger = logging.getLogger(__name__)
-
-_GEMMA4_SOFT_TOKENS = (70, 140, 280, 560, 1120)  # the tokens per image Gemma4ImageProcessorPil accepts
 
 # Attributes (of a processor or its tokenizer) that name a multimodal placeholder token,
 # e.g. image_token, video_token, boi_token, eoi_token, fake_image_token, global_image_tag,
 # vision_start_token. Counts such as num_image_tokens do not end in _token / _tag.
 _PLACEHOLDER_ATTRIBUTE = re.compile(r"\w*(image|img|video|vision|boi|eoi)\w*_(token|tag)")
 
-# Spellings of placeholder tokens that some families insert without naming them in an
-# attribute (Qwen2-VL's <|vision_start|>, Idefics3 / SmolVLM's <row_1_col_2>). Matched only
-# against the tokenizer's added tokens, never against ordinary vocabulary.
-_PLACEHOLDER_SPELLING = re.compile(
-    r"<\|?(image|video|vision)[\w-]*\|?>|<row_\d+_col_\d+>|<fake_token_around_image>|<global-img>"
-    r"|<(start|end)_of_image>|<(im|patch)_(start|end)>|<patch_newline>"
-)
 
-
-def load_processor(path_or_id: str, trust_remote_code: bool = False) -> ProcessorMixin:
+def load_processor(path_or_id: str, trust_remote_code: bool = False, pil_image_processor: type | None = None
+                   ) -> ProcessorMixin:
     """The multimodal processor saved in `path_or_id` (a folder or a hub id).
 
     `AutoProcessor`, or without torchvision an image-only processor of the same class where the
-    stock one needs torchvision (see above). Raises ValueError, saying what to do, when the
-    folder holds no multimodal processor.
+    stock one needs torchvision (see above); `pil_image_processor`: the family's PIL image
+    processor class where transformers has only a torchvision one. Raises ValueError, saying
+    what to do, when the folder holds no multimodal processor.
     """
     processor_class = _builtin_processor_class(path_or_id)
     try:
-        if processor_class is not None and _needs_image_only(processor_class, path_or_id):
+        if processor_class is not None and _needs_image_only(processor_class, pil_image_processor):
             logger.info("%s: %s without video / audio processors, PIL images", path_or_id, processor_class.__name__)
-            processor = _load_image_only(processor_class, path_or_id)
+            processor = _load_image_only(processor_class, path_or_id, pil_image_processor)
         else:
             processor = AutoProcessor.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
     except OSError as err:  # a file is missing
@@ -133,61 +124,11 @@ class _WithoutAbsentSubProcessors(ProcessorMixin):
                                    if value is not None or key in attributes or key == "chat_template"})
 
 
-def image_budget(processor: ProcessorMixin, max_image_tokens: int | None) -> dict:
-    """Processor call options that make each image at most about `max_image_tokens` tokens
-    (None: the processor's own limits). Never enlarges what the processor allows.
-
-    - Patchifiers with a pixel range (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): one token is a
-      (patch_size * merge_size)^2-pixel square, so the image is resized to at most
-      max_image_tokens such squares (`size.longest_edge` is a pixel count there).
-    - Tilers (Idefics3 / SmolVLM): an image is its tiles plus one global view, each
-      `image_seq_len` tokens; the resize before tiling is capped so that at most
-      n x n tiles fit, or the image is not split when even one tile would exceed the budget.
-    - Step-3.7: a global view plus local crops; the image's longest side (`max_image_size`) is
-      capped at n crops, so that at most n x n crops fit (at least one crop's side: an
-      elongated image is still cut along its long side).
-    - MuseGlimmer (`max_image_tokens`) and Gemma 4 (`max_soft_tokens`, one of a few sizes, at
-      least 70) take a number of tokens.
-    - Families whose images are a fixed number of tokens (LLaVA, Gemma 3, ...): nothing to cap.
-    """
-    if not max_image_tokens:
-        return {}
-    image_processor = processor.image_processor
-    size = getattr(image_processor, "size", None)
-    patch, merge = getattr(image_processor, "patch_size", None), getattr(image_processor, "merge_size", None)
-    if patch and merge and getattr(size, "longest_edge", None):
-        max_pixels = min(size.longest_edge, max_image_tokens * (patch * merge) ** 2)
-        return {"size": {"longest_edge": max_pixels, "shortest_edge": min(size.shortest_edge or max_pixels, max_pixels)}}
-    view_tokens = getattr(processor, "num_image_feature_size", 0)  # Step-3.7: its global view's and
-    crop_tokens = getattr(processor, "num_patch_feature_size", 0)  # one local crop's tokens
-    if view_tokens and crop_tokens:
-        crops_per_side = max(1, math.isqrt(max(0, max_image_tokens - view_tokens) // crop_tokens))
-        longest_side = crops_per_side * image_processor.patch_size
-        return {"max_image_size": min(image_processor.max_image_size, longest_side)}
-    tile = (getattr(image_processor, "max_image_size", None) or {}).get("longest_edge")
-    tokens_per_view = getattr(processor, "image_seq_len", None)
-    if tile and tokens_per_view and getattr(size, "longest_edge", None):
-        tiles_per_side = math.isqrt(max(0, max_image_tokens // tokens_per_view - 1))  # one view is global
-        if tiles_per_side < 1:
-            return {"do_image_splitting": False}
-        return {"size": {"longest_edge": min(size.longest_edge, tiles_per_side * tile)}}
-    if getattr(image_processor, "max_image_tokens", None):  # MuseGlimmer
-        return {"max_image_tokens": min(image_processor.max_image_tokens, max_image_tokens)}
-    if getattr(image_processor, "max_soft_tokens", None):  # Gemma 4
-        sizes = [n for n in _GEMMA4_SOFT_TOKENS if n <= min(image_processor.max_soft_tokens, max_image_tokens)]
-        return {"max_soft_tokens": max(sizes, default=_GEMMA4_SOFT_TOKENS[0])}
-    return {}
-
-
-def image_token_ids(processor: ProcessorMixin) -> set[int]:
-    """Ids of every multimodal placeholder or marker token the processor's family inserts.
-
-    Qwen: <|image_pad|>, <|vision_start|>, <|vision_end|>, <|video_pad|>; Idefics3 / SmolVLM:
-    <image>, <fake_token_around_image>, <global-img>, <row_i_col_j>; LLaVA: <image>;
-    Gemma 3: <image_soft_token>, <start_of_image>, <end_of_image>; Step-3.7: <im_patch>,
-    <im_start>, <im_end>, <patch_start>, <patch_end>, <patch_newline>. Read from the
-    processor's and tokenizer's named tokens plus the tokenizer's added tokens; only tokens
-    present in the vocabulary are returned.
+def placeholder_ids(processor: ProcessorMixin, spellings: re.Pattern) -> set[int]:
+    """Ids of every multimodal placeholder or marker token the processor inserts: the tokens the
+    processor and its tokenizer name (image_token, boi_token, ...), plus the tokenizer's added
+    tokens that fully match `spellings` (the family's markup that no attribute names, e.g.
+    Qwen's <|vision_start|>, SmolVLM's <row_1_col_2>). Only tokens in the vocabulary count.
     """
     tokenizer = processor.tokenizer
     vocab = tokenizer.get_vocab()
@@ -197,11 +138,12 @@ def image_token_ids(processor: ProcessorMixin) -> set[int]:
         for name, value in named.items()
         if _PLACEHOLDER_ATTRIBUTE.fullmatch(name) and isinstance(value, str)
     }
-    tokens |= {token for token in tokenizer.get_added_vocab() if _PLACEHOLDER_SPELLING.fullmatch(token)}
+    tokens |= {token for token in tokenizer.get_added_vocab() if spellings.fullmatch(token)}
     return {vocab[token] for token in tokens if token in vocab}
 
 
-def _load_image_only(processor_class: type[ProcessorMixin], path_or_id: str) -> ProcessorMixin:
+def _load_image_only(processor_class: type[ProcessorMixin], path_or_id: str, pil_image_processor: type | None
+                     ) -> ProcessorMixin:
     """`processor_class` loaded from `path_or_id` without its video and audio processors."""
     processor_dict, _ = processor_class.get_processor_dict(path_or_id)  # holds the chat template
     parameters = inspect.signature(processor_class.__init__).parameters
@@ -211,32 +153,27 @@ def _load_image_only(processor_class: type[ProcessorMixin], path_or_id: str) -> 
     }
     return build_image_only_processor(
         processor_class,
-        image_processor=_load_image_processor(path_or_id),
+        image_processor=_load_image_processor(path_or_id, pil_image_processor),
         tokenizer=AutoTokenizer.from_pretrained(path_or_id),
         **options,
     )
 
 
-def _load_image_processor(path_or_id: str):
-    """The folder's image processor: ours (models/image_processors.py) where transformers has only
-    a torchvision class, else AutoImageProcessor's (its `*Pil` class without torchvision)."""
+def _load_image_processor(path_or_id: str, pil_image_processor: type | None):
+    """The folder's image processor: the family's PIL class where transformers has only a
+    torchvision one, else AutoImageProcessor's (its `*Pil` class without torchvision)."""
+    if pil_image_processor is None:
+        return AutoImageProcessor.from_pretrained(path_or_id)
     settings, _ = ImageProcessingMixin.get_image_processor_dict(path_or_id)
-    pil_class = PIL_IMAGE_PROCESSORS.get(_image_processor_type(settings))
-    return pil_class.from_dict(settings) if pil_class else AutoImageProcessor.from_pretrained(path_or_id)
+    return pil_image_processor.from_dict(settings)
 
 
-def _needs_image_only(processor_class: type[ProcessorMixin], path_or_id: str) -> bool:
-    """Without torchvision: `processor_class` wants video / audio processors, or the folder's
+def _needs_image_only(processor_class: type[ProcessorMixin], pil_image_processor: type | None) -> bool:
+    """Without torchvision: `processor_class` wants video / audio processors, or the family's
     image processor exists only as a torchvision class."""
     if is_torchvision_available():
         return False
-    if _video_and_audio_attributes(processor_class):
-        return True
-    try:
-        settings, _ = ImageProcessingMixin.get_image_processor_dict(path_or_id)
-    except OSError:
-        return False
-    return _image_processor_type(settings) in PIL_IMAGE_PROCESSORS
+    return pil_image_processor is not None or bool(_video_and_audio_attributes(processor_class))
 
 
 def _video_and_audio_attributes(processor_class: type[ProcessorMixin]) -> list[str]:
@@ -244,10 +181,6 @@ def _video_and_audio_attributes(processor_class: type[ProcessorMixin]) -> list[s
     feature_extractor (audio), ..."""
     return [name for name in processor_class.get_attributes()
             if any(modality in name for modality in ("video", "audio", "feature_extractor"))]
-
-
-def _image_processor_type(settings: dict) -> str:
-    return (settings.get("image_processor_type") or "").removesuffix("Pil").removesuffix("Fast")
 
 
 def _builtin_processor_class(path_or_id: str) -> type[ProcessorMixin] | None:

@@ -1,7 +1,7 @@
 """Every seed family through the command line and the app's setup, as a user runs them.
 
 Tiny random-weight checkpoint folders (tests/tiny_next.py), saved with their processor files,
-load through the real `load_processor`; nothing is patched:
+load through their family's real `load_processor`; nothing is patched:
     step3p7       --drafter mtp         its checkpoint's MTP layers (Step-3.7 local crops included)
     muse_glimmer  --drafter DIR         its DFlash assistant
     gemma4        --drafter DIR         its shared-cache assistant
@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from app_ui.setup import load_engine, read_config, warm_up
-from models.processors import load_processor
+from models.families import REGISTRY
 from tests import tiny_next
 from tests.conftest import ROOT
 from tests.helpers import cli_json
@@ -85,7 +85,7 @@ def test_photos_become_the_tokens_their_pixels_say(folders, family):
     """The loaded processor's pixels are its image processor's (Gemma 4: transformers' own PIL
     class), and each image gets as many tokens as they say. Step-3.7 (224-pixel view, 112-pixel
     crops, photos scaled to 448 at most): each photo is a view of 16 tokens and 3 x 4 crops of 4."""
-    processor = load_processor(folders(family)[0])
+    processor = REGISTRY[family].load_processor(folders(family)[0])
     photos = [Image.open(photo) for photo in PHOTOS]
     text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * 2}],
                                          tokenize=False, add_generation_prompt=True)

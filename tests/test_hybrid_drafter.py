@@ -70,7 +70,7 @@ def reference_logits(drafter, prompt, tokens: list[int], num_rows: int) -> torch
     model over its own view of the prompt + `tokens`, image placeholders masked as `propose` does."""
     model = drafter.runner.model
     if drafter.kind == "vlm":
-        inputs = encode_vlm(drafter.encoder, prompt.messages, prompt.max_image_tokens)
+        inputs = encode_vlm(drafter.encoder, drafter.runner.family, prompt.messages, prompt.max_image_tokens)
         logits = uncached_forward(SimpleNamespace(model=model), replace(prompt, target_inputs=inputs), tokens).logits
     else:
         ids = torch.cat([encode_text(drafter.encoder, prompt.messages)["input_ids"], torch.tensor([tokens])], 1)

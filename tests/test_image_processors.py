@@ -1,4 +1,4 @@
-"""The PIL image processors of models/image_processors.py against transformers' own code.
+"""The PIL image processors of models/families/step3p7.py and muse_glimmer.py against transformers' own code.
 
 transformers' Step-3.7 and MuseGlimmer image processors are torchvision classes, and torchvision
 is not installed here. What of them runs without it is run:
@@ -29,12 +29,8 @@ from PIL import Image
 from transformers.image_utils import SizeDict
 from transformers.models.step3p7.image_processing_step3p7 import Step3p7ImageProcessor
 
-from models.image_processors import (
-    MuseGlimmerImageProcessorPil,
-    Step3p7ImageProcessorPil,
-    muse_glimmer_smart_resize,
-    step3p7_plan,
-)
+from models.families.muse_glimmer import MuseGlimmerImageProcessorPil, muse_glimmer_smart_resize
+from models.families.step3p7 import Step3p7ImageProcessorPil, step3p7_plan
 
 
 def picture(width: int, height: int, seed: int = 0) -> Image.Image:

@@ -31,3 +31,32 @@ def test_never_proposes_a_placeholder_on_image_heavy_contexts():
         answer = [rng.choice([1, 2, 3, 4]) for _ in range(rng.randint(1, 10))]
         draft = session.propose(answer, rng.randint(1, 8), sampler).token_ids
         assert not placeholders & set(draft), (prompt, answer, draft)
+
+
+def search_whole_context(context: list[int], k: int, max_ngram: int, blocked: frozenset[int]) -> list[int]:
+    """The definition, by a search of the whole context: what followed the latest earlier
+    occurrence of the longest suffix (of at most max_ngram tokens) that occurred before."""
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == context[-n:]:
+                following = context[start + n:start + n + k]
+                cut = next((i for i, token in enumerate(following) if token in blocked), len(following))
+                return following[:cut]
+    return []
+
+
+def test_a_session_fed_round_by_round_proposes_what_a_search_of_the_whole_context_finds():
+    """The session's index grows with the answer's new tokens only; its proposals stay those of
+    a search over prompt + answer at every round."""
+    rng = random.Random(1)
+    sampler = Sampler(SamplingSettings())
+    blocked = frozenset({6})
+    for trial in range(100):
+        prompt = [rng.randint(1, 6) for _ in range(rng.randint(1, 30))]
+        session = NgramDrafter().begin(prompt_of(prompt, blocked), None)
+        answer: list[int] = []
+        for _ in range(rng.randint(1, 30)):
+            answer += [rng.randint(1, 5) for _ in range(rng.randint(1, 3))]
+            k = rng.randint(1, 6)
+            expected = search_whole_context(prompt + answer, k, 3, blocked)
+            assert session.propose(answer, k, sampler).token_ids == expected, (prompt, answer, k)

@@ -132,7 +132,7 @@ def mtp_reference_logits(target, drafter, prompt, tokens: list[int], draft: list
 def block_reference_logits(target, drafter, prompt, tokens: list[int], draft: list[int]) -> torch.Tensor:
     """The block after `tokens`: context rows of tokens 0 .. T-1 from one uncached target forward,
     then the block [x_T, mask, ...] in one forward without a cache."""
-    module, head, num_prompt = drafter.module, drafter.head, len(prompt.input_ids)
+    module, head, num_prompt = drafter.block.module, drafter.block.head, len(prompt.input_ids)
     newest, size = len(tokens) - 1, drafter.block_size
     rows = target_rows(target, prompt, tokens[num_prompt:newest], drafter.layers)
     context = torch.cat([rows[layer] for layer in drafter.layers], dim=-1)

@@ -418,9 +418,10 @@ def test_images_are_kept_at_the_size_the_processor_uses_and_it_sees_the_same_pix
     from engine.images import fit_to_processor, load_image
 
     photo = load_image(photos[0])
-    processor = zoo.target("qwen2_vl").processor
-    fitted = fit_to_processor(photo, processor)
-    assert fitted.size == (84, 56) and fit_to_processor(fitted, processor) is fitted  # idempotent
+    target = zoo.target("qwen2_vl")
+    processor = target.processor
+    fitted = fit_to_processor(photo, processor, target.family)
+    assert fitted.size == (84, 56) and fit_to_processor(fitted, processor, target.family) is fitted  # idempotent
     full, small = (processor.image_processor(images=[image], return_tensors="pt") for image in (photo, fitted))
     assert full["pixel_values"].equal(small["pixel_values"])  # Qwen-VL: bit for bit what the processor makes
     # Processors that resize to an edge or a fixed size: the smallest image that still covers it.
@@ -432,7 +433,7 @@ def test_images_are_kept_at_the_size_the_processor_uses_and_it_sees_the_same_pix
     ]:
         assert fit_to_processor(photo, image_processor).size == expected, type(image_processor).__name__
     tiny_image = tiny.tiny_images(1)[0]
-    assert fit_to_processor(tiny_image, processor) is tiny_image  # small enough already: never enlarged
+    assert fit_to_processor(tiny_image, processor, target.family) is tiny_image  # small enough already: never enlarged
 
 
 def test_in_the_chat_a_stop_while_queued_and_left_out_turns_are_said(server):

@@ -163,13 +163,14 @@ def dflash_reference_logits(target, drafter, prompt, tokens: list[int], draft: l
     from transformers.cache_utils import DFlashCache
 
     num_prompt, anchor = len(prompt.input_ids), len(tokens) - 1
-    hidden = uncached_target_hidden(target, prompt, tokens[num_prompt:anchor], drafter.target_layers)
-    context = torch.cat([hidden[layer] for layer in drafter.target_layers], dim=-1)
-    cache = DFlashCache(config=drafter.assistant.config)
+    hidden = uncached_target_hidden(target, prompt, tokens[num_prompt:anchor], drafter.layers)
+    context = torch.cat([hidden[layer] for layer in drafter.layers], dim=-1)
+    assistant = drafter.block  # dflash.AssistantBlock
+    cache = DFlashCache(config=assistant.assistant.config)
     cache.set_previous_accepted_tokens(anchor)
-    block = torch.tensor([tokens[-1]] + [drafter.mask_token_id] * (drafter.block_size - 1))
+    block = torch.tensor([tokens[-1]] + [assistant.mask_token_id] * (drafter.block_size - 1))
     with torch.inference_mode():
-        out = drafter.assistant(noise_embeds=drafter.embed(block)[None], context_hidden_states=context[None],
+        out = assistant.assistant(noise_embeds=assistant.embed(block)[None], context_hidden_states=context[None],
                                 position_ids=torch.arange(anchor + drafter.block_size)[None], cache=cache)
         return target.model.get_output_embeddings()(out.last_hidden_state[0, 1:]).float()
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from models.processors import image_token_ids, load_processor
+from models.families import REGISTRY
+from models.processors import load_processor
 from models.tiny import FAMILIES, build_target, build_text_drafter, build_vlm_drafter, tiny_images
 
 TEXT_PROMPT = [{"role": "user", "content": [{"type": "text", "text": "What is in the picture? Two apples."}]}]
@@ -72,7 +73,7 @@ def test_text_drafter_predicts_like_target(target_dir, tmp_path):
 def test_image_token_ids(target_dir):
     processor = load_processor(str(target_dir))
     config = AutoModelForImageTextToText.from_pretrained(target_dir).config
-    ids = image_token_ids(processor)
+    ids = REGISTRY[config.model_type].placeholder_ids(processor)
 
     image_token_id = getattr(config, "image_token_id", None) or config.image_token_index
     assert image_token_id in ids

@@ -20,7 +20,7 @@ Families (the configs that build with transformers 5.24, vocabulary about 430):
 Each builder writes a folder like a real checkpoint, processor files included (processor_config.json,
 tokenizer, chat template), so that it loads through `models.processors.load_processor`; `load(folder)`
 loads it as the engine's target. Tokenizers and chat templates come from models/tiny.py (a byte-level
-BPE trained in-process). The image processors are the production PIL ones (models/image_processors.py
+BPE trained in-process). The image processors are the production PIL ones (models/families/step3p7.py, muse_glimmer.py
 for Step-3.7 and MuseGlimmer, transformers' own for Gemma 4), and MuseGlimmer's and Gemma 4's
 processors are image-only (`build_image_only_processor`).
 """
@@ -55,7 +55,8 @@ from engine.engine import Engine
 from engine.loop import DecodeSettings, Done
 from engine.target import load_target
 from models import loading
-from models.image_processors import MuseGlimmerImageProcessorPil, Step3p7ImageProcessorPil
+from models.families.muse_glimmer import MuseGlimmerImageProcessorPil
+from models.families.step3p7 import Step3p7ImageProcessorPil
 from models.processors import build_image_only_processor
 from models import tiny
 

@@ -92,11 +92,6 @@ def draft_from_rows(sampler: Sampler, logits: torch.Tensor) -> Draft:
     return builder.draft()
 
 
-def context_rows(target: CacheState, layers: tuple[int, ...], num_rows: int) -> torch.Tensor:
-    """(num_rows, L * H) the first rows of the target's last pass, `layers` concatenated."""
-    return torch.cat([target.hidden[layer][:num_rows] for layer in layers], dim=-1)
-
-
 class DraftSession(Protocol):
     """One request's drafter state, made by `Drafter.begin` and dropped with the request."""
 

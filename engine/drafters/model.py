@@ -62,7 +62,7 @@ def load(name: str, config, target, options: LoadOptions) -> ModelDrafter:
             raise LoadError(f"VLM drafter {name!r} is {family.name}, the target is {target.family.name}; a VLM "
                             "drafter must be of the target's family (or use a text-only LM or --drafter ngram)")
         model = from_pretrained(AutoModelForImageTextToText, name, kwargs)
-        encoder = processor_of(name, options)
+        encoder = processor_of(name, family, options)
         tokenizer, kind = encoder.tokenizer, "vlm"
     else:
         model = from_pretrained(AutoModelForCausalLM, name, kwargs)
@@ -86,7 +86,7 @@ class ModelDrafter:
 
     def begin(self, prompt: Prompt, target: CacheState) -> ModelSession:
         messages = prompt.messages
-        inputs = (encode_vlm(self.encoder, messages, prompt.max_image_tokens) if self.kind == "vlm"
+        inputs = (encode_vlm(self.encoder, self.runner.family, messages, prompt.max_image_tokens) if self.kind == "vlm"
                   else encode_text(self.encoder, messages))
         prompt_len = inputs["input_ids"].shape[1]
         if self.max_positions and prompt_len >= self.max_positions:

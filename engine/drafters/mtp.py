@@ -36,7 +36,7 @@ import torch
 
 from engine.drafters import mtp_head
 from engine.drafters.base import Draft, DraftBuilder
-from engine.drafters.target_positions import TargetPositions
+from engine.drafters.target_session import TargetReadingSession, tokens_from
 from engine.prompt import Prompt
 from engine.runner import CacheState, TargetReads
 from engine.sampling import Sampler
@@ -83,17 +83,15 @@ class MtpDrafter:
         return MtpSession(self, prompt, target)
 
 
-class MtpSession:
+class MtpSession(TargetReadingSession):
     @torch.inference_mode()
     def __init__(self, drafter: MtpDrafter, prompt: Prompt, target: CacheState):
         from transformers.cache_utils import MtpCache
 
+        super().__init__(drafter.family, target, (-1,))  # pending: (m, H) target h_j layer 0 has not read yet
         self.mtp, self.target_model, self.num_layers = drafter.mtp, drafter.target_model, drafter.num_layers
-        self.target = target
         self.prompt_ids = prompt.input_ids
         self.prompt_embeds = target.hidden[0]  # (S, H) the target's merged input embeddings
-        self.new_hidden = target.hidden[-1]  # (m, H) target h_j that layer 0 has not read yet: h_0 .. h_{S-1}
-        self.positions = TargetPositions(drafter.family, target)
         self.cache = MtpCache(config=self.target_model.config.get_mtp_config())
         self.cache.activate_past_recording()
         self.fed: list[list[int]] = [[] for _ in range(self.num_layers)]  # per layer: token embedded at each entry
@@ -104,48 +102,46 @@ class MtpSession:
 
     @torch.inference_mode()
     def propose(self, generated: list[int], k: int, sampler: Sampler) -> Draft:
-        tokens = self.prompt_ids + generated  # x_0 .. x_T
-        last_entry = len(tokens) - 2  # T - 1: the newest entry every layer drafts from
+        last_entry = len(self.prompt_ids) + len(generated) - 2  # T - 1: the newest entry every layer drafts from
+        # Only a layer's last num_layers entries can have embedded a draft token; the tokens
+        # before them are compared and read no more: a round costs O(new tokens).
+        base = max(0, min(len(fed) for fed in self.fed) - self.num_layers)
+        known = tokens_from(self.prompt_ids, generated, base)  # x_base .. x_T
         builder = DraftBuilder(sampler)
         kept = None  # entries the layer below kept (its later entries were recomputed)
         for level in range(min(k, self.num_layers)):
-            kept = self._keep_valid(level, tokens + builder.token_ids, limit=kept)
-            rows = self._run(level, kept, last_entry, tokens + builder.token_ids)  # (n, H)
+            kept = self._keep_valid(level, base, known + builder.token_ids, limit=kept)
+            rows = self._run(level, kept, last_entry, base, known + builder.token_ids)  # (n, H)
             builder.sample(self._logits(rows[-1]))
         for level in range(self.num_layers - 1):  # keep the rows the layer above may read again
             self._trim_outs(level, keep_from=len(self.fed[level + 1]) - self.num_layers)
         return builder.draft()
 
-    def accept(self, num_accepted: int) -> None:
-        """The verify pass's rows for the last committed token and the accepted drafts are
-        committed target hidden states: h_j for the entries layer 0 reads next."""
-        rows = self.target.hidden[-1][: num_accepted + 1]
-        self.new_hidden = rows if self.new_hidden is None else torch.cat([self.new_hidden, rows])
-
     # Steps of one layer
 
-    def _keep_valid(self, level: int, tokens: list[int], limit: int | None) -> int:
+    def _keep_valid(self, level: int, base: int, tokens: list[int], limit: int | None) -> int:
         """Crop the layer to its leading entries that embedded the tokens now known (committed
-        ones, or this round's draft below this level) and read rows the layer below kept;
-        returns how many it kept."""
+        ones, or this round's draft below this level; tokens[i - base] is x_i) and read rows the
+        layer below kept; returns how many it kept."""
         fed = self.fed[level]
         limit = len(fed) if limit is None else min(len(fed), limit)
-        valid = 0
-        while valid < limit and valid + level + 1 < len(tokens) and fed[valid] == tokens[valid + level + 1]:
+        valid = min(limit, max(0, len(fed) - self.num_layers))  # earlier entries embedded committed tokens
+        while (valid < limit and valid + level + 1 - base < len(tokens)
+               and fed[valid] == tokens[valid + level + 1 - base]):
             valid += 1
         self.cache.layers[level].crop(valid - len(fed))
         del fed[valid:]
         return valid
 
-    def _run(self, level: int, start: int, last_entry: int, tokens: list[int]) -> torch.Tensor:
-        """Run entries start .. last_entry of layer `level`; returns their output rows (n, H)."""
+    def _run(self, level: int, start: int, last_entry: int, base: int, tokens: list[int]) -> torch.Tensor:
+        """Run entries start .. last_entry of layer `level` (tokens[i - base] is x_i); returns
+        their output rows (n, H)."""
         if level == 0:
-            below = self.new_hidden  # h_start .. h_last_entry
-            self.new_hidden = None
+            below = self.take_pending()  # h_start .. h_last_entry
         else:
             below = self._rows(level - 1, start, last_entry + 1)
-        token_ids = tokens[start + level + 1: last_entry + level + 2]
-        embeds = self._embeds(start + level + 1, token_ids)
+        token_ids = tokens[start + level + 1 - base: last_entry + level + 2 - base]
+        embeds = self.embeds(start + level + 1, token_ids)
         positions = self.positions(start + level + 1, last_entry + level + 2)
         out = self.mtp.forward_layer(level, below[None].to(embeds.dtype), positions, self.cache,
                                      inputs_embeds=embeds[None])[0]
@@ -153,15 +149,9 @@ class MtpSession:
         self._append_outs(level, start, out)
         return out
 
-    def _embeds(self, first: int, token_ids: list[int]) -> torch.Tensor:
-        """(n, H) input embeddings of tokens first .. first + n - 1: the target's merged ones in
-        the prompt, the embedding table after it."""
-        num_prompt = max(0, min(len(self.prompt_ids) - first, len(token_ids)))
-        parts = [self.prompt_embeds[first:first + num_prompt]]
-        if num_prompt < len(token_ids):
-            ids = torch.tensor(token_ids[num_prompt:], device=self.prompt_embeds.device)
-            parts.append(self.mtp.embed_tokens(ids).to(self.prompt_embeds.dtype))
-        return torch.cat(parts)
+    def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(token_ids, device=self.prompt_embeds.device)
+        return self.mtp.embed_tokens(ids).to(self.prompt_embeds.dtype)
 
     def _logits(self, row: torch.Tensor) -> torch.Tensor:
         """Float32 logits (V,) of one MTP output row, through the target's head."""

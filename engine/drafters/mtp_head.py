@@ -19,7 +19,7 @@ newest; the target has run x_0 .. x_{T-1}, so h_0 .. h_{T-1} are known), a round
 One KV cache. Entries 0 .. T-1 read target hidden states and are never undone; the draft
 entries T .. read the head's own outputs, so the next round first crops them (whatever was
 accepted) and recomputes the accepted tokens' entries from the target's rows, which `accept`
-hands over. Worked example: prompt of 10 tokens, first answer token x_10 from prefill. Round 1
+hands over (the queue of target rows, `pending`, is engine/drafters/target_session.py's). Worked example: prompt of 10 tokens, first answer token x_10 from prefill. Round 1
 runs entries 0 .. 9 (h_0 .. h_9 from prefill; entry 9 embeds x_10) and drafts d_1 .. d_4 with
 entries 9, 10, 11, 12. The target verifies [x_10, d_1 .. d_4] and accepts 2: its rows for x_10,
 d_1, d_2 are h_10 .. h_12, and x_13 is its bonus token. Round 2 crops the cache to 10 entries
@@ -35,7 +35,7 @@ from transformers import DynamicCache
 
 from engine.drafters.base import Draft, DraftBuilder
 from engine.drafters.target_head import TargetHead, load_module, module_dtype, require_hidden
-from engine.drafters.target_positions import TargetPositions
+from engine.drafters.target_session import TargetReadingSession, tokens_from
 from engine.prompt import Prompt
 from engine.runner import CacheState, TargetReads
 from engine.sampling import Sampler
@@ -86,38 +86,32 @@ class MtpHeadDrafter:
         return MtpHeadSession(self, prompt, target)
 
 
-class MtpHeadSession:
+class MtpHeadSession(TargetReadingSession):
     def __init__(self, drafter: MtpHeadDrafter, prompt: Prompt, target: CacheState):
-        self.module, self.head, self.target = drafter.module, drafter.head, target
+        # pending: (m, H) target rows h_j of entries context_len .. context_len + m - 1
+        super().__init__(drafter.family, target, (-1,))
+        self.module, self.head = drafter.module, drafter.head
         self.prompt_ids = prompt.input_ids
         self.prompt_embeds = target.hidden[0].to(self.head.dtype)  # (S, H)
-        self.positions = TargetPositions(drafter.family, target)
         self.cache = DynamicCache()
         self.context_len = 0  # entries that read target hidden states (0 .. context_len - 1)
-        self.pending = target.hidden[-1]  # (m, H): target rows h_j of entries context_len .. context_len + m - 1
 
     @torch.inference_mode()
     def propose(self, generated: list[int], k: int, sampler: Sampler) -> Draft:
         if k <= 0:
             return Draft([])
-        tokens = self.prompt_ids + generated  # x_0 .. x_T
-        newest = len(tokens) - 1  # T
+        newest = len(self.prompt_ids) + len(generated) - 1  # T: x_0 .. x_T are committed
         self.cache.crop(self.context_len - self.cache.get_seq_length())  # last round's draft entries
         first = self.context_len
-        out = self._run(self._embeds(first + 1, tokens[first + 1:]), self.pending, first)  # entries first .. T-1
-        self.context_len, self.pending = newest, None
+        token_ids = tokens_from(self.prompt_ids, generated, first + 1)  # x_{first+1} .. x_T
+        out = self._run(self.embeds(first + 1, token_ids), self.take_pending(), first)  # entries first .. T-1
+        self.context_len = newest
         builder = DraftBuilder(sampler)
         token = builder.sample(self.head.logits(out[-1:])[0])
         for entry in range(newest, newest + k - 1):
             out = self._run(self.head.embed([token]), out[-1:], entry)
             token = builder.sample(self.head.logits(out)[0])
         return builder.draft()
-
-    def accept(self, num_accepted: int) -> None:
-        """The verify pass's rows for the last committed token and the accepted drafts are the
-        target's h_j of the entries the next round runs first."""
-        rows = self.target.hidden[-1][: num_accepted + 1]
-        self.pending = rows if self.pending is None else torch.cat([self.pending, rows])
 
     def _run(self, embeds: torch.Tensor, hidden: torch.Tensor, first: int) -> torch.Tensor:
         """Entries first .. first + n - 1 (embeds, hidden (n, H)), appended to the cache; (n, H) outputs."""
@@ -126,11 +120,5 @@ class MtpHeadSession:
         mask = causal_mask(n, cached, embeds.device) if n > 1 else None
         return self.module(embeds[None], hidden[None].to(self.head.dtype), positions, mask, self.cache)[0]
 
-    def _embeds(self, first: int, token_ids: list[int]) -> torch.Tensor:
-        """(n, H) input embeddings of tokens first .. first + n - 1: the target's merged ones in
-        the prompt (image features at image positions), the embedding table after it."""
-        num_prompt = max(0, min(len(self.prompt_ids) - first, len(token_ids)))
-        parts = [self.prompt_embeds[first:first + num_prompt]]
-        if num_prompt < len(token_ids):
-            parts.append(self.head.embed(token_ids[num_prompt:]))
-        return torch.cat(parts)
+    def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
+        return self.head.embed(token_ids)

@@ -1,13 +1,31 @@
-"""Supported model families, looked up by `config.model_type`. Adding a family = adding one
-file here that defines `FAMILIES`, and naming it below."""
+"""Supported model families, registered by `config.model_type` (as vLLM's multimodal registry
+registers one processing class per model type). A family is one file in this package that
+defines `FAMILIES`, a tuple of `Family` objects (base.py says what a family knows): every module
+here is imported and its families registered, so adding a family touches no other file."""
 
 from __future__ import annotations
 
-from . import gemma3, gemma4, idefics3, llava, muse_glimmer, qwen3_5, qwen_vl, step3p7
+import importlib
+import pkgutil
+
 from .base import Family, MRopeFamily
 
-VLM_FAMILIES: tuple[Family, ...] = (qwen_vl.FAMILIES + idefics3.FAMILIES + llava.FAMILIES + gemma3.FAMILIES
-                                     + qwen3_5.FAMILIES + step3p7.FAMILIES + muse_glimmer.FAMILIES + gemma4.FAMILIES)
+
+def _registry() -> dict[str, Family]:
+    """model_type -> Family for every family module of this package; a model type claimed twice is an error."""
+    registry: dict[str, Family] = {}
+    for module_info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        for family in getattr(importlib.import_module(f"{__name__}.{module_info.name}"), "FAMILIES", ()):
+            for model_type in family.model_types:
+                if model_type in registry:
+                    raise ValueError(f"model type {model_type!r} is claimed by {registry[model_type].name} "
+                                     f"and {family.name}")
+                registry[model_type] = family
+    return registry
+
+
+REGISTRY: dict[str, Family] = _registry()
+VLM_FAMILIES: tuple[Family, ...] = tuple(dict.fromkeys(REGISTRY.values()))
 
 # Any text-only causal LM (a drafter) numbers positions on one axis.
 TEXT_LM = Family("text_lm", ())
@@ -15,14 +33,12 @@ TEXT_LM = Family("text_lm", ())
 
 def family_for_config(config) -> Family:
     """The family of a VLM config; refuses loudly when the family is not supported."""
-    for family in VLM_FAMILIES:
-        if config.model_type in family.model_types:
-            return family
-    supported = ", ".join(t for f in VLM_FAMILIES for t in f.model_types)
+    if config.model_type in REGISTRY:
+        return REGISTRY[config.model_type]
     raise ValueError(
         f"model type {config.model_type!r} is not a supported vision-language family "
-        f"(supported: {supported}). Pick a model of one of these families."
+        f"(supported: {', '.join(REGISTRY)}). Pick a model of one of these families."
     )
 
 
-__all__ = ["Family", "MRopeFamily", "VLM_FAMILIES", "TEXT_LM", "family_for_config"]
+__all__ = ["Family", "MRopeFamily", "REGISTRY", "VLM_FAMILIES", "TEXT_LM", "family_for_config"]

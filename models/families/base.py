@@ -1,4 +1,6 @@
-"""What the engine needs to know about a model family: how it numbers rotary positions.
+"""What the engine needs to know about a model family: how it numbers rotary positions, and
+how its processor turns images into tokens (`Family`, below: the one place a family's knowledge
+lives; models/families/__init__.py registers every family of this package by model type).
 
 Two kinds of positional bookkeeping exist among the supported models:
 
@@ -16,13 +18,25 @@ layers (Gemma 3 / 4, MuseGlimmer) keep their recorded past for rollbacks in the 
 A family turns a prefill's processor outputs into explicit `position_ids` and a `rope_delta`,
 and makes the position ids of `n` new tokens from the next rotary position. The engine always
 passes positions explicitly; it never relies on state a model keeps on itself.
+
+On the image side a family loads its processor (`load_processor`), says which options cap the
+tokens of one image (`image_budget`), which token ids are image markup (`placeholder_ids`),
+and, where its processor resizes by a rule of its own, to what size (`fitted_size`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
+from transformers.processing_utils import ProcessorMixin
+
+from models import processors
+
+# Added tokens that are image or video markup in any family: Qwen's <|vision_start|>,
+# <|image_pad|>, Gemma 4's <|image>, <image|>, LLaVA's <image>... Families add their own.
+MARKUP_SPELLINGS = r"<\|?(image|video|vision)[\w-]*\|?>"
 
 
 @dataclass(frozen=True)
@@ -32,9 +46,35 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     # A pass over new text tokens may call the language model and the output head directly:
-    # the multimodal wrapper only embeds tokens and then calls them (measured: ~0.1 ms a step
-    # saved on CPU). Set for families whose wrapper does nothing else to text tokens.
+    # the multimodal wrapper only embeds tokens and then calls them (the saving, measured:
+    # docs/benchmarks.md). Set for families whose wrapper does nothing else to text tokens.
     direct_text_steps: bool = False
+    # Spellings (a regular expression) of added tokens that are image markup although no
+    # processor attribute names them; matched against the tokenizer's added tokens only.
+    placeholder_spellings: str = MARKUP_SPELLINGS
+    # The family's PIL image processor class, where transformers has only a torchvision one.
+    pil_image_processor: type | None = None
+
+    def load_processor(self, path_or_id: str, trust_remote_code: bool = False) -> ProcessorMixin:
+        """The processor saved with a model of this family (models/processors.py: image-only
+        where the stock class needs torchvision). ValueError, saying what to do, if there is none."""
+        return processors.load_processor(path_or_id, trust_remote_code, self.pil_image_processor)
+
+    def image_budget(self, processor: ProcessorMixin, max_image_tokens: int | None) -> dict:
+        """Processor call options that make each image at most about `max_image_tokens` tokens
+        (None or 0: the processor's own limits); never more than the processor allows. Here: an
+        image is a fixed number of tokens (LLaVA, Gemma 3), nothing to cap."""
+        return {}
+
+    def placeholder_ids(self, processor: ProcessorMixin) -> set[int]:
+        """Ids of every image placeholder or marker token this family's processor inserts."""
+        return processors.placeholder_ids(processor, re.compile(self.placeholder_spellings))
+
+    def fitted_size(self, image_processor, width: int, height: int) -> tuple[int, int] | None:
+        """The (width, height) this family's image processor resizes a width x height image to,
+        where it follows a rule of its own (the same size when it keeps the image as it is);
+        None: the generic rules apply (edges, fixed sizes: engine/images.py fit_to_processor)."""
+        return None
 
     def prefill_positions(self, model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """Position ids for the prompt, shape (1, S), and the request's rope_delta (0 here)."""
