@@ -51,9 +51,10 @@ PHOTO_EXAMPLES = [
 ]
 DEMO_NOTE = ("This demo model is tiny (3.6 M parameters, trained here from scratch): it knows only synthetic "
              "pictures of coloured shapes, bar charts and text cards like the examples, and gives confident "
-             "nonsense about anything else. The app can serve a real VLM in its place (see the README).")
+             "nonsense about anything else.")
 DEMO_SETTINGS_NOTE = ("The demo model reads every image as the same few tokens and was trained without a system "
-                      "prompt, so those two settings are not offered.")
+                      "prompt, so those two settings are not offered. The app can serve a real VLM in its place "
+                      "(see the README).")
 AUTO_LABEL = "Auto: the drafter that has been fastest"
 # Phones: the settings sidebar starts closed (Gradio opens it at any width). Wide screens: the
 # message box has the focus (on a phone that would open the keyboard over the page).
@@ -103,7 +104,10 @@ CSS = """
 .tokens mark.draft { background: #bbf7d0; color: #14532d; border-radius: 3px; padding: 0; }
 .dark .tokens mark.draft { background: #166534; color: #f0fdf4; }
 @media (max-width: 767px) {
-  #header h2 { font-size: 1.2rem; line-height: 1.3; padding-left: 36px; }
+  #header h2 { font-size: 1.05rem; line-height: 1.3; padding-left: 36px; }
+  #chatbot .examples { grid-template-columns: 1fr 1fr; gap: 6px; }
+  #chatbot .example { padding: 6px 8px; }
+  #chatbot .example-text { font-size: var(--text-sm); }
   #header p { display: none; }
   .sidebar:not(.open) .toggle-button { position: absolute; }
   #ab-answers { flex-direction: column; }
@@ -180,14 +184,13 @@ def _ab_tab(examples: list[dict]) -> SimpleNamespace:
                 "must be identical.")
     message = _message_box("ab-input")
     with gr.Row():
-        stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="ab-stop", interactive=False)
+        stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="ab-stop", interactive=False, scale=0,
+                         min_width=160)
     gr.Examples(examples, inputs=[message], label="Examples (a click puts one in the message box)")
     verdict = gr.Markdown(views.ab_markdown(None), elem_id="ab-verdict", container=True)
     with gr.Row(equal_height=False, elem_id="ab-answers"):
-        plain = gr.HTML(label="Plain", show_label=True, container=True, min_width=320, elem_id="ab-plain",
-                        elem_classes=["tokens"])
-        speculative = gr.HTML(label="Speculative", show_label=True, container=True, min_width=320,
-                              elem_id="ab-speculative", elem_classes=["tokens"])
+        plain = gr.HTML(container=True, min_width=320, elem_id="ab-plain", elem_classes=["tokens"])
+        speculative = gr.HTML(container=True, min_width=320, elem_id="ab-speculative", elem_classes=["tokens"])
     table = gr.Markdown(elem_id="ab-table", elem_classes=["stats"])
     return SimpleNamespace(message=message, stop=stop, panels=[verdict, plain, speculative, table])
 
@@ -582,7 +585,7 @@ def _ab_live(engine: Engine, message_value, session: Session, options: Options, 
             done = not isinstance(event, ABProgress)
             if done or tick.ready():
                 verdict = views.ab_markdown(event if done else None, None if done else event.running)
-                yield (verdict, views.plain_html(event.plain.text), views.highlight_html(event.speculative),
+                yield (verdict, views.plain_html(event.plain.text), views.highlight_html(event.speculative, "Speculative"),
                        views.ab_table(event.plain.stats, event.speculative.stats))
 
 

@@ -22,7 +22,7 @@ DRAFTER_LABELS = {"vlm": "Small VLM: sees the images", "text_lm": "Text-only LM:
                   "mtp": "MTP head: reads the target's hidden states",
                   "dflash": "Block drafter: a whole draft in one pass",
                   "shared_cache": "Assistant: shares the target's cache"}
-HIGHLIGHT_LEGEND = ('<p class="legend"><strong>Latest answer</strong>: <mark class="draft">green</mark> tokens the '
+HIGHLIGHT_LEGEND = ('<p class="legend"><strong>{title}</strong>: <mark class="draft">green</mark> tokens the '
                     'drafter guessed and the target accepted; the rest the target wrote itself.</p>')
 NO_PICTURE_HINT = ("The demo model only learned to answer about pictures like the examples (coloured shapes, bar "
                    "charts, text cards); without one, its answer is a guess.")
@@ -155,19 +155,20 @@ def _aligned(spans: list[tuple[str, str]], text: str) -> list[tuple[str, str]]:
     return runs
 
 
-def highlight_html(side: Side | None) -> str:
+def highlight_html(side: Side | None, title: str = "Latest answer") -> str:
     """The answer as running text, accepted draft tokens marked green, under a legend (plain text,
     not a control). Its text is the answer's, character for character."""
     if side is None or not side.text:
         return ""
     runs = "".join(f'<mark class="draft">{html.escape(text)}</mark>' if label else html.escape(text)
                    for text, label in highlighted(side))
-    return f'{HIGHLIGHT_LEGEND}<div class="answer-text">{runs}</div>'
+    return f'{HIGHLIGHT_LEGEND.format(title=title)}<div class="answer-text">{runs}</div>'
 
 
 def plain_html(text: str) -> str:
     """An answer as running text (the A/B tab's plain side)."""
-    return f'<div class="answer-text">{html.escape(text)}</div>' if text else ""
+    legend = '<p class="legend"><strong>Plain</strong>: the target alone, one token per pass.</p>'
+    return f'{legend}<div class="answer-text">{html.escape(text)}</div>' if text else ""
 
 
 def acceptance_frame(stats: Stats | None) -> pd.DataFrame:

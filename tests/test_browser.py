@@ -84,9 +84,8 @@ def test_chat_with_two_images_streams_answer_and_statistics(page):
     expect(chatbot.locator(".message.user img")).to_have_count(2, timeout=30_000)  # the images, in the history
     expect(page.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
     expect(page.locator("#stats")).to_contain_text("tok/s")
-    answer = chatbot.locator(".message.bot").last
-    expect(answer).to_contain_text("tok/s")  # the answer's own summary line
-    assert len(answer.inner_text().strip()) > 40
+    expect(chatbot.locator(".message.bot").last).to_contain_text("tok/s")  # the answer's own statistics note
+    assert len(last_answer(page).inner_text().strip()) > 40
     os.makedirs(SCREENSHOTS, exist_ok=True)
     page.screenshot(path=os.path.join(SCREENSHOTS, "chat.png"), full_page=True)
 
@@ -410,11 +409,16 @@ def test_stop_and_retry_leave_the_page_where_it_was(fresh, gate):
     assert fresh.evaluate("window.scrollY") == 60
 
 
-def test_statistics_table_is_light(fresh):
+def test_statistics_are_light_and_end_with_the_chat(fresh):
+    """A thin line between rows, no grid; the statistics column (plots folded) ends where the
+    chat column does, leaving no blank area under the chat."""
     from playwright.sync_api import expect
 
     fresh.locator("#chatbot .example").first.click()
     expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    expect(fresh.locator("#answer-details")).to_be_visible()
+    statistics, chat = fresh.locator("#stats-section").bounding_box(), fresh.locator("#chat-new").bounding_box()
+    assert statistics["y"] + statistics["height"] <= chat["y"] + chat["height"] + 40, (statistics, chat)
     grid = fresh.locator("#stats table").evaluate("""table => [table, ...table.querySelectorAll('*')]
         .filter(e => getComputedStyle(e).borderLeftWidth !== '0px').map(e => e.tagName)""")
     assert grid == []  # no vertical lines: rows are separated by a thin line each
