@@ -105,6 +105,7 @@ CSS = """
 .dark .tokens mark.draft { background: #166534; color: #f0fdf4; }
 @media (max-width: 767px) {
   #header h2 { font-size: 1.05rem; line-height: 1.3; padding-left: 36px; }
+  #chatbot .placeholder-content { font-size: var(--text-sm); }
   #chatbot .examples { grid-template-columns: 1fr 1fr; gap: 6px; }
   #chatbot .example { padding: 6px 8px; }
   #chatbot .example-text { font-size: var(--text-sm); }
