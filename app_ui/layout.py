@@ -152,8 +152,8 @@ def _chat_tab(examples: list[dict], demo_model: bool) -> SimpleNamespace:
         placeholder += f"\n\n{DEMO_NOTE}"
     with gr.Row(equal_height=False):
         with gr.Column(scale=3):
-            chatbot = gr.Chatbot(label="Chat", show_label=False, height=CHAT_HEIGHT, elem_id="chatbot", buttons=["copy"],
-                                 placeholder=placeholder + "\n\n**Try an example** (a click sends it):",
+            chatbot = gr.Chatbot(label="Chat", show_label=False, height=CHAT_HEIGHT, elem_id="chatbot",
+                                 buttons=["copy"], placeholder=placeholder + "\n\n**Try an example** (a click sends it):",
                                  examples=[{**example, "display_text": example["text"]} for example in examples],
                                  group_consecutive_messages=False)
             message = _message_box("chat-input")
@@ -365,7 +365,8 @@ def _settings(engine: Engine) -> dict:
     """The request settings, keyed by Options' field names (the API's parameter names too); the
     drafter controls are off in plain mode. Settings that change nothing for the loaded model
     are hidden, and a note says why."""
-    descriptions = {key: views.DRAFTER_LABELS.get(drafter.kind, drafter.kind) for key, drafter in engine.drafters.items()}
+    descriptions = {key: views.DRAFTER_LABELS.get(drafter.kind, drafter.kind)
+                    for key, drafter in engine.drafters.items()}
     choices = [(views.drafter_name(drafter.kind) + (" (default)" if key == engine.default_drafter else ""), key)
                for key, drafter in engine.drafters.items()] or [("none", "none")]
     if len(engine.drafters) > 1:  # engine/auto.py: per request, the drafter that has delivered the most
@@ -586,7 +587,8 @@ def _ab_live(engine: Engine, message_value, session: Session, options: Options, 
             done = not isinstance(event, ABProgress)
             if done or tick.ready():
                 verdict = views.ab_markdown(event if done else None, None if done else event.running)
-                yield (verdict, views.plain_html(event.plain.text), views.highlight_html(event.speculative, "Speculative"),
+                yield (verdict, views.plain_html(event.plain.text),
+                       views.highlight_html(event.speculative, "Speculative"),
                        views.ab_table(event.plain.stats, event.speculative.stats))
 
 
