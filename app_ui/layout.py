@@ -24,13 +24,14 @@ from gradio.data_classes import FileData
 from pydantic import field_validator
 
 from app_ui import views
-from app_ui.session import Options, Session, Turn, answer, messages_for, new_turn, question_of
+from app_ui.session import Options, Session, Turn, answer, messages_for, new_turn, question_of, read_message
 from app_ui.visitors import Visitors
 from engine.ab import ABProgress, run_ab
 from engine.backend import BuiltIn
 from engine.engine import Engine, RequestError
 from engine.images import ImageError
 from models.presets import DEFAULT_MODEL
+from models.processors import image_budget
 
 logger = logging.getLogger(__name__)
 
@@ -49,24 +50,24 @@ PHOTO_EXAMPLES = [
     ("What is in each picture?", ["chelsea.png", "rocket.jpg"]),
     ("What does this chart show?", ["chart.png"]),
 ]
-DEMO_NOTE = ("The bundled demo model is tiny (3.6 M parameters, trained here from scratch): it knows only "
-             "synthetic pictures of coloured shapes, bar charts and text cards like the examples below, and "
-             "gives confident nonsense about photographs. Start the app with `--preset` or `--model` for a "
-             "real VLM.")
-# Plain words for each kind of drafter (the dropdown); the preset's first drafter is the default.
-DRAFTER_LABELS = {"vlm": "Small VLM: sees the images", "text_lm": "Text-only LM: reads the text, not the images",
-                  "ngram": "N-gram lookup: no model, repeats earlier text",
-                  "mtp": "MTP head: reads the target's hidden states",
-                  "dflash": "Block drafter: a whole draft in one pass",
-                  "shared_cache": "Assistant: shares the target's cache"}
-# Phones: the settings sidebar starts closed (Gradio opens it at any width).
-CLOSE_SIDEBAR_ON_PHONES = """() => {
+DEMO_NOTE = ("This demo model is tiny (3.6 M parameters, trained here from scratch): it knows only synthetic "
+             "pictures of coloured shapes, bar charts and text cards like the examples, and gives confident "
+             "nonsense about anything else.")
+DEMO_SETTINGS_NOTE = ("The demo model reads every image as the same few tokens and was trained without a system "
+                      "prompt, so those two settings are not offered. The app can serve a real VLM in its place "
+                      "(see the README).")
+AUTO_LABEL = "Auto: the drafter that has been fastest"
+# Phones: the settings sidebar starts closed (Gradio opens it at any width). Wide screens: the
+# message box has the focus (on a phone that would open the keyboard over the page).
+ON_LOAD = """() => {
   if (window.innerWidth < 768) {
     const sidebar = document.querySelector('.sidebar.open');
     if (sidebar) sidebar.querySelector('.toggle-button').click();
+  } else {
+    document.querySelector('#chat-input textarea')?.focus({ preventScroll: true });
   }
 }"""
-FOCUS_INPUT = "() => { document.querySelector('#chat-input textarea')?.focus(); }"
+FOCUS_INPUT = "() => { document.querySelector('#chat-input textarea')?.focus({ preventScroll: true }); }"
 # Images dropped on the chat go into the message box, as if dropped there.
 DROP_ON_CHAT = """() => {
   const chat = document.querySelector('#chatbot');
@@ -83,22 +84,37 @@ DROP_ON_CHAT = """() => {
     input.dispatchEvent(new Event('change', { bubbles: true }));
   });
 }"""
-DRAFT_COLOUR = "#86efac"  # accepted draft tokens
 GENERATE = {"concurrency_id": "generate", "concurrency_limit": 1}
 INSTANT = {"concurrency_limit": None, "api_visibility": "private", "show_progress": "hidden"}  # quick, not limited
-# .tokens: a HighlightedText shown as running text. Gradio puts whitespace nodes and padding
-# between the spans; font-size 0 hides the whitespace, so the tint moves to the text itself.
+IMAGE_BUDGET_STEP, MAX_IMAGE_BUDGET = 16, 4096  # the tokens-per-image slider
+CHAT_HEIGHT = "min(560px, calc(100dvh - 290px))"  # the message box stays on the first screen, phones too
 CSS = """
-.stats table { width: 100%; font-size: 0.9em; }
-.stats td:first-child, .stats th { white-space: nowrap; }
-#ab-table { overflow-x: auto; }
-#tokens { max-height: 360px; overflow-y: auto; }
-.tokens .textfield, .tokens .token-container, .tokens .token {
-  font-size: 0; margin: 0 !important; padding: 0 !important;
+#header h2 { margin: 0 0 4px; }
+#header p { margin: 0; font-size: var(--text-sm); color: var(--body-text-color-subdued); }
+.stats table, .stats .table-wrap { width: 100%; font-size: 0.9em; border-collapse: collapse; border: none !important; }
+.stats tr { border: none !important; }
+.stats th, .stats td { border: none !important; border-bottom: 1px solid var(--border-color-primary) !important;
+  background: transparent !important; padding: 4px 8px; text-align: left; vertical-align: top; }
+.stats td:first-child, .stats th { white-space: nowrap; color: var(--body-text-color-subdued); font-weight: normal; }
+#ab-table table { table-layout: fixed; }
+#ab-table td, #ab-table th { overflow-wrap: anywhere; }
+#ab-table td:first-child, #ab-table th:first-child { width: 30%; white-space: normal; }
+.tokens { max-height: 360px; overflow-y: auto; }
+.tokens .answer-text { white-space: pre-wrap; line-height: 1.7; }
+.tokens .legend { margin: 0 0 6px; font-size: var(--text-sm); color: var(--body-text-color-subdued); }
+.tokens mark.draft { background: #bbf7d0; color: #14532d; border-radius: 3px; padding: 0; }
+.dark .tokens mark.draft { background: #166534; color: #f0fdf4; }
+@media (max-width: 767px) {
+  #header h2 { font-size: 1.05rem; line-height: 1.3; padding-left: 36px; }
+  #chatbot .placeholder-content { font-size: var(--text-sm); }
+  #chatbot .examples { grid-template-columns: 1fr 1fr; gap: 6px; }
+  #chatbot .example { padding: 6px 8px; }
+  #chatbot .example-text { font-size: var(--text-sm); }
+  #header p { display: none; }
+  .sidebar:not(.open) .toggle-button { position: absolute; }
+  #ab-answers { flex-direction: column; }
 }
-.tokens .text { font-size: var(--text-md); line-height: 1.7; white-space: pre-wrap; padding: 0 !important; }
-.tokens .token.highlighted .text { background: DRAFT_COLOUR; border-radius: 3px; }
-""".replace("DRAFT_COLOUR", DRAFT_COLOUR)
+"""
 
 
 def build_demo(engine: Engine, gpu: Callable = lambda fn: fn, visitors: Visitors | None = None) -> gr.Blocks:
@@ -107,33 +123,40 @@ def build_demo(engine: Engine, gpu: Callable = lambda fn: fn, visitors: Visitors
     visitors = visitors or Visitors()
     examples = [{"text": text, "files": [os.path.join(EXAMPLES_DIR, f) for f in files]}
                 for text, files in (DEMO_EXAMPLES if is_demo(engine) else PHOTO_EXAMPLES)]
+    demo_model = is_demo(engine)
     # Gradio's own backstop: its files older than a day are deleted, checked hourly (Visitors deletes
     # unsent uploads after minutes, and a conversation's uploads when it is cleared or expires).
     with gr.Blocks(title="VLM chat · speculative decoding", fill_width=True, delete_cache=(3600, 86400)) as demo:
         session = gr.State(Session())  # copied for every visitor: a new, empty session each
-        gr.Markdown(_header(engine))
+        gr.Markdown(_header(engine), elem_id="header")
         with gr.Sidebar(label="Settings", open=True, width=300):
             gr.Markdown("### Settings")
             settings = _settings(engine)  # {Options field: its control}
-        demo.load(None, js=CLOSE_SIDEBAR_ON_PHONES)
+        demo.load(None, js=ON_LOAD)
         demo.load(None, js=DROP_ON_CHAT)
         with gr.Tab("Chat"):
-            chat = _chat_tab(examples)
+            chat = _chat_tab(examples, demo_model)
         with gr.Tab("A/B: plain vs speculative"):
             ab = _ab_tab(examples)
-        _wire_chat(engine, gpu, session, settings, chat, visitors)
+        _wire_chat(engine, gpu, session, settings, chat, visitors, examples)
         _wire_ab(engine, gpu, session, {k: v for k, v in settings.items() if k != "mode"}, ab, visitors)
         _wire_api(engine, gpu, session, settings, visitors)
     return demo
 
 
-def _chat_tab(examples: list[dict]) -> SimpleNamespace:
-    """The chat, then the live statistics (beside it on a wide screen, below it on a phone, in a
-    section that folds), then the examples."""
+def _chat_tab(examples: list[dict], demo_model: bool) -> SimpleNamespace:
+    """The chat (examples inside it while it is empty: a click sends one), then the live
+    statistics (beside it on a wide screen, below it on a phone, in a section that folds); the
+    latest answer's highlight and plots appear with the first answer."""
+    placeholder = "Ask about one or more images: drop them here or add them with the clip button below."
+    if demo_model:
+        placeholder += f"\n\n{DEMO_NOTE}"
     with gr.Row(equal_height=False):
         with gr.Column(scale=3):
-            chatbot = gr.Chatbot(label="Chat", height=540, elem_id="chatbot", buttons=["copy"],
-                                 placeholder="Drop one or more images and ask a question.")
+            chatbot = gr.Chatbot(label="Chat", show_label=False, height=CHAT_HEIGHT, elem_id="chatbot",
+                                 buttons=["copy"], placeholder=placeholder + "\n\n**Try an example** (a click sends it):",
+                                 examples=[{**example, "display_text": example["text"]} for example in examples],
+                                 group_consecutive_messages=False)
             message = _message_box("chat-input")
             with gr.Row():
                 stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="chat-stop", interactive=False)
@@ -142,67 +165,62 @@ def _chat_tab(examples: list[dict]) -> SimpleNamespace:
             with gr.Accordion("Live statistics", open=True, elem_id="stats-section"):
                 stats = gr.Markdown(views.stats_markdown(None), elem_id="stats", elem_classes=["stats"],
                                     container=True)
-                tokens = gr.HighlightedText(label="Latest answer, by where each token came from", elem_id="tokens",
-                                            elem_classes=["tokens"],
-                                            color_map={views.DRAFT_LABEL: DRAFT_COLOUR}, show_legend=True)
-                acceptance_plot = gr.BarPlot(views.acceptance_frame(None), x="draft position", y="acceptance",
-                                             y_lim=[0, 1], title="Acceptance by draft position", height=220)
-                speed_plot = gr.LinePlot(views.speed_frame([]), x="tokens", y="tok/s",
-                                         title="Decode tokens/s over the answer", height=220)
-    gr.Examples(examples, inputs=[message], label="Examples (click, then send)")
+                with gr.Column(visible=False, elem_id="answer-details") as details:
+                    tokens = gr.HTML(elem_id="tokens", elem_classes=["tokens"], container=True)
+                    with gr.Accordion("Plots: acceptance by draft position, speed over the answer", open=False,
+                                      elem_id="plots"):
+                        acceptance_plot = gr.BarPlot(views.acceptance_frame(None), x="draft position",
+                                                     y="acceptance", y_lim=[0, 1], height=220,
+                                                     title="Acceptance by draft position")
+                        speed_plot = gr.LinePlot(views.speed_frame([]), x="tokens", y="tok/s", height=220,
+                                                 title="Decode tokens/s over the answer")
     return SimpleNamespace(chatbot=chatbot, message=message, stop=stop, new_chat=new_chat,
-                           panels=[chatbot, stats, tokens, acceptance_plot, speed_plot])
+                           panels=[chatbot, stats, tokens, acceptance_plot, speed_plot, details])
 
 
 def _ab_tab(examples: list[dict]) -> SimpleNamespace:
-    gr.Markdown("One message (no chat history), decoded plainly and then speculatively with the drafter "
-                "from the settings; each side's timings count only its own run. With greedy sampling "
-                "(temperature 0) the two answers must be identical.")
+    """Message box and Stop, the examples, then the verdict over the full width, the two
+    answers (side by side on a wide screen, one above the other on a phone) and the table."""
+    gr.Markdown("One message (no chat history), answered plainly and then speculatively with the drafter from "
+                "the settings; each side's timings count only its own run. At temperature 0 the two answers "
+                "must be identical.")
     message = _message_box("ab-input")
     with gr.Row():
-        verdict = gr.Markdown(views.ab_markdown(None), elem_id="ab-verdict", container=True)
-        stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="ab-stop", scale=0, min_width=120,
-                         interactive=False)
-    with gr.Row(equal_height=False):
-        plain = gr.Textbox(label="Plain", lines=6, max_lines=16, interactive=False)
-        speculative = gr.HighlightedText(label="Speculative", elem_classes=["tokens"],
-                                         color_map={views.DRAFT_LABEL: DRAFT_COLOUR}, show_legend=True)
+        stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="ab-stop", interactive=False, scale=0,
+                         min_width=160)
+    gr.Examples(examples, inputs=[message], label="Examples (a click puts one in the message box)")
+    verdict = gr.Markdown(views.ab_markdown(None), elem_id="ab-verdict", container=True)
+    with gr.Row(equal_height=False, elem_id="ab-answers"):
+        plain = gr.HTML(container=True, min_width=320, elem_id="ab-plain", elem_classes=["tokens"])
+        speculative = gr.HTML(container=True, min_width=320, elem_id="ab-speculative", elem_classes=["tokens"])
     table = gr.Markdown(elem_id="ab-table", elem_classes=["stats"])
-    gr.Examples(examples, inputs=[message], label="Examples (click, then send)")
     return SimpleNamespace(message=message, stop=stop, panels=[verdict, plain, speculative, table])
 
 
 def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: dict, chat: SimpleNamespace,
-               visitors: Visitors) -> None:
-    """Send: accept the message (or refuse it, saying why, with the message left in the box and
-    a refused file taken out of it), show it at once, then answer it in the queue. The box stays
-    open while an answer streams, and has the focus again when it ends."""
+               visitors: Visitors, examples: list[dict]) -> None:
+    """Send (or click an example): check the message without opening its files (or refuse it,
+    saying why, with the message left in the box), show it in the chat at once with Stop on,
+    then prepare its images and answer it in the queue. The box stays open while an answer
+    streams, and has the focus again when it ends."""
+    demo_model = is_demo(engine)
 
     def accept(message_value, session: Session, request: gr.Request):  # no outputs: a refusal is a toast
         visitors.touch(session)
-        session.refused_files = []
         with _user_errors():
             if session.pending is not None or session.running:
                 raise RequestError("an answer is still streaming: wait for it, or press Stop (your message "
                                    "stays in the box)")
             session.check_not_expired(visitors.limits.idle_s)
-            try:
-                turn = new_turn(message_value, engine, session)
-            except ImageError as error:
-                session.refused_files = _named_files(message_value, str(error))
-                raise ImageError(f"{error} (taken out of the message; your text stays)") from None
-            turn.arrived = _arrival(request)
-            _start(session, turn)
+            text, files = read_message(message_value, engine, session)
+            _start(session, Turn(text, files, [], arrived=_arrival(request)))
 
-    def drop_refused(message_value, session: Session):
-        if not session.refused_files or not isinstance(message_value, dict):
-            return gr.skip()
-        files = [f for f in message_value.get("files") or [] if _path_of(f) not in session.refused_files]
-        return {"text": message_value.get("text") or "", "files": files}
+    def accept_example(event: gr.SelectData, session: Session, request: gr.Request):
+        accept(examples[event.index], session, request)  # our own list: the click names only its place
 
-    def show(session: Session):
-        return (gr.MultimodalTextbox(value=None), views.chatbot_messages(session),
-                gr.Button(variant="stop", interactive=True))
+    def show(session: Session, clear_box: bool = True):
+        return (gr.MultimodalTextbox(value=None) if clear_box else gr.skip(),
+                views.chatbot_messages(session, demo=demo_model), gr.Button(variant="stop", interactive=True))
 
     def retry(session: Session, temperature, seed):
         """The last turn again; with sampling, from the next seed (the same seed gives the same answer)."""
@@ -212,29 +230,31 @@ def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: dict,
             if _number(temperature) > 0:
                 seed = int(_number(seed)) + 1
         visitors.touch(session)
-        return views.chatbot_messages(session), seed, gr.Button(variant="stop", interactive=True)
+        return views.chatbot_messages(session, demo=demo_model), seed, gr.Button(variant="stop", interactive=True)
 
     def undo(session: Session):
         message = session.turns.pop().message if session.pending is None and session.turns else gr.skip()
-        return (message, views.chatbot_messages(session), views.stats_markdown(None), [],
-                views.acceptance_frame(None), views.speed_frame([]))
+        return message, *_panels(views.chatbot_messages(session, demo=demo_model))
 
     def new_conversation(session: Session):
         _clear(session, visitors)
-        return None, [], views.stats_markdown(None), [], views.acceptance_frame(None), views.speed_frame([])
+        return None, *_panels([])
 
     @gpu
     def respond(session: Session, *values):
         visitors.touch(session)
-        yield from _respond(engine, session, Options(**dict(zip(settings, values))))
+        yield from _respond(engine, session, Options(**dict(zip(settings, values))), demo_model)
 
     respond_event = dict(fn=respond, inputs=[session, *settings.values()], outputs=[*chat.panels, chat.message],
-                         show_progress_on=[chat.chatbot], api_visibility="private", **GENERATE)
+                         show_progress_on=[chat.chatbot], show_progress="minimal", api_visibility="private",
+                         **GENERATE)
     idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[chat.stop],
                 js=FOCUS_INPUT, **INSTANT)
-    accepted = chat.message.submit(accept, [chat.message, session], None, **INSTANT)
-    accepted.failure(drop_refused, [chat.message, session], [chat.message], **INSTANT)
-    accepted.success(show, [session], [chat.message, chat.chatbot, chat.stop], **INSTANT) \
+    shown = [chat.message, chat.chatbot, chat.stop]
+    chat.message.submit(accept, [chat.message, session], None, **INSTANT) \
+        .success(show, [session], shown, **INSTANT).success(**respond_event).then(**idle)
+    chat.chatbot.example_select(accept_example, [session], None, **INSTANT) \
+        .success(lambda session: show(session, clear_box=False), [session], shown, **INSTANT) \
         .success(**respond_event).then(**idle)
     chat.chatbot.retry(retry, [session, settings["temperature"], settings["seed"]],
                        [chat.chatbot, settings["seed"], chat.stop], **INSTANT) \
@@ -336,50 +356,74 @@ def is_demo(engine: Engine) -> bool:
 
 def _header(engine: Engine) -> str:
     name = engine.target.name.rstrip("/").rsplit("/", 2)
-    drafters = ", ".join(DRAFTER_LABELS.get(d.kind, d.kind).split(":")[0] for d in engine.drafters.values())
-    lines = ["## Chat with a vision-language model, faster with speculative decoding",
-             f"Target `{'/'.join(name[-2:])}` ({engine.target.family.name}) · drafters: "
-             f"{drafters or 'none (plain decoding only)'} · up to {engine.max_images} images per conversation."]
-    if is_demo(engine):
-        lines.append(f"*{DEMO_NOTE}*")
-    return "\n\n".join(lines)
+    drafters = ", ".join(views.drafter_name(d.kind) for d in engine.drafters.values())
+    return ("## Chat with a vision-language model, faster with speculative decoding\n\n"
+            f"Model `{'/'.join(name[-2:])}` ({engine.target.family.name}) · drafters: "
+            f"{drafters or 'none (plain decoding only)'} · up to {engine.max_images} images per conversation")
 
 
 def _settings(engine: Engine) -> dict:
     """The request settings, keyed by Options' field names (the API's parameter names too); the
-    drafter controls are off in plain mode."""
-    choices = [(_drafter_label(drafter, key == engine.default_drafter), key)
+    drafter controls are off in plain mode. Settings that change nothing for the loaded model
+    are hidden, and a note says why."""
+    descriptions = {key: views.DRAFTER_LABELS.get(drafter.kind, drafter.kind)
+                    for key, drafter in engine.drafters.items()}
+    choices = [(views.drafter_name(drafter.kind) + (" (default)" if key == engine.default_drafter else ""), key)
                for key, drafter in engine.drafters.items()] or [("none", "none")]
     if len(engine.drafters) > 1:  # engine/auto.py: per request, the drafter that has delivered the most
-        auto = ("Auto: the drafter that has been fastest" + (" (default)" if engine.auto else ""), "auto")
+        descriptions["auto"] = AUTO_LABEL
+        auto = ("Auto" + (" (default)" if engine.auto else ""), "auto")
         choices = [auto] + choices if engine.auto else choices + [auto]
     defaults = Options()
     speculative = bool(engine.drafters)
+    demo_model, image_tokens = is_demo(engine), _image_budget_range(engine)
+
+    def describe(key: str) -> str:
+        return descriptions.get(key, "").partition(": ")[2]
+
     settings = {
         "mode": gr.Radio(["speculative", "plain"], value="speculative" if speculative else "plain", label="Decoding"),
-        "drafter": gr.Dropdown(choices, value=choices[0][1], label="Drafter", interactive=speculative),
-        "draft_tokens": gr.Slider(0, 8, value=defaults.draft_tokens, step=1,
-                                  label="Draft length (0 = chosen from measured cost)", interactive=speculative),
+        "drafter": gr.Dropdown(choices, value=choices[0][1], label="Drafter", interactive=speculative,
+                               info=describe(choices[0][1])),
+        "draft_tokens": gr.Slider(0, 8, value=defaults.draft_tokens, step=1, label="Draft length",
+                                  info="0: chosen from the measured cost", interactive=speculative),
         "adaptive": gr.Checkbox(defaults.adaptive, label="Adaptive draft length", interactive=speculative),
-        "temperature": gr.Slider(0, 1.5, value=defaults.temperature, step=0.05, label="Temperature (0 = greedy)"),
+        "temperature": gr.Slider(0, 1.5, value=defaults.temperature, step=0.05, label="Temperature",
+                                 info="0: greedy, the same answer every time"),
         "top_p": gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="Top-p"),
         "max_new_tokens": gr.Slider(1, 1024, value=defaults.max_new_tokens, step=1, label="Max new tokens"),
-        "seed": gr.Number(defaults.seed, precision=0, label="Seed (sampling; Retry takes the next)"),
-        "system_prompt": gr.Textbox(defaults.system_prompt, label="System prompt (optional)", lines=2),
-        "max_image_tokens": gr.Slider(0, 4096, value=engine.max_image_tokens or 0, step=16,
-                                      label="Tokens per image at most (0 = the model's own limit)"),
+        "seed": gr.Number(defaults.seed, precision=0, label="Seed", info="for sampling; Retry takes the next"),
+        "system_prompt": gr.Textbox(defaults.system_prompt, label="System prompt (optional)", lines=2,
+                                    visible=not demo_model),
+        "max_image_tokens": gr.Slider(0, image_tokens or 4096, step=16, label="Tokens per image at most",
+                                      value=min(engine.max_image_tokens or 0, image_tokens or 0),
+                                      info="0: the model's own limit", visible=image_tokens is not None),
         "draft_tree": gr.Slider(0, 16, value=defaults.draft_tree, step=1, interactive=speculative,
-                                label="Draft tree nodes (0 = one chain; else branches verified in one pass)"),
+                                label="Draft tree nodes", info="0: one chain; more: branches verified in one pass"),
     }
+    if demo_model:
+        gr.Markdown(f"*{DEMO_SETTINGS_NOTE}*", elem_id="settings-note")
     drafter_controls = [settings[name] for name in ("drafter", "draft_tokens", "adaptive", "draft_tree")]
     settings["mode"].change(lambda mode: [gr.update(interactive=mode == "speculative" and speculative)] * 4,
                             [settings["mode"]], drafter_controls, **INSTANT)
+    settings["drafter"].change(lambda key: gr.update(info=describe(key)), [settings["drafter"]],
+                               [settings["drafter"]], **INSTANT)
     return settings
 
 
-def _drafter_label(drafter, default: bool) -> str:
-    label = DRAFTER_LABELS.get(drafter.kind, drafter.kind)
-    return f"{label} (default)" if default else label
+def _image_budget_range(engine: Engine) -> int | None:
+    """The largest tokens-per-image budget worth offering; None when a budget changes nothing (a
+    model that reads every image as a fixed number of tokens, or as at most one slider step)."""
+    processor = engine.target.processor
+    if not image_budget(processor, IMAGE_BUDGET_STEP):
+        return None
+    image_processor = processor.image_processor
+    patch, merge = getattr(image_processor, "patch_size", None), getattr(image_processor, "merge_size", None)
+    max_pixels = getattr(getattr(image_processor, "size", None), "longest_edge", None)
+    if patch and merge and max_pixels:  # a patchifier: its own limit, in tokens
+        own = max_pixels // (patch * merge) ** 2
+        return own if own > IMAGE_BUDGET_STEP else None
+    return MAX_IMAGE_BUDGET
 
 
 def _message_box(elem_id: str) -> gr.MultimodalTextbox:
@@ -402,14 +446,10 @@ def _user_errors():
         raise gr.Error(f"internal error: {type(error).__name__}: {error}") from error
 
 
-def _named_files(message_value, error: str) -> list[str]:
-    """The message's files that an ImageError names (its message starts with the file's name)."""
-    files = message_value.get("files") or [] if isinstance(message_value, dict) else []
-    return [_path_of(f) for f in files if error.startswith(os.path.basename(_path_of(f)) + ":")]
-
-
-def _path_of(file) -> str:
-    return file.get("path", "") if isinstance(file, dict) else str(getattr(file, "path", file))
+def _without_named_files(message: dict, error: str) -> dict:
+    """The message less the files that an ImageError names (its message starts with the file's name)."""
+    files = [path for path in message["files"] if not error.startswith(os.path.basename(path) + ":")]
+    return {"text": message["text"], "files": files}
 
 
 def _number(value) -> float:
@@ -441,12 +481,12 @@ def _start(session: Session, turn: Turn) -> None:
     session.pending = turn
 
 
-def _respond(engine: Engine, session: Session, options: Options):
-    """Stream the pending turn's answer into the chat panels (and, last, the message box),
-    throttled; plots less often. A refused turn (too long for the context, say) goes back into the
-    message box, text and images, with the reason in a notice; the conversation is unchanged. A
-    turn stopped before it started, or that failed, is shown with the reason, unless the chat was
-    cleared meanwhile."""
+def _respond(engine: Engine, session: Session, options: Options, demo_model: bool = False):
+    """Prepare the pending turn's images, then stream its answer into the chat panels (and,
+    last, the message box), throttled; plots less often. A refused turn (an unreadable image, a
+    prompt too long for the context) goes back into the message box, less a refused file, with
+    the reason in a notice; the conversation is unchanged. A turn stopped before it started, or
+    that failed, is shown with the reason. A chat cleared meanwhile gets empty panels."""
     turn, history = session.pending, session.turns
     if turn is None:
         return
@@ -454,31 +494,57 @@ def _respond(engine: Engine, session: Session, options: Options):
     side, points, returned = None, [], gr.skip()
     plain_tok_s = session.plain_speed_for(turn)
     try:
+        _prepare_images(engine, session, turn)
         for side in answer(engine, session, turn, options.checked(engine)):
             if side.stats.decode_tokens:
                 points.append((side.stats.new_tokens, round(side.stats.decode_tok_s, 2)))
-            if text_tick.ready():
+            if side.text and session.turns is history and text_tick.ready():
                 plots = plot_tick.ready()
-                yield (views.chatbot_messages(session, side), views.stats_markdown(side.stats, plain_tok_s),
-                       views.highlighted(side),
-                       views.acceptance_frame(side.stats) if plots else gr.skip(),
-                       views.speed_frame(points) if plots else gr.skip(), gr.skip())
+                yield _panels(views.chatbot_messages(session, side, demo_model), side, plain_tok_s,
+                              points if plots else None) + (gr.skip(),)
         if side is not None and not side.stats.new_tokens:
             turn.error = "stopped before the answer started; nothing was answered (Retry sends it again)"
             history.append(turn)
     except (RequestError, ImageError) as error:
-        gr.Warning(f"Cannot answer: {error}. Your message is back in the box.")
-        returned = turn.message
+        returned = _without_named_files(turn.message, str(error))
+        kept = "your text stays" if len(returned["files"]) < len(turn.files) else "your message is back in the box"
+        gr.Warning(f"Cannot answer: {error} ({kept}).")
     except Exception as error:
         logger.exception("generation failed")
         turn.error = f"generation failed ({type(error).__name__}: {error}); the conversation is kept, try again"
         history.append(turn)
     finally:
         session.pending = None
+    messages = views.chatbot_messages(session, demo=demo_model)
+    if session.turns is not history:  # New chat while it ran: the stopped answer is not shown
+        yield _panels(messages) + (returned,)
+    elif side is None or not side.text:  # nothing answered: the panels keep the latest answer
+        yield (messages, *[gr.skip()] * (len(_panels([])) - 1), returned)
+    else:
+        yield _panels(messages, side, plain_tok_s, points) + (returned,)
+
+
+def _prepare_images(engine: Engine, session: Session, turn: Turn) -> None:
+    """Open and shrink the turn's images (a turn shown at once has its files only)."""
+    if turn.files and not turn.images:
+        prepared = new_turn(turn.message, engine, session)
+        turn.images, turn.load_s = prepared.images, prepared.load_s
+
+
+def _panels(messages: list[dict], side=None, plain_tok_s: float | None = None,
+            points: list[tuple[int, float]] | None = ()) -> tuple:
+    """The chat panels' values: chat, statistics, highlight, the two plots (points None: left
+    as they are) and the column holding the last three (shown once there is an answer)."""
     stats = side.stats if side else None
-    yield (views.chatbot_messages(session), views.stats_markdown(stats, plain_tok_s),
-           views.highlighted(side) if side else [], views.acceptance_frame(stats), views.speed_frame(points),
-           returned)
+    if points is None:
+        plots = (gr.skip(), gr.skip())
+    else:
+        drafted = bool(stats and stats.drafted)
+        speed_max = max([10] + [tokens for tokens, _ in points])
+        plots = (gr.update(value=views.acceptance_frame(stats), visible=drafted),
+                 gr.update(value=views.speed_frame(list(points)), x_lim=[0, speed_max]))
+    return (messages, views.stats_markdown(stats, plain_tok_s), views.highlight_html(side), *plots,
+            gr.Column(visible=bool(side and side.text)))
 
 
 def _api_chat(engine: Engine, message_value, session: Session, options: Options, arrived: float,
@@ -522,7 +588,8 @@ def _ab_live(engine: Engine, message_value, session: Session, options: Options, 
             done = not isinstance(event, ABProgress)
             if done or tick.ready():
                 verdict = views.ab_markdown(event if done else None, None if done else event.running)
-                yield (verdict, event.plain.text, views.highlighted(event.speculative),
+                yield (verdict, views.plain_html(event.plain.text),
+                       views.highlight_html(event.speculative, "Speculative"),
                        views.ab_table(event.plain.stats, event.speculative.stats))
 
 

@@ -27,7 +27,7 @@ from PIL import Image
 
 from engine.ab import Side
 from engine.backend import BuiltIn, Request
-from engine.engine import ContextError, Engine, RequestError, check_text
+from engine.engine import AUTO, ContextError, Engine, RequestError, check_text
 from engine.images import fit_to_processor, load_image
 from engine.loop import DecodeSettings
 from engine.prompt import Prompt
@@ -67,7 +67,6 @@ class Session:
         self.stop = threading.Event()  # the running request's stop flag (a new one per request)
         self.stopped_at = -math.inf  # time.perf_counter() of the latest Stop
         self.running = False  # a request of this session holds the engine
-        self.refused_files: list[str] = []  # the files of the latest refused message that were the reason
         self.plain_tok_s: float | None = None  # the plain decode speed of `plain_question`, once measured
         self.plain_question: tuple | None = None  # (text, files) of the latest plain answer
         self.dropped = 0  # the oldest answered turns no longer sent to the model (they outgrew the context)
@@ -152,7 +151,8 @@ class Options:
     def checked(self, engine: Engine) -> Options:
         """The options converted to their types; RequestError names the first that is not of
         its type or not a choice (engine.checked_settings then checks the ranges)."""
-        choices = {"mode": ["speculative", "plain"], "drafter": [*engine.drafters, "none", "", None]}
+        auto = [AUTO] if engine.drafters else []  # engine/auto.py picks one per request
+        choices = {"mode": ["speculative", "plain"], "drafter": [*auto, *engine.drafters, "none", "", None]}
         values = {}
         for option in fields(self):
             value = getattr(self, option.name)
@@ -210,6 +210,16 @@ def new_turn(message: dict | str | None, engine: Engine, session: Session | None
     are validated and shrunk to the processor's size; RequestError / ImageError name the file,
     the field or the limit. Checks the text before opening any image."""
     arrived = time.perf_counter()
+    text, files = read_message(message, engine, session)
+    images = [fit_to_processor(load_image(path, name=os.path.basename(path)), engine.target.processor,
+                               engine.target.family)
+              for path in files]
+    return Turn(text, files, images, arrived=arrived, load_s=time.perf_counter() - arrived)
+
+
+def read_message(message: dict | str | None, engine: Engine, session: Session | None = None) -> tuple[str, list[str]]:
+    """The message's (text, file paths), checked without opening any file: RequestError names
+    the field or the limit."""
     if isinstance(message, str):
         message = {"text": message, "files": []}
     if message is not None and not isinstance(message, dict):
@@ -227,9 +237,7 @@ def new_turn(message: dict | str | None, engine: Engine, session: Session | None
         where = f" ({earlier} earlier in this conversation; start a new chat to free them)" if earlier else ""
         raise RequestError(f"{len(files)} images in this message{where}: the limit is {engine.max_images} "
                            "images per conversation")
-    images = [fit_to_processor(load_image(path, name=os.path.basename(path)), engine.target.processor, engine.target.family)
-              for path in files]
-    return Turn(text, files, images, arrived=arrived, load_s=time.perf_counter() - arrived)
+    return text, files
 
 
 def _path(file) -> str:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import html
 import time
+from difflib import SequenceMatcher
 
 import pandas as pd
 
@@ -13,7 +15,17 @@ from engine.stats import Stats
 
 UPDATES_PER_SECOND = 15  # text and statistics; the plots refresh less often
 PLOT_UPDATES_PER_SECOND = 2
-DRAFT_LABEL = "accepted draft tokens"  # the HighlightedText category of tokens the drafter proposed
+DRAFT_LABEL = "accepted draft tokens"  # the highlight's category of tokens the drafter proposed
+# Plain words for each kind of drafter: "name: what it does" (the settings show the name, then the rest).
+DRAFTER_LABELS = {"vlm": "Small VLM: sees the images", "text_lm": "Text-only LM: reads the text, not the images",
+                  "ngram": "N-gram lookup: no model, repeats earlier text",
+                  "mtp": "MTP head: reads the target's hidden states",
+                  "dflash": "Block drafter: a whole draft in one pass",
+                  "shared_cache": "Assistant: shares the target's cache"}
+HIGHLIGHT_LEGEND = ('<p class="legend"><strong>{title}</strong>: <mark class="draft">green</mark> tokens the '
+                    'drafter guessed and the target accepted; the rest the target wrote itself.</p>')
+NO_PICTURE_HINT = ("The demo model only learned to answer about pictures like the examples (coloured shapes, bar "
+                   "charts, text cards); without one, its answer is a guess.")
 FINISH_REASONS = {"stop_token": "end of answer", "max_new_tokens": "max new tokens reached", "stopped": "stopped",
                   "context": "the model's context is full"}
 
@@ -47,9 +59,9 @@ def stats_markdown(stats: Stats | None, plain_tok_s: float | None = None) -> str
     if stats is None:
         return "*Statistics appear here while an answer streams.*"
     rows = _stat_rows(stats)
-    if stats.mode == "speculative" and plain_tok_s:
+    if stats.mode == "speculative" and plain_tok_s and stats.decode_tokens > 1:
         rows[0] = (rows[0][0], f"{rows[0][1]} ({stats.decode_tok_s / plain_tok_s:.2f}× plain on this question)")
-    return _table(["Statistic", "This answer"], rows)
+    return _table(["Statistic", "This answer"], [row for row in rows if row[1] is not None])
 
 
 def ab_table(plain: Stats | None, speculative: Stats | None) -> str:
@@ -58,36 +70,50 @@ def ab_table(plain: Stats | None, speculative: Stats | None) -> str:
         return ""
     rows = _stat_rows(plain)
     other = _stat_rows(speculative) if speculative else [(name, "") for name, _ in rows]
-    return _table(["Statistic", "Plain", "Speculative"], [(name, a, b) for (name, a), (_, b) in zip(rows, other)])
+    return _table(["Statistic", "Plain", "Speculative"], [(name, a or "—", b or "—") for (name, a), (_, b)
+                                                          in zip(rows, other) if a is not None or b is not None])
 
 
-def _stat_rows(stats: Stats) -> list[tuple[str, str]]:
-    drafter = f"{stats.drafter_kind}: {_short(stats.drafter)}" if stats.drafter else "none (plain decoding)"
+def _stat_rows(stats: Stats) -> list[tuple[str, str | None]]:
+    """(name, value) rows; None: nothing to say for this answer (the panel leaves the row out)."""
+    speculative = stats.mode == "speculative"
+    drafter = drafter_name(stats.drafter_kind) if stats.drafter_kind else "—"
     budget = f", at most {stats.max_image_tokens} per image" if stats.max_image_tokens else ""
-    prefill = (f"{stats.prefill_tokens} tokens ({stats.prefill_image_tokens} image{budget}) in "
-               f"{stats.prefill_s * 1000:.0f} ms")
+    images = f" ({stats.prefill_image_tokens} for images{budget})" if stats.prefill_image_tokens else ""
+    speed = (f"**{stats.decode_tok_s:.1f} tok/s**" if stats.decode_tokens > 1 else
+             "— (too few tokens to measure)" if stats.new_tokens else "—")
     return [
-        ("Decode speed", f"**{stats.decode_tok_s:.1f} tok/s**"),
+        ("Decode speed", speed),
         ("Time to first token", f"{stats.ttft_s * 1000:.0f} ms (images and prompt {stats.prepare_s * 1000:.0f} ms)"),
-        ("Prefill", prefill),
-        ("Decode", f"{stats.decode_tokens} tokens in {stats.decode_s:.2f} s"),
-        ("Whole answer", f"{stats.new_tokens} tokens in {stats.total_s:.2f} s"),
-        ("Drafted / accepted", f"{stats.drafted} / {stats.accepted}"),
-        ("Acceptance", "—" if stats.acceptance is None else f"{stats.acceptance:.0%}"),
-        ("Tokens per target forward", "—" if stats.tokens_per_forward is None else f"{stats.tokens_per_forward:.2f}"),
-        ("Draft shape", _draft_shape(stats)),
-        ("Mode · drafter", f"{stats.mode} · {drafter}"),
-        ("Drafter choice", stats.auto_choice or "—"),
-        ("Draft length", stats.draft_length_reason or "—"),
-        ("Fell back to plain", stats.fallback_reason or "no"),
-        ("Status", FINISH_REASONS.get(stats.finish_reason, "generating…")),
+        ("Prompt", f"{plural(stats.prefill_tokens, 'token')}{images} read in {stats.prefill_s * 1000:.0f} ms"),
+        ("Answer", f"{plural(stats.new_tokens, 'token')} in {stats.total_s:.2f} s "
+                   f"({plural(stats.decode_tokens, 'token')} decoded in {stats.decode_s:.2f} s)"),
+        ("Accepted / drafted", f"{stats.accepted} / {stats.drafted}" if speculative else None),
+        ("Acceptance", None if stats.acceptance is None else f"{stats.acceptance:.0%}"),
+        ("Tokens per target pass", None if stats.tokens_per_forward is None else f"{stats.tokens_per_forward:.2f}"),
+        ("Draft shape", _draft_shape(stats) if speculative else None),
+        ("Decoding", f"speculative · {drafter}" if speculative else "plain"),
+        ("Drafter choice", stats.auto_choice),
+        ("Draft length", stats.draft_length_reason),
+        ("Fell back to plain", stats.fallback_reason),
+        ("Status", FINISH_REASONS.get(stats.finish_reason, (stats.finish_reason or "generating…").replace("_", " "))),
     ]
+
+
+def drafter_name(kind: str | None) -> str:
+    """A drafter kind in plain words ("MTP head"), never an internal name or a path."""
+    return DRAFTER_LABELS.get(kind, kind or "").split(":")[0]
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def _draft_shape(stats: Stats) -> str:
     """Chains, or trees with the nodes verified and the accepted path's depth per target pass."""
     if stats.draft_shape == "tree" and stats.nodes_per_forward is not None:
-        return f"tree: {stats.nodes_per_forward:.1f} nodes verified, accepted depth {stats.accepted_depth:.2f} a pass"
+        return (f"tree: {stats.nodes_per_forward:.1f} draft nodes verified and {stats.accepted_depth:.2f} "
+                "accepted per target pass, on average")
     return f"chain (tree asked: {stats.tree_fallback})" if stats.tree_fallback else stats.draft_shape
 
 
@@ -96,19 +122,53 @@ def _table(header: list[str], rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(_cell(value) for value in row) + " |" for row in rows])
 
 
-def _short(name: str) -> str:
-    return name.rstrip("/").rsplit("/", 1)[-1]
-
-
 def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def highlighted(side: Side) -> list[tuple[str, str | None]]:
     """The answer in runs of one origin: ("text", DRAFT_LABEL) for accepted draft tokens,
-    ("text", None) for the target's own. The runs come decoded with the stream (engine/loop.py),
-    so an update costs nothing that grows with the answer."""
-    return [(text, DRAFT_LABEL if origin == "draft" else None) for text, origin in side.spans]
+    ("text", None) for the target's own; the runs spell `side.text` exactly. They come decoded
+    with the stream (engine/loop.py), so an update costs nothing that grows with the answer; the
+    final text is decoded whole, and where it differs from the streamed runs (a character whose
+    bytes spanned two runs), the runs are aligned to it."""
+    spans = side.spans
+    if "".join(text for text, _ in spans) != side.text:
+        spans = _aligned(spans, side.text)
+    return [(text, DRAFT_LABEL if origin == "draft" else None) for text, origin in spans]
+
+
+def _aligned(spans: list[tuple[str, str]], text: str) -> list[tuple[str, str]]:
+    """`text` in runs of one origin, each character taking the origin of the streamed character
+    it matches (characters with no match: the target's)."""
+    streamed = "".join(piece for piece, _ in spans)
+    streamed_origins = [origin for piece, origin in spans for _ in piece]
+    origins = ["target"] * len(text)
+    for a, b, size in SequenceMatcher(None, streamed, text, autojunk=False).get_matching_blocks():
+        origins[b:b + size] = streamed_origins[a:a + size]
+    runs: list[tuple[str, str]] = []
+    for char, origin in zip(text, origins):
+        if runs and runs[-1][1] == origin:
+            runs[-1] = (runs[-1][0] + char, origin)
+        else:
+            runs.append((char, origin))
+    return runs
+
+
+def highlight_html(side: Side | None, title: str = "Latest answer") -> str:
+    """The answer as running text, accepted draft tokens marked green, under a legend (plain text,
+    not a control). Its text is the answer's, character for character."""
+    if side is None or not side.text:
+        return ""
+    runs = "".join(f'<mark class="draft">{html.escape(text)}</mark>' if label else html.escape(text)
+                   for text, label in highlighted(side))
+    return f'{HIGHLIGHT_LEGEND.format(title=title)}<div class="answer-text">{runs}</div>'
+
+
+def plain_html(text: str) -> str:
+    """An answer as running text (the A/B tab's plain side)."""
+    legend = '<p class="legend"><strong>Plain</strong>: the target alone, one token per pass.</p>'
+    return f'{legend}<div class="answer-text">{html.escape(text)}</div>' if text else ""
 
 
 def acceptance_frame(stats: Stats | None) -> pd.DataFrame:
@@ -127,30 +187,46 @@ def speed_frame(points: list[tuple[int, float]]) -> pd.DataFrame:
                          "tok/s": pd.Series([p[1] for p in points], dtype=float)})
 
 
-def chatbot_messages(session: Session, live: Side | None = None) -> list[dict]:
-    """The Chatbot's value: every turn with its images, answer and summary line; the pending
-    turn last, with the answer streaming in (`live`)."""
-    messages = []
+def chatbot_messages(session: Session, live: Side | None = None, demo: bool = False) -> list[dict]:
+    """The Chatbot's value: every turn with its images, answer and statistics note; the pending
+    turn last, with the answer streaming in (`live`), or a "preparing" note until it does.
+    `demo`: the bundled demo model, whose answers to a conversation without a picture get a hint."""
+    messages, pictures = [], False
     for turn in session.turns:
-        messages += [_user_message(turn), *_assistant_messages(turn)]
+        pictures = pictures or bool(turn.files)
+        messages += [_user_message(turn), *_assistant_messages(turn, demo and not pictures)]
     if session.pending is not None:
         messages.append(_user_message(session.pending))
         if live is not None and live.text:
             messages.append({"role": "assistant", "content": live.text})
+        else:
+            messages.append(_note(preparing(session.pending), "pending"))
     return messages
+
+
+def preparing(turn: Turn) -> str:
+    images = len(turn.files)
+    return f"Preparing {plural(images, 'image')}…" if images and not turn.images else "Thinking…"
 
 
 def _user_message(turn: Turn) -> dict:
     return {"role": "user", "content": [{"path": path} for path in turn.files] + ([turn.text] if turn.text else [])}
 
 
-def _assistant_messages(turn: Turn) -> list[dict]:
-    """The answer, then its statistics as a collapsed note of their own (so that the answer's copy
-    button copies the answer alone)."""
+def _assistant_messages(turn: Turn, no_picture_hint: bool = False) -> list[dict]:
+    """The answer, then its statistics as a folded note of their own bubble (so that the answer's
+    copy button copies the answer alone): the speed in the title, the rest inside."""
     if turn.error:
         return [{"role": "assistant", "content": f"**Cannot answer:** {turn.error}"}]
-    return [{"role": "assistant", "content": turn.answer},
-            {"role": "assistant", "content": turn.summary, "metadata": {"title": f"⚡ {turn.summary}", "status": "done"}}]
+    first, *rest = turn.summary.split(" · ")
+    title, details = (f"⚡ {first} · {rest[0]}", rest[1:]) if rest else (f"⚡ {first}", [])
+    hint = [_note(f"ℹ️ {NO_PICTURE_HINT}")] if no_picture_hint else []
+    return [{"role": "assistant", "content": turn.answer}, *hint,
+            _note(title, "done", "\n".join(f"- {part}" for part in details))]
+
+
+def _note(title: str, status: str = "done", content: str = "") -> dict:
+    return {"role": "assistant", "content": content, "metadata": {"title": title, "status": status}}
 
 
 def ab_markdown(result: ABResult | None, running: str | None = None) -> str:
@@ -171,7 +247,7 @@ def ab_markdown(result: ABResult | None, running: str | None = None) -> str:
     else:
         d = result.first_difference
         parts.append(f"answers **differ** from token {d.index} (character {d.char_index}): "
-                     f"plain `{_code(d.plain)}` vs speculative `{_code(d.speculative)}`")
+                     f"plain “`{_code(d.plain)}`” vs speculative “`{_code(d.speculative)}`”")
     return " · ".join(parts)
 
 

@@ -1,6 +1,8 @@
 """The app in a real browser: Debian's Chromium driven by Playwright (never a downloaded
 browser). Uploads two images, asks, waits for the streamed answer and the statistics, runs an
-A/B turn, and saves screenshots to artifacts/screenshots/ (chat.png, ab.png).
+A/B turn, and saves screenshots to artifacts/screenshots/ (chat.png, ab.png, phone.png); then
+the page as a first-time visitor sees it: layout on a desktop and a phone, wording, dark mode,
+and the chat's behaviour around Send, Copy, Stop and New chat (gated where timing matters).
 
 Uses the model named by VLM_MODEL (and VLM_DRAFTER) if set, else the bundled demo model when
 assets/demo holds it (real answers in the screenshots), else tiny random models (the text is
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 
 import pytest
 
@@ -29,7 +32,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
                                 reason=f"{CHROMIUM} is missing: install Debian's chromium (scripts/test.sh does)")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def url(zoo):
     if os.environ.get("VLM_MODEL"):
         argv = []  # the model the environment names (VLM_MODEL, VLM_DRAFTER: see app_ui/setup.py)
@@ -42,7 +45,7 @@ def url(zoo):
     demo.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def browser():
     from playwright.sync_api import sync_playwright
 
@@ -81,9 +84,8 @@ def test_chat_with_two_images_streams_answer_and_statistics(page):
     expect(chatbot.locator(".message.user img")).to_have_count(2, timeout=30_000)  # the images, in the history
     expect(page.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
     expect(page.locator("#stats")).to_contain_text("tok/s")
-    answer = chatbot.locator(".message.bot").last
-    expect(answer).to_contain_text("tok/s")  # the answer's own summary line
-    assert len(answer.inner_text().strip()) > 40
+    expect(chatbot.locator(".message.bot").last).to_contain_text("tok/s")  # the answer's own statistics note
+    assert len(last_answer(page).inner_text().strip()) > 40
     os.makedirs(SCREENSHOTS, exist_ok=True)
     page.screenshot(path=os.path.join(SCREENSHOTS, "chat.png"), full_page=True)
 
@@ -120,8 +122,8 @@ def test_retry_with_sampling_takes_the_next_seed(page):
     from playwright.sync_api import expect
 
     page.get_by_role("tab", name="Chat").click()
-    seed = page.get_by_label("Seed (sampling; Retry takes the next)")
-    temperature = page.get_by_label("number input for Temperature (0 = greedy)")
+    seed = page.get_by_label("Seed")
+    temperature = page.get_by_label("number input for Temperature")
     temperature.fill("1")
     temperature.press("Enter")
     temperature.blur()
@@ -142,14 +144,13 @@ def phone(url, browser):
 
 
 def test_phone_layout_puts_the_chat_first_and_keeps_the_input(phone):
-    """390 x 844: the settings sidebar starts closed; the chat, then the folding statistics, then
-    the examples; after an answer the message box has the focus again."""
+    """390 x 844: the settings sidebar starts closed; the chat, then the folding statistics;
+    after an answer the message box has the focus again."""
     from playwright.sync_api import expect
 
     expect(phone.locator(".sidebar.open")).to_have_count(0, timeout=30_000)
     chat, stats = phone.locator("#chatbot").bounding_box(), phone.locator("#stats-section").bounding_box()
-    examples = phone.get_by_text("Examples (click, then send)").bounding_box()
-    assert chat["y"] < stats["y"] < examples["y"], (chat, stats, examples)
+    assert chat["y"] < stats["y"], (chat, stats)
     send(phone, "chat-input", "What does this chart show?", ["chart.png"])
     expect(phone.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
     expect(phone.locator("#chat-input textarea")).to_be_focused(timeout=10_000)
@@ -189,3 +190,304 @@ def test_a_file_that_is_not_an_image_is_taken_out_of_the_box_and_the_text_stays(
     expect(page.get_by_text("notes.png: not an image")).to_be_visible(timeout=30_000)
     expect(box.locator("textarea")).to_have_value("What is this?")
     expect(box.locator(".thumbnail-item")).to_have_count(0, timeout=30_000)
+
+
+# --- The page as a first-time visitor sees it ---------------------------------------------------
+
+DESKTOP = {"width": 1440, "height": 900}
+PHONE = {"viewport": {"width": 390, "height": 844}, "is_mobile": True, "has_touch": True}
+
+
+@pytest.fixture
+def fresh(url, browser):
+    """A new desktop page (its own session), allowed to read the clipboard."""
+    context = browser.new_context(viewport=DESKTOP, permissions=["clipboard-read", "clipboard-write"])
+    page = context.new_page()
+    page.goto(url)
+    page.locator("#chat-input textarea").wait_for()
+    yield page
+    context.close()
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """An event the test sets; `hold(module, name)` makes that function wait on it (first)."""
+    event = threading.Event()
+
+    def hold(module, name):
+        original = getattr(module, name)
+
+        def held(*args, **kwargs):
+            event.wait(60)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, held)
+
+    event.hold = hold
+    yield event
+    event.set()
+
+
+def choose(page, label: str, option: str) -> None:
+    page.get_by_label(label).click()
+    page.get_by_role("option", name=option).click()
+
+
+def last_answer(page):
+    """The last answer's row (the statistics note is a row of its own, after it); its buttons
+    are the row's next sibling."""
+    return page.locator("#chatbot .message-row.bot-row:not(:has(.thought-group))").last
+
+
+def test_auto_drafter_answers_in_the_page_and_the_api(fresh, url):
+    from gradio_client import Client
+    from playwright.sync_api import expect
+
+    from tests.test_app import message
+
+    choose(fresh, "Drafter", "Auto")
+    send(fresh, "chat-input", "Read the text in the image.", ["card.png"])
+    expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    expect(fresh.locator("#stats")).to_contain_text("auto:")
+    client = Client(url, verbose=False)
+    answer, stats = client.predict(message("Hi"), drafter="auto", max_new_tokens=4, api_name="/chat")
+    assert stats["finish_reason"] in ("stop_token", "max_new_tokens") and stats["auto_choice"].startswith("auto:")
+    plain, speculative, *_ = client.predict(message("Hi"), drafter="auto", max_new_tokens=4, api_name="/ab")
+    assert plain == speculative
+
+
+def test_copy_copies_the_answer_only(fresh):
+    from playwright.sync_api import expect
+
+    fresh.locator("#chatbot .example").first.click()
+    expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    answer = last_answer(fresh)
+    answer.hover()
+    answer.locator("xpath=following-sibling::div[1]").locator("button[aria-label='Copy message']").click()
+    assert fresh.evaluate("navigator.clipboard.readText()").strip() == answer.inner_text().strip()
+
+
+def test_the_message_enters_the_chat_at_once_with_stop_on(fresh, gate):
+    """Images are prepared after the message is shown: while their preparation is held, the
+    message and its images are in the chat, a "preparing" note says so, the box is empty and
+    Stop is on; released, the answer comes."""
+    from playwright.sync_api import expect
+
+    import app_ui.session
+
+    gate.hold(app_ui.session, "load_image")
+    send(fresh, "chat-input", "Which image has more shapes?", ["two_scenes_a.png", "two_scenes_b.png"])
+    chat = fresh.locator("#chatbot")
+    expect(chat.locator(".message.user img")).to_have_count(2, timeout=30_000)
+    expect(chat).to_contain_text("Preparing 2 images")
+    expect(fresh.locator("#chat-stop")).to_be_enabled()
+    expect(fresh.locator("#chat-input textarea")).to_have_value("")
+    gate.set()
+    expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    expect(chat).not_to_contain_text("Preparing")
+
+
+def test_the_highlight_view_spells_the_answer(fresh):
+    """The answer with its accepted draft tokens marked: the same text, no line breaks added,
+    no word split, no U+FFFD; its legend is text, not a control."""
+    from playwright.sync_api import expect
+
+    fresh.locator("#chatbot .example").nth(2).click()
+    expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    highlight = fresh.locator("#tokens .answer-text")
+    expect(highlight.locator("mark")).not_to_have_count(0)
+    assert highlight.inner_text() == last_answer(fresh).inner_text().strip()
+    assert "\ufffd" not in highlight.inner_text()
+    focusable = fresh.locator("#tokens").locator("button, a, input, [tabindex]")
+    expect(focusable).to_have_count(0)
+
+
+def test_new_chat_during_an_answer_resets_every_panel(fresh, gate):
+    from playwright.sync_api import expect
+
+    import app_ui.layout
+
+    original = app_ui.layout.answer
+
+    def held_after_the_first_chunk(*args, **kwargs):
+        for number, side in enumerate(original(*args, **kwargs)):
+            yield side
+            if number == 0:
+                gate.wait(60)
+
+    app_ui.layout.answer = held_after_the_first_chunk
+    try:
+        fresh.locator("#chatbot .example").first.click()
+        expect(fresh.locator("#stats")).to_contain_text("generating", timeout=60_000)
+        fresh.locator("#chat-new").click()
+        expect(fresh.locator("#chatbot .example")).to_have_count(5, timeout=30_000)
+        gate.set()
+        expect(fresh.locator("#chat-stop")).to_be_disabled(timeout=60_000)
+    finally:
+        app_ui.layout.answer = original
+    expect(fresh.locator("#stats")).to_contain_text("Statistics appear here")
+    expect(fresh.locator("#answer-details")).to_be_hidden()
+    expect(fresh.locator("#chatbot .message")).to_have_count(0)
+
+
+def test_the_demo_model_hints_when_asked_without_a_picture(fresh):
+    from playwright.sync_api import expect
+
+    box = fresh.locator("#chat-input textarea")
+    box.fill("Hello! What can you do?")
+    box.press("Enter")
+    expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    expect(fresh.locator("#chatbot")).to_contain_text("without one, its answer is a guess")
+
+
+def test_desktop_first_screen(fresh):
+    """1440 x 900: focus in the message box, examples above the fold, no empty highlight or plots,
+    the drafter's name whole, settings labels on at most two lines, settings that do nothing for
+    the demo model hidden with a note saying why."""
+    from playwright.sync_api import expect
+
+    expect(fresh.locator("#chat-input textarea")).to_be_focused()
+    examples = fresh.locator("#chatbot .example")
+    expect(examples).to_have_count(5)
+    assert examples.last.bounding_box()["y"] + examples.last.bounding_box()["height"] <= DESKTOP["height"]
+    expect(fresh.locator("#answer-details")).to_be_hidden()
+    drafter = fresh.get_by_label("Drafter")
+    assert drafter.evaluate("e => e.scrollWidth <= e.clientWidth"), drafter.input_value()
+    for label in ("Draft length", "Temperature", "Draft tree nodes", "Max new tokens"):
+        heading = fresh.locator(".sidebar").get_by_text(label, exact=True).first
+        lines = heading.evaluate("e => e.getBoundingClientRect().height / parseFloat(getComputedStyle(e).lineHeight)")
+        assert lines < 2.5, (label, lines)
+    if layout_is_demo():
+        expect(fresh.get_by_label("System prompt (optional)")).to_have_count(0)
+        expect(fresh.get_by_text("Tokens per image at most")).to_have_count(0)
+        expect(fresh.locator("#settings-note")).to_contain_text("system prompt")
+
+
+def layout_is_demo() -> bool:
+    return not os.environ.get("VLM_MODEL") and os.path.isdir(DEFAULT_MODEL)
+
+
+def test_wording_of_a_one_token_answer(fresh):
+    """No "1 tokens", no command-line flag or internal drafter name anywhere on the page."""
+    from playwright.sync_api import expect
+
+    max_new = fresh.get_by_label("number input for Max new tokens")
+    max_new.fill("1")
+    max_new.press("Enter")
+    fresh.locator("#chatbot .example").first.click()
+    expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    text = fresh.locator("body").inner_text()
+    assert not re.search(r"\b1 tokens\b", text)
+    assert not re.search(r"(^|\s)--[a-z]", text), re.findall(r".{30}--[a-z].{20}", text)
+    assert not re.search(r"\w+_drafter\b", text)
+    expect(fresh.locator("#stats")).to_contain_text("too few tokens to measure")
+
+
+def test_stop_and_retry_leave_the_page_where_it_was(fresh, gate):
+    """The message box gets the focus back after an answer without scrolling the page to it."""
+    from playwright.sync_api import expect
+
+    import app_ui.session
+
+    fresh.set_viewport_size({"width": 1440, "height": 500})  # a page taller than the window
+    fresh.locator("#chatbot .example").first.click()
+    expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    fresh.evaluate("window.scrollTo(0, 60)")
+    fresh.locator("#chatbot button[aria-label=Retry]").last.click()
+    expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    expect(fresh.locator("#chat-stop")).to_be_disabled()
+    expect(fresh.locator("#chat-input textarea")).to_be_focused()
+    assert fresh.evaluate("window.scrollY") == 60
+    gate.hold(app_ui.session, "load_image")
+    send(fresh, "chat-input", "Describe the image.", ["scene.png"])
+    expect(fresh.locator("#chat-stop")).to_be_enabled(timeout=30_000)
+    fresh.evaluate("window.scrollTo(0, 60)")
+    fresh.locator("#chat-stop").click()
+    gate.set()
+    expect(fresh.locator("#chat-stop")).to_be_disabled(timeout=60_000)
+    expect(fresh.locator("#chat-input textarea")).to_be_focused()
+    assert fresh.evaluate("window.scrollY") == 60
+
+
+def test_statistics_are_light_and_end_with_the_chat(fresh):
+    """A thin line between rows, no grid; the statistics column (plots folded) ends where the
+    chat column does, leaving no blank area under the chat."""
+    from playwright.sync_api import expect
+
+    fresh.locator("#chatbot .example").first.click()
+    expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    expect(fresh.locator("#answer-details")).to_be_visible()
+    statistics, chat = fresh.locator("#stats-section").bounding_box(), fresh.locator("#chat-new").bounding_box()
+    assert statistics["y"] + statistics["height"] <= chat["y"] + chat["height"] + 40, (statistics, chat)
+    grid = fresh.locator("#stats table").evaluate("""table => [table, ...table.querySelectorAll('*')]
+        .filter(e => getComputedStyle(e).borderLeftWidth !== '0px').map(e => e.tagName)""")
+    assert grid == []  # no vertical lines: rows are separated by a thin line each
+
+
+def contrast(page, selector: str) -> float:
+    """The WCAG contrast ratio of an element's text colour against its background colour."""
+    return page.locator(selector).first.evaluate("""e => {
+        const rgb = (c) => c.match(/[\\d.]+/g).slice(0, 3).map(Number);
+        const lum = (c) => { const [r, g, b] = rgb(c).map(v => { v /= 255;
+            return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4); });
+            return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
+        const style = getComputedStyle(e);
+        const [a, b] = [lum(style.color), lum(style.backgroundColor)].sort((x, y) => y - x);
+        return (a + 0.05) / (b + 0.05);
+    }""")
+
+
+def test_dark_mode_highlight_is_readable(url, browser):
+    from playwright.sync_api import expect
+
+    page = browser.new_page(viewport=DESKTOP, color_scheme="dark")
+    page.goto(url.rstrip("/") + "/?__theme=dark")
+    page.locator("#chatbot .example").nth(2).click()
+    expect(page.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    assert contrast(page, "#tokens mark.draft") >= 4.5
+    os.makedirs(SCREENSHOTS, exist_ok=True)
+    page.screenshot(path=os.path.join(SCREENSHOTS, "dark.png"))
+    page.close()
+
+
+@pytest.fixture
+def fresh_phone(url, browser):
+    page = browser.new_page(**PHONE)
+    page.goto(url)
+    page.locator("#chat-input textarea").wait_for()
+    yield page
+    page.close()
+
+
+def test_phone_first_screen(fresh_phone):
+    """390 x 844: the message box on the first screen, examples in the empty chat (a click sends
+    one), no fixed button over the content."""
+    from playwright.sync_api import expect
+
+    page = fresh_phone
+    box = page.locator("#chat-input").bounding_box()
+    assert box["y"] + box["height"] <= 844, box
+    toggle = page.locator(".sidebar .toggle-button")
+    assert toggle.evaluate("e => getComputedStyle(e).position") != "fixed"
+    example = page.locator("#chatbot .example").nth(1)
+    example.scroll_into_view_if_needed()
+    example.click()
+    expect(page.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+
+
+def test_phone_ab_tab_is_stacked_and_its_table_fits(fresh_phone):
+    from playwright.sync_api import expect
+
+    page = fresh_phone
+    page.get_by_role("tab", name="A/B").click()
+    send(page, "ab-input", "What does this chart show?", ["chart.png"])
+    expect(page.locator("#ab-verdict")).to_contain_text("Speedup", timeout=120_000)
+    verdict, stop = page.locator("#ab-verdict").bounding_box(), page.locator("#ab-stop").bounding_box()
+    assert verdict["width"] > 300 and stop["height"] < 60, (verdict, stop)
+    plain, speculative = page.locator("#ab-plain").bounding_box(), page.locator("#ab-speculative").bounding_box()
+    assert speculative["y"] >= plain["y"] + plain["height"], (plain, speculative)
+    table = page.locator("#ab-table")
+    assert table.evaluate("e => e.scrollWidth <= e.clientWidth + 1")
+    assert table.evaluate("e => e.getBoundingClientRect().right") <= 390
+    os.makedirs(SCREENSHOTS, exist_ok=True)
+    page.screenshot(path=os.path.join(SCREENSHOTS, "phone-ab.png"), full_page=True)
