@@ -31,7 +31,6 @@ from engine.backend import BuiltIn
 from engine.engine import Engine, RequestError
 from engine.images import ImageError
 from models.presets import DEFAULT_MODEL
-from models.processors import image_budget
 
 logger = logging.getLogger(__name__)
 
@@ -415,7 +414,7 @@ def _image_budget_range(engine: Engine) -> int | None:
     """The largest tokens-per-image budget worth offering; None when a budget changes nothing (a
     model that reads every image as a fixed number of tokens, or as at most one slider step)."""
     processor = engine.target.processor
-    if not image_budget(processor, IMAGE_BUDGET_STEP):
+    if not engine.target.family.image_budget(processor, IMAGE_BUDGET_STEP):
         return None
     image_processor = processor.image_processor
     patch, merge = getattr(image_processor, "patch_size", None), getattr(image_processor, "merge_size", None)
