@@ -41,7 +41,8 @@ class RequestInfo:
 
 @dataclass
 class Chunk:
-    """New tokens of the answer. origins[i] is "draft" (an accepted draft token) or "target"."""
+    """New tokens of the answer. origins[i] is "draft" (an accepted draft token) or "target".
+    Another backend (engine/backend.py) may leave token_ids and origins empty (unknown)."""
 
     text: str  # the new text since the previous chunk
     token_ids: list[int]
