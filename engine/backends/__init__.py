@@ -1,0 +1,1 @@
+"""Backends other than the built-in engine (engine/backend.py)."""
