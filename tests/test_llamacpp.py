@@ -4,6 +4,7 @@ Greedy answers are compared token by token with the built-in engine's on the sam
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from dataclasses import dataclass, field
@@ -163,3 +164,29 @@ def test_capabilities_follow_the_backend_interface(backend):
     capabilities = backend.capabilities
     assert capabilities.images and capabilities.speculative and capabilities.drafters == (DRAFTER,)
     assert "drafted" in capabilities.statistics and "tokens_per_forward" in capabilities.unknown()
+
+
+def test_eval_row_compares_token_ids_with_the_built_in_engine(capsys):
+    from measure.eval import main
+
+    assert main(["--limit", "4", "--drafter", "none", "--max-new-tokens", "24", "--backend", "llamacpp",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [r["mode"] for r in rows] == ["plain", "llama.cpp"]
+    assert rows[1]["identical_to_plain"] == 1.0 and rows[1]["differing"] == []  # float32: the same ids
+
+
+def test_bench_rows_for_llama_cpp(tmp_path, capsys):
+    """Plain on the requests (ids compared with this engine's), and with the text drafter as
+    llama.cpp's draft model on the requests' text; the bound printed beside the plain rows."""
+    from measure.bench import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--drafter", TEXT_DRAFTER, "--requests", "2", "--max-new-tokens", "16", "--no-transformers",
+                 "--llamacpp", "--json", str(out), "--plot", ""]) == 0
+    rows = {(r["engine"], r["mode"], r["drafter"]): r for r in json.loads(out.read_text())["rows"]}
+    assert rows[("llama.cpp", "plain", None)]["identical_to_plain"] == 2
+    speculative = rows[("llama.cpp", "speculative", "text_drafter, text turns")]
+    assert speculative["identical_to_plain"] == 2 and speculative["acceptance"] is not None
+    printed = capsys.readouterr().out
+    assert printed.count("bound: ") == 3 and "| llama.cpp plain |" in printed
