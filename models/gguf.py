@@ -67,8 +67,9 @@ def output_name(outtype: str, mmproj: bool) -> str:
     return f"{'mmproj' if mmproj else 'model'}-{outtype}.gguf"
 
 
-def source_hash(src: Path) -> str:
+def source_hash(src: str | os.PathLike) -> str:
     """sha256 over the source folder's file names and contents, and the converter's version."""
+    src = Path(src)
     digest = hashlib.sha256(xllamacpp_version().encode())
     for path in sorted(p for p in src.iterdir() if p.is_file()):
         digest.update(path.name.encode())
