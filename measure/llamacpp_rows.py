@@ -115,7 +115,8 @@ def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
     by_title = {r["engine"] + " " + r["mode"] + (f" ({r['drafter']})" if r["drafter"] else ""): r for r in table}
     text_plain = next((row for row in rows if row.text_turns and row.drafter is None), None)
     bandwidth = measured_bandwidth()
-    weights = sum(p.numel() * p.element_size() for p in engine.target.model.parameters())
+    weights = sum(p.numel() * p.element_size() for name, p in engine.target.model.named_parameters()
+                  if "visual" not in name and "vision" not in name)  # a decode step reads the LM only
     lines = [f"this plain: {bound(weights, bandwidth)}"]
     for row in rows:
         summary, runs = by_title[row.title], [m for m in row.runs if m.error is None]
