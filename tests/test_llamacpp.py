@@ -150,6 +150,16 @@ def test_a_drafter_it_does_not_have_is_refused(backend):
         list(backend.stream(Request(user(), drafter="ngram")))
 
 
+def test_a_text_model_runs_without_a_projector_and_refuses_images():
+    text_only = LlamaCpp.from_checkpoint(TEXT_DRAFTER, threads=1)
+    assert text_only.paths["mmproj"] is None and text_only.url.startswith("http://127.0.0.1:")
+    _, done = answer(text_only.stream(Request([{"role": "user", "content": "Describe a red circle."}])))
+    assert done.text and done.token_ids
+    question = next(q for q in eval_questions(0, 8) if q.images)
+    with pytest.raises(RequestError, match="no vision projector"):
+        list(text_only.stream(Request(user(question))))
+
+
 def test_openai_content_merges_text_and_labels_images():
     image = object.__new__(type("Image", (), {"save": lambda self, buffer, format: buffer.write(b"x")}))
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}, {"type": "image", "image": image},

@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from engine.engine import RequestError
+from engine.prompt import Prompt, normalize
 from engine.loop import Chunk, Done
 from engine.stats import Stats
 
@@ -79,8 +80,13 @@ class LlamaCpp:
         """Convert (once, cached: models/gguf.py) a checkpoint folder and its draft model, and start."""
         from models.gguf import converted
 
-        return cls(converted(target, outtype), converted(target, outtype, mmproj=True),
-                   converted(draft, outtype) if draft else None, **options)
+        mmproj = converted(target, outtype, mmproj=True) if _has_vision(target) else None
+        return cls(converted(target, outtype), mmproj, converted(draft, outtype) if draft else None, **options)
+
+    @property
+    def url(self) -> str:
+        """The server's own HTTP address (llama-server's routes, /v1/chat/completions included)."""
+        return self.server.listening_address
 
     @property
     def capabilities(self):
@@ -96,17 +102,20 @@ class LlamaCpp:
         if request.drafter not in (None, DRAFTER) or (request.drafter and not self.paths["draft"]):
             raise RequestError(f"drafter {request.drafter!r}: llama.cpp here has "
                                + (f"one draft model, {DRAFTER!r}" if self.paths["draft"] else "no draft model"))
-        images = sum(part["type"] == "image" for m in request.messages for part in m["content"])
-        if images and not self.paths["mmproj"]:
+        if isinstance(request.messages, Prompt):
+            raise RequestError("llama.cpp takes messages, not a prepared Prompt")
+        messages = normalize(request.messages)
+        if not self.paths["mmproj"] and any(p["type"] == "image" for m in messages for p in m["content"]):
             raise RequestError("this llama.cpp model has no vision projector (mmproj): send text only")
         # No lock: the server has one slot and queues a request until the one before it ends,
         # which happens at its next chunk once its consumer has gone.
-        yield from _Answer(self, self._body(request), request, started, request.drafter is not None, images).run()
+        yield from _Answer(self, self._body(messages, request), request, started, request.drafter is not None).run()
 
-    def _body(self, request) -> dict:
+    def _body(self, messages: list[dict], request) -> dict:
         sampling, decode = request.sampling, request.decode
+        counter = iter(range(1, 10**6))  # images are numbered across the conversation, as templates do
         messages = [{"role": m["role"], "content": openai_content(m["content"], self.label_images, counter)}
-                    for counter in [iter(range(1, 10**6))] for m in request.messages]
+                    for m in messages]
         body = {"messages": messages, "stream": True, "max_tokens": decode.max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                 "cache_prompt": self.cache_prompt, "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True}
@@ -141,9 +150,9 @@ class _Answer:
     """One request's run: the server's callback pushes chunks into a queue; `run` turns them into
     events. The server runs on a thread of its own so that the consumer can stop it between chunks."""
 
-    def __init__(self, backend: LlamaCpp, body: dict, request, started: float, speculative: bool, images: int):
+    def __init__(self, backend: LlamaCpp, body: dict, request, started: float, speculative: bool):
         self.backend, self.body, self.request, self.started = backend, body, request, started
-        self.speculative, self.images = speculative, images
+        self.speculative = speculative
         self.stats = Stats(mode="speculative" if speculative else "plain", drafter=DRAFTER if speculative else None)
         self.stats.unknown = tuple(name for name in _field_names() if name not in MEASURED | {"unknown"})
         self.closed = threading.Event()  # the consumer is gone or asked to stop
@@ -261,6 +270,13 @@ def chat_template(gguf_path: Path) -> str:
 
     field = gguf.GGUFReader(str(gguf_path)).fields.get("tokenizer.chat_template")
     return bytes(field.parts[field.data[0]]).decode() if field else ""
+
+
+def _has_vision(checkpoint) -> bool:
+    import json
+
+    with open(Path(checkpoint) / "config.json", encoding="utf-8") as file:
+        return "vision_config" in json.load(file)
 
 
 def _refused(chunk: dict) -> bool:
