@@ -4,7 +4,7 @@ transformers' own `generate()`.
 
     python -m measure.bench [--preset demo | --model ID --drafter ID ...] [--dtype bfloat16]
                             [--drafter-dtype auto] [--draft-tokens K] [--fixed-k K] [--quick]
-                            [--tree [--tree-nodes N]] [--llamacpp] [--json FILE] [--plot FILE]
+                            [--tree [--tree-nodes N]] [--llamacpp [f32|bf16|q8_0]] [--json FILE] [--plot FILE]
 
 Rows (all on the same requests, greedy, streamed): this engine plain; this engine with each
 drafter; transformers `generate()` plain; `generate(assistant_model=...)` with each drafter
@@ -22,7 +22,8 @@ the engine it learns from what the other rows' requests measured.
 `--llamacpp` adds llama.cpp rows on the same weights converted to GGUF (measure/llamacpp_rows.py):
 plain, its token ids compared with this engine's plain row and its bound (weights per token over
 measured bandwidth) printed; with a text drafter, llama.cpp plain and with that draft model on the
-requests' text (llama.cpp refuses to draft on images).
+requests' text (llama.cpp refuses to draft on images). `--llamacpp q8_0` runs llama.cpp on Q8_0 weights
+(its ids then need not equal this engine's).
 
 `--tree` adds, for each drafter, a row drafting trees (engine/tree.py) of `--tree-nodes` nodes
 (default: --draft-tokens, else 4, so the tree's verify pass covers as many tokens as a chain of
@@ -247,7 +248,9 @@ def main(argv=None) -> int:
                         help="also a draft-tree row per drafter, at the chain's verify budget")
     parser.add_argument("--tree-nodes", type=int, help="nodes per tree (default: --draft-tokens)")
     parser.add_argument("--tree-branching", type=int, default=2, help="a tree node's most children (default 2)")
-    parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp rows on the same weights (GGUF)")
+    parser.add_argument("--llamacpp", nargs="?", const="same", choices=["same", "f32", "bf16", "q8_0"],
+                        help="also llama.cpp rows on the same weights converted to GGUF: the target's dtype "
+                             "(default), or f32, bf16, q8_0")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' rows")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--plot", metavar="FILE", default="bench.png", help="PNG plot (default bench.png)")
@@ -280,7 +283,8 @@ def main(argv=None) -> int:
         rows += [Row("transformers", "speculative", key, labels[key]) for key, drafter in engine.drafters.items()
                  if drafter.kind in ("text_lm", "vlm")]
         rows += [Row("transformers", "speculative", "prompt_lookup", "prompt_lookup")]
-    llamacpp = llamacpp_rows.bench_rows(engine, spec.target, _gguf_type(engine)) if args.llamacpp else []
+    gguf_type = _gguf_type(engine) if args.llamacpp == "same" else args.llamacpp
+    llamacpp = llamacpp_rows.bench_rows(engine, spec.target, gguf_type) if args.llamacpp else []
     rows += llamacpp
     started = time.perf_counter()
     for index, request in enumerate([requests[0]] + requests):  # the first pass is the warm-up

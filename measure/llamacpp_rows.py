@@ -100,9 +100,11 @@ def bench_rows(engine, target: str, outtype: str = "f32") -> list[Row]:
     llama.cpp's draft model, plain and speculative rows on the requests' text."""
     draft = next((d.name for d in engine.drafters.values() if d.kind == "text_lm"), None)
     backend = start(target, draft, outtype)
-    rows = [Row(backend, None, None)]
+    rows = [Row(backend, None, None if outtype in ("f32", "bf16") else outtype)]
     if draft:
-        rows += [Row(backend, None, "text turns", True), Row(backend, "text", "text_drafter, text turns", True)]
+        suffix = "" if outtype in ("f32", "bf16") else f", {outtype}"
+        rows += [Row(backend, None, f"text turns{suffix}", True),
+                 Row(backend, "text", f"text_drafter, text turns{suffix}", True)]
     return rows
 
 
