@@ -14,16 +14,19 @@ cache answers after the first time); nothing of llama.cpp is copied into this re
 converter needs names (e.g. `MODEL_ARCH.DFLASH`) that PyPI's 0.19.0 lacks. The conversion runs in
 a process of its own because the sdist's `gguf` shadows the installed one.
 
-Three adaptations, each an override in `_adapted` (nothing of the converter is edited):
+Four adaptations (nothing of the converter is edited; 1-3 are overrides in `_adapted`):
 1. `no_sentencepiece`: without the `sentencepiece` package the converter raises
    ModuleNotFoundError before it looks for `tokenizer.model`; a folder without that file gets
    the FileNotFoundError on which the converter itself falls back to the BPE tokenizer.
 2. `gpt2_pre_tokenizer`: a BPE tokenizer whose pre-tokenizer hash llama.cpp does not know (the
    demo model's) is written as `gpt-2` when its pre-tokenizer is exactly GPT-2's (ByteLevel
    with GPT-2's regex, no normalizer), which is what the `gpt-2` rules implement.
-3. `merger_blocks`: the Qwen2-VL projector is `visual.merger.mlp.0` and `.mlp.2`, but the name map
+3. `merger_blocks`: the Qwen2-VL / Qwen2.5-VL projector is `visual.merger.mlp.0` and `.mlp.2`, but the name map
    covers `visual.merger.mlp.{n}` only for n below the vision depth (2 in the demo model), so the
    map is built for at least 3 blocks.
+4. `smolvlm_text_architecture`: the converter picks the language model's class from
+   `text_config.architectures`; a SmolVLM / Idefics3 config without it (random-weight shapes built
+   here) gets `["VLlama3ForCausalLM"]`, what the published SmolVLM configs say.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".gguf"
 OUTTYPES = ("f32", "bf16", "q8_0")
 MERGER_BLOCKS = 3  # Qwen2-VL's merger: mlp.0, GELU, mlp.2
+SMOLVLM_TEXT = ["VLlama3ForCausalLM"]  # text_config.architectures of the published SmolVLM checkpoints
 
 
 class ConversionError(RuntimeError):
@@ -140,7 +144,8 @@ def _adapted(model_class, gguf):
 
         def __init__(self, *args, **kwargs):  # 3. merger_blocks
             super().__init__(*args, **kwargs)
-            if getattr(self, "global_config", {}).get("model_type") == "qwen2_vl" and self.block_count < MERGER_BLOCKS:
+            qwen_vl = getattr(self, "global_config", {}).get("model_type") in ("qwen2_vl", "qwen2_5_vl")
+            if qwen_vl and self.block_count < MERGER_BLOCKS:
                 self.tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, MERGER_BLOCKS)
 
     Adapted.__name__ = model_class.__name__
@@ -158,13 +163,16 @@ def convert(src: Path, out_dir: Path, outtype: str, mmproj: bool) -> Path:
     file_types = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
                   "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
     hparams = ModelBase.load_hparams(src, False)
+    text_config = hparams.get("text_config") or {}
+    if hparams.get("model_type") in ("idefics3", "smolvlm") and not text_config.get("architectures"):  # 4.
+        hparams["text_config"] = {**text_config, "architectures": SMOLVLM_TEXT}
     architecture = get_model_architecture(hparams, ModelType.MMPROJ if mmproj else ModelType.TEXT)
     model_class = _adapted(get_model_class(architecture, mmproj=mmproj), gguf)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / output_name(outtype, mmproj)
     partial = path.with_name(path.name + ".partial")
     with torch.inference_mode():
-        model = model_class(src, file_types[outtype], partial, model_name=src.name)
+        model = model_class(src, file_types[outtype], partial, model_name=src.name, hparams=hparams)
         model.write()
     partial.rename(path)
     return path

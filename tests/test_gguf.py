@@ -40,3 +40,11 @@ def test_a_folder_that_is_not_a_checkpoint_gives_a_one_line_error(tmp_path):
     with pytest.raises(ConversionError) as error:
         converted(tmp_path, cache=tmp_path / "cache")
     assert "\n" not in str(error.value) and str(tmp_path) in str(error.value)
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "qwen2_5_vl"])
+def test_tiny_smolvlm_and_qwen2_5_vl_convert_with_their_projectors(zoo, tmp_path, family):
+    """SmolVLM without text_config.architectures (adaptation 4) and a Qwen2.5-VL vision tower of
+    depth 2 (adaptation 3): both halves convert."""
+    source = zoo.dir(family)
+    assert converted(source, cache=tmp_path).is_file() and converted(source, mmproj=True, cache=tmp_path).is_file()
