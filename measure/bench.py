@@ -4,7 +4,7 @@ transformers' own `generate()`.
 
     python -m measure.bench [--preset demo | --model ID --drafter ID ...] [--dtype bfloat16]
                             [--drafter-dtype auto] [--draft-tokens K] [--fixed-k K] [--quick]
-                            [--tree [--tree-nodes N]] [--json FILE] [--plot FILE]
+                            [--tree [--tree-nodes N]] [--llamacpp [f32|bf16|q8_0]] [--json FILE] [--plot FILE]
 
 Rows (all on the same requests, greedy, streamed): this engine plain; this engine with each
 drafter; transformers `generate()` plain; `generate(assistant_model=...)` with each drafter
@@ -18,6 +18,12 @@ measured here). The draft length is chosen from cost unless `--draft-tokens K` f
 `--fixed-k K` adds a row per drafter at a fixed k = K for comparison. With two or more drafters
 an `auto` row lets the engine pick one per request (engine/auto.py); like every request on
 the engine it learns from what the other rows' requests measured.
+
+`--llamacpp` adds llama.cpp rows on the same weights converted to GGUF (measure/llamacpp_rows.py):
+plain, its token ids compared with this engine's plain row and its bound (weights per token over
+measured bandwidth) printed; with a text drafter, llama.cpp plain and with that draft model on the
+requests' text (llama.cpp refuses to draft on images). `--llamacpp q8_0` runs llama.cpp on Q8_0 weights
+(its ids then need not equal this engine's).
 
 `--tree` adds, for each drafter, a row drafting trees (engine/tree.py) of `--tree-nodes` nodes
 (default: --draft-tokens, else 4, so the tree's verify pass covers as many tokens as a chain of
@@ -38,6 +44,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from measure import llamacpp_rows
 from measure.bench_rows import Measurement, cost_model, run_this, run_transformers
 from models.loading import dtype_name
 from engine.loop import DecodeSettings
@@ -149,6 +156,10 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def _gguf_type(engine) -> str:
+    return {"bfloat16": "bf16"}.get(dtype_name(engine.target.model), "f32")
+
+
 def machine_info(dtype: str, engine=None) -> dict:
     """Machine, threads, versions, and the dtype each model actually runs in."""
     import transformers
@@ -237,6 +248,9 @@ def main(argv=None) -> int:
                         help="also a draft-tree row per drafter, at the chain's verify budget")
     parser.add_argument("--tree-nodes", type=int, help="nodes per tree (default: --draft-tokens)")
     parser.add_argument("--tree-branching", type=int, default=2, help="a tree node's most children (default 2)")
+    parser.add_argument("--llamacpp", nargs="?", const="same", choices=["same", "f32", "bf16", "q8_0"],
+                        help="also llama.cpp rows on the same weights converted to GGUF: the target's dtype "
+                             "(default), or f32, bf16, q8_0")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' rows")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--plot", metavar="FILE", default="bench.png", help="PNG plot (default bench.png)")
@@ -269,11 +283,14 @@ def main(argv=None) -> int:
         rows += [Row("transformers", "speculative", key, labels[key]) for key, drafter in engine.drafters.items()
                  if drafter.kind in ("text_lm", "vlm")]
         rows += [Row("transformers", "speculative", "prompt_lookup", "prompt_lookup")]
+    gguf_type = _gguf_type(engine) if args.llamacpp == "same" else args.llamacpp
+    llamacpp = llamacpp_rows.bench_rows(engine, spec.target, gguf_type) if args.llamacpp else []
+    rows += llamacpp
     started = time.perf_counter()
     for index, request in enumerate([requests[0]] + requests):  # the first pass is the warm-up
         order = rows[index % len(rows):] + rows[:index % len(rows)]
         for row in order:
-            runner = run_this if row.engine == "this" else run_transformers
+            runner = {"this": run_this, "transformers": run_transformers}.get(row.engine) or row.measure
             row_decode = replace(decode, tree_nodes=row.tree_nodes)
             if row.draft_tokens:
                 row_decode = replace(row_decode, draft_tokens=row.draft_tokens)
@@ -286,7 +303,9 @@ def main(argv=None) -> int:
     dtype = dtype_name(engine.target.model)  # --dtype fit resolved
     info = machine_info(dtype, engine)
     table = [summarize(row, rows[0], costs) for row in rows]
+    notes = llamacpp_rows.report(table, rows[0], llamacpp, engine) if llamacpp else []
     print_table(table, info)
+    print("\n".join(notes))
     for r in table:
         if r.get("auto_picked"):
             print("auto picked: " + ", ".join(f"{name} {count}x" for name, count in r["auto_picked"].items()))

@@ -1,7 +1,7 @@
 """Evaluate the bundled demo model through the engine: accuracy, identical answers, acceptance.
 
     python -m measure.eval [--seed S] [--limit N] [--dtype D] [--draft-tokens K] [--json] [--models DIR]
-                          [--per-kind]
+                          [--per-kind] [--backend llamacpp]
 
 Questions come from `models.demo.world.eval_questions(seed, n)`: a namespace of seeds and a
 share of picture contents that training never uses (see the world's docstring). Every
@@ -9,6 +9,8 @@ question is answered plainly and with each bundled drafter (text LM, small VLM, 
 greedy. Accuracy is the share of answers that contain the expected answer as whole words,
 case-insensitively (`world.answer_matches`). `identical_to_plain` compares token ids. The plain
 row also counts right answers per kind of question (`per_kind`; printed with `--per-kind`).
+`--backend llamacpp` adds a row for llama.cpp plain on the same weights converted to GGUF
+(measure/llamacpp_rows.py): its `identical_to_plain` compares its token ids with this engine's.
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ def drafter_label(name: str) -> str:
     return name.rstrip("/").split("/")[-1]
 
 
-def answer(engine, question, drafter, decode: DecodeSettings) -> Done:
+def messages_of(question) -> list[dict]:
     content = [{"type": "image", "image": image} for image in question.images]
-    messages = [{"role": "user", "content": content + [{"type": "text", "text": question.prompt}]}]
-    return [e for e in engine.stream(messages, drafter=drafter, decode=decode) if isinstance(e, Done)][0]
+    return [{"role": "user", "content": content + [{"type": "text", "text": question.prompt}]}]
 
 
-def evaluate(engine, questions, decode: DecodeSettings) -> list[dict]:
+def answer(engine, question, drafter, decode: DecodeSettings) -> Done:
+    return [e for e in engine.stream(messages_of(question), drafter=drafter, decode=decode) if isinstance(e, Done)][0]
+
+
+def evaluate(engine, questions, decode: DecodeSettings, llamacpp=None) -> list[dict]:
+    """The plain row, a row per drafter, and with `llamacpp` (engine/backends/llamacpp.py) its plain row."""
     from models.demo.world import answer_matches
 
     plain = [answer(engine, q, None, decode) for q in questions]
@@ -46,6 +52,10 @@ def evaluate(engine, questions, decode: DecodeSettings) -> list[dict]:
     rows = [{"mode": "plain", "drafter": None,
              "accuracy": sum(c["right"] for c in per_kind.values()) / len(questions),
              "identical_to_plain": 1.0, "acceptance": None, "per_kind": dict(sorted(per_kind.items()))}]
+    if llamacpp is not None:
+        from measure.llamacpp_rows import eval_row
+
+        rows.append(eval_row(engine, llamacpp, questions, plain, decode))
     for key, drafter in engine.drafters.items():
         done = [answer(engine, q, key, decode) for q in questions]
         drafted = sum(d.stats.drafted for d in done)
@@ -72,6 +82,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--per-kind", action="store_true", help="also print plain accuracy per kind of question")
+    parser.add_argument("--backend", choices=["llamacpp"], help="also answer plainly with llama.cpp on the same "
+                        "weights converted to GGUF (float32 unless --dtype bfloat16) and compare token ids")
     parser.add_argument("--models", help="a folder laid out like assets/demo (target/, text_drafter/, vlm_drafter/), "
                         "e.g. the --out of a training run; default: the bundled models")
     args = parser.parse_args(argv)
@@ -85,7 +97,12 @@ def main(argv=None) -> int:
     engine = build_engine(spec)
     questions = eval_questions(args.seed, args.limit)
     decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens)
-    rows = evaluate(engine, questions, decode)
+    llamacpp = None
+    if args.backend == "llamacpp":
+        from measure.llamacpp_rows import start
+
+        llamacpp = start(spec.target, None, "bf16" if dtype_name(engine.target.model) == "bfloat16" else "f32")
+    rows = evaluate(engine, questions, decode, llamacpp)
     dtype = dtype_name(engine.target.model)  # --dtype fit resolved
     result = {"questions": len(questions), "seed": args.seed, "dtype": dtype,
               "questions_sha256": hashlib.sha256("\n".join(q.prompt for q in questions).encode()).hexdigest(),
@@ -100,6 +117,9 @@ def main(argv=None) -> int:
         acceptance = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
         print(f"{row['mode']:<12} {row['drafter'] or '-':<14} {row['accuracy']:>8.1%} "
               f"{row['identical_to_plain']:>9.1%} {acceptance:>10} {row.get('tokens_per_forward', 1.0):>7.2f}")
+    for row in rows:
+        if row.get("differing"):
+            print(f"{row['mode']}: {len(row['differing'])} answers differ from plain, e.g. {row['differing'][0]!r}")
     if args.per_kind:
         print("\nplain, per kind of question (right / questions):")
         for kind, counts in rows[0]["per_kind"].items():

@@ -1,0 +1,309 @@
+"""llama.cpp on this machine behind the backend interface: `xllamacpp.Server` (llama-server in
+process) on GGUF files made by models/gguf.py.
+
+    backend = LlamaCpp.from_checkpoint("assets/demo/target", draft="assets/demo/text_drafter")
+    for event in backend.stream(request):   # request: engine/backend.py's Request (or any object with its fields)
+        ...  # engine/loop.py Chunk events, then one Done, each with a Stats snapshot
+
+Requests go through `Server.handle_chat_completions` (llama-server's /v1/chat/completions):
+OpenAI-style messages, images as `image_url` parts with PNG data URLs; streamed, each chunk to a
+callback on the server's thread, which this module hands to the caller through a queue; the
+callback's return value stops the server (set `request.stop`, or close the stream).
+
+Prompts. llama-server flattens a message that holds images to one string before the chat template
+sees it (common/chat.cpp `to_json_oaicompat`): text parts joined with "\n", an image as a media
+marker. A template that labels images ("Picture 1: " in Qwen2-VL's `add_vision_id`, on by
+default in the demo model) never sees an image part. So `openai_content` merges adjacent text
+parts (the checkpoint's template concatenates them) and, when the model's template labels images
+by default, writes the label as text before each image: the prompt is then the one the built-in
+engine renders.
+
+Statistics: `ttft_s`, `decode_tok_s` and token counts from the stream on this machine (one token
+per chunk; its id from `logprobs` with `post_sampling_probs`, which costs no extra pass; while
+drafting llama-server sends the first token's only, so a speculative answer's `Done.token_ids` is
+empty: compare its text);
+`prefill_s` and `prefill_tokens` from the response's `timings` (`prompt_ms`, `prompt_n` +
+`cache_n`); drafted / accepted from `timings.draft_n` / `draft_n_accepted` (tools/server/
+server-common.cpp `server_slot_stats::to_json`, omitted when nothing was drafted). llama.cpp does
+not say which tokens were accepted drafts, nor its target passes: those stay unknown.
+
+Speculative decoding: with a draft model, llama.cpp drafts on text turns; on a turn with images it
+refuses ("failed to process speculative batch": the target's image embeddings do not fit the
+draft's input width). That turn is answered again by a plain server (started on first need) and
+its statistics name the fallback (`Stats.fallback_reason`), as the built-in engine's do.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from engine.engine import RequestError
+from engine.prompt import Prompt, normalize
+from engine.loop import Chunk, Done
+from engine.stats import Stats
+
+DRAFTER = "text"  # the name Request.drafter takes for the draft model
+IMAGE_REFUSAL = "failed to process speculative batch"
+FALLBACK = ("llama.cpp cannot draft on a turn with images (failed to process speculative batch): "
+            "decoded plainly")
+FINISH_REASONS = {"stop": "stop_token", "length": "max_new_tokens"}
+MEASURED = frozenset({"mode", "drafter", "prefill_tokens", "prefill_s", "prepare_s",
+                      "ttft_s", "decode_tokens", "decode_s", "decode_tok_s", "total_s", "new_tokens", "drafted",
+                      "accepted", "acceptance", "fallback_reason", "finish_reason", "tok_s_curve"})
+QWEN_LABEL = "add_vision_id is not defined or add_vision_id"  # the demo template: "Picture N: " by default
+_END = object()
+
+
+class LlamaCpp:
+    """A llama-server in this process: `model` (GGUF), `mmproj` (its vision projector, for images),
+    `draft` (a GGUF draft model for llama.cpp's speculative decoding on text turns)."""
+
+    def __init__(self, model: str | Path, mmproj: str | Path | None = None, draft: str | Path | None = None,
+                 threads: int = 2, context: int = 4096, cache_prompt: bool = True):
+        self.paths = {"model": Path(model), "mmproj": mmproj and Path(mmproj), "draft": draft and Path(draft)}
+        self.threads, self.context, self.cache_prompt = threads, context, cache_prompt
+        self.server = self._start(draft=self.paths["draft"])
+        self.plain_server = None if self.paths["draft"] else self.server  # for image turns, started on need
+        self.label_images = QWEN_LABEL in chat_template(self.paths["model"])
+        self.name = "llama.cpp"
+
+    @classmethod
+    def from_checkpoint(cls, target: str | Path, draft: str | Path | None = None, outtype: str = "f32",
+                        **options) -> LlamaCpp:
+        """Convert (once, cached: models/gguf.py) a checkpoint folder and its draft model, and start."""
+        from models.gguf import converted
+
+        mmproj = converted(target, outtype, mmproj=True) if _has_vision(target) else None
+        return cls(converted(target, outtype), mmproj, converted(draft, outtype) if draft else None, **options)
+
+    @property
+    def url(self) -> str:
+        """The server's own HTTP address (llama-server's routes, /v1/chat/completions included)."""
+        return self.server.listening_address
+
+    @property
+    def capabilities(self):
+        from engine.backend import Capabilities  # the worker branch's interface (engine/backend.py)
+
+        drafters = (DRAFTER,) if self.paths["draft"] else ()
+        return Capabilities(self.name, images=self.paths["mmproj"] is not None, speculative=bool(drafters),
+                            token_ids=True, drafters=drafters, statistics=MEASURED)
+
+    def stream(self, request) -> Iterator[Chunk | Done]:
+        """Answer `request` (messages, drafter, sampling, decode, stop, started: engine/backend.py's Request)."""
+        started = time.perf_counter() if request.started is None else request.started
+        if request.drafter not in (None, DRAFTER) or (request.drafter and not self.paths["draft"]):
+            raise RequestError(f"drafter {request.drafter!r}: llama.cpp here has "
+                               + (f"one draft model, {DRAFTER!r}" if self.paths["draft"] else "no draft model"))
+        if isinstance(request.messages, Prompt):
+            raise RequestError("llama.cpp takes messages, not a prepared Prompt")
+        messages = normalize(request.messages)
+        if not self.paths["mmproj"] and any(p["type"] == "image" for m in messages for p in m["content"]):
+            raise RequestError("this llama.cpp model has no vision projector (mmproj): send text only")
+        # No lock: the server has one slot and queues a request until the one before it ends,
+        # which happens at its next chunk once its consumer has gone.
+        yield from _Answer(self, self._body(messages, request), request, started, request.drafter is not None).run()
+
+    def _body(self, messages: list[dict], request) -> dict:
+        sampling, decode = request.sampling, request.decode
+        counter = iter(range(1, 10**6))  # images are numbered across the conversation, as templates do
+        messages = [{"role": m["role"], "content": openai_content(m["content"], self.label_images, counter)}
+                    for m in messages]
+        body = {"messages": messages, "stream": True, "max_tokens": decode.max_new_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                "cache_prompt": self.cache_prompt, "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True}
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        return body
+
+    def _start(self, draft: Path | None):
+        import xllamacpp as xlc
+
+        params = xlc.CommonParams()
+        params.model.path = str(self.paths["model"])
+        if self.paths["mmproj"]:
+            params.mmproj.path = str(self.paths["mmproj"])
+        params.cpuparams.n_threads = params.cpuparams_batch.n_threads = self.threads
+        params.n_ctx, params.n_parallel, params.warmup, params.verbosity = self.context, 1, False, 0
+        if draft:
+            params.speculative.types = [xlc.common_speculative_type.COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE]
+            params.speculative.draft.mparams.path = str(draft)
+            params.speculative.draft.cpuparams.n_threads = self.threads
+            params.speculative.draft.cpuparams_batch.n_threads = self.threads
+        return xlc.Server(params)
+
+    def plain(self):
+        """The server without the draft model (image turns when a draft model is set)."""
+        if self.plain_server is None:
+            self.plain_server = self._start(draft=None)
+        return self.plain_server
+
+
+class _Answer:
+    """One request's run: the server's callback pushes chunks into a queue; `run` turns them into
+    events. The server runs on a thread of its own so that the consumer can stop it between chunks."""
+
+    def __init__(self, backend: LlamaCpp, body: dict, request, started: float, speculative: bool):
+        self.backend, self.body, self.request, self.started = backend, body, request, started
+        self.speculative = speculative
+        self.stats = Stats(mode="speculative" if speculative else "plain", drafter=DRAFTER if speculative else None)
+        self.stats.unknown = tuple(name for name in _field_names() if name not in MEASURED | {"unknown"})
+        self.closed = threading.Event()  # the consumer is gone or asked to stop
+
+    def run(self) -> Iterator[Chunk | Done]:
+        stop = self.request.stop
+        if stop is not None and stop.is_set():
+            yield Done("", [], self._finished("stopped", None))
+            return
+        server = self.backend.server if self.speculative else self.backend.plain()
+        self.stats.prepare_s = time.perf_counter() - self.started
+        chunks = self._serve(server)
+        first = next(chunks, None)
+        if self.speculative and first is not None and _refused(first):
+            chunks.close()
+            self.stats.mode, self.stats.fallback_reason = "plain", FALLBACK
+            chunks = self._serve(self.backend.plain())
+            first = next(chunks, None)
+        if first is None:
+            raise RequestError("llama.cpp answered nothing")
+        text, token_ids, first_at, timings, reason, ids_known = "", [], None, None, None, True
+        for chunk in _prepend(first, chunks):
+            if stop is not None and stop.is_set():
+                reason = "stopped"
+                break
+            if "error" in chunk or "code" in chunk:
+                raise RequestError(f"llama.cpp failed: {_error(chunk)}")
+            timings = chunk.get("timings") or timings
+            choice = (chunk.get("choices") or [{}])[0]
+            reason = choice.get("finish_reason") or reason
+            piece = (choice.get("delta") or {}).get("content") or ""
+            ids = [p["id"] for p in ((choice.get("logprobs") or {}).get("content") or [])]
+            if not piece and not ids:
+                continue
+            now = time.perf_counter()
+            first_at = now if first_at is None else first_at
+            text, token_ids, ids_known = text + piece, token_ids + ids, ids_known and bool(ids)
+            self.stats.new_tokens += max(1, len(ids))  # llama-server sends a chunk per token
+            _timed(self.stats, self.started, first_at, now)
+            yield Chunk(piece, ids, ["unknown"] * len(ids), copy.deepcopy(self.stats), [(piece, "unknown")] if piece else [])
+        chunks.close()
+        if reason is None:
+            raise RequestError("llama.cpp ended the answer without a finish reason")
+        self._server_counts(timings)
+        yield Done(text, token_ids if ids_known else [], self._finished(FINISH_REASONS.get(reason, reason), first_at))
+
+    def _serve(self, server) -> Iterator[dict]:
+        """The server's chunks for this body, as they come; closing the iterator stops the server."""
+        chunks: queue.Queue = queue.Queue()
+        stopped = threading.Event()
+
+        def on_chunk(chunk) -> bool:
+            chunks.put(chunk)
+            return stopped.is_set() or (self.request.stop is not None and self.request.stop.is_set())
+
+        def serve():
+            try:
+                server.handle_chat_completions(self.body, on_chunk)
+            except Exception as error:  # e.g. a body the binding refuses: the consumer raises it
+                chunks.put({"error": {"message": f"{type(error).__name__}: {error}"}})
+            finally:
+                chunks.put(_END)
+
+        threading.Thread(target=serve, daemon=True, name="llama.cpp request").start()
+        try:
+            while (chunk := chunks.get()) is not _END:
+                yield chunk
+        finally:
+            stopped.set()
+
+    def _server_counts(self, timings: dict | None) -> None:
+        """What llama-server reported in the last chunk's `timings`."""
+        if not timings:
+            self.stats.unknown += ("prefill_s", "prefill_tokens", "drafted", "accepted", "acceptance")
+            return
+        self.stats.prefill_s = timings.get("prompt_ms", 0.0) / 1000
+        self.stats.prefill_tokens = timings.get("prompt_n", 0) + timings.get("cache_n", 0)
+        if self.stats.mode == "speculative":
+            self.stats.drafted, self.stats.accepted = timings.get("draft_n", 0), timings.get("draft_n_accepted", 0)
+            self.stats.acceptance = self.stats.accepted / self.stats.drafted if self.stats.drafted else None
+
+    def _finished(self, reason: str, first_at: float | None) -> Stats:
+        self.stats.finish_reason = reason
+        if first_at is None:
+            self.stats.total_s = time.perf_counter() - self.started
+        return copy.deepcopy(self.stats)
+
+
+def openai_content(parts: list[dict], label_images: bool, counter: Iterator[int]) -> str | list[dict]:
+    """An engine/prompt.py message's parts as llama-server's chat route should get them: adjacent
+    text merged (llama.cpp would join it with newlines), "Picture N: " before each image when the
+    template labels images, images as PNG data URLs; text-only content as a string."""
+    out, text = [], ""
+    for part in parts:
+        if part["type"] == "text":
+            text += part["text"]
+            continue
+        text += f"Picture {next(counter)}: " if label_images else ""
+        out += [{"type": "text", "text": text}] if text else []
+        out.append({"type": "image_url", "image_url": {"url": data_url(part["image"])}})
+        text = ""
+    out += [{"type": "text", "text": text}] if text else []
+    return text if len(out) <= 1 and not any(p["type"] == "image_url" for p in out) else out
+
+
+def data_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def chat_template(gguf_path: Path) -> str:
+    """The chat template stored in a GGUF file ("" when it has none)."""
+    import gguf
+
+    field = gguf.GGUFReader(str(gguf_path)).fields.get("tokenizer.chat_template")
+    return bytes(field.parts[field.data[0]]).decode() if field else ""
+
+
+def _has_vision(checkpoint) -> bool:
+    import json
+
+    with open(Path(checkpoint) / "config.json", encoding="utf-8") as file:
+        return "vision_config" in json.load(file)
+
+
+def _refused(chunk: dict) -> bool:
+    return "error" in chunk and IMAGE_REFUSAL in _error(chunk)
+
+
+def _error(chunk: dict) -> str:
+    error = chunk.get("error", chunk)
+    message = error.get("message", error) if isinstance(error, dict) else error
+    return " ".join(str(message).split())[:200]
+
+
+def _prepend(first, rest: Iterator) -> Iterator:
+    yield first
+    yield from rest
+
+
+def _timed(stats: Stats, started: float, first_at: float, now: float) -> None:
+    stats.ttft_s = first_at - started
+    stats.decode_tokens = stats.new_tokens - 1
+    stats.decode_s = now - first_at
+    stats.decode_tok_s = stats.decode_tokens / stats.decode_s if stats.decode_s > 0 else 0.0
+    stats.total_s = now - started
+    stats.tok_s_curve.append(round(stats.decode_tok_s, 2))
+
+
+def _field_names() -> list[str]:
+    from dataclasses import fields
+
+    return [f.name for f in fields(Stats)]

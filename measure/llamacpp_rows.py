@@ -1,0 +1,166 @@
+"""llama.cpp beside the built-in engine, on the same weights converted to GGUF (models/gguf.py):
+an eval row (`python -m measure.eval --backend llamacpp`) and benchmark rows
+(`python -m measure.bench --llamacpp`): plain, and with the text drafter as llama.cpp's draft
+model. Token ids are compared with the built-in engine's plain answers (float32 for exactness);
+each plain row is printed with its bound: bytes of weights read per token over a measured
+memory bandwidth.
+
+Conventions: llama-server does not send the stop token, so the built-in engine's final stop
+token is left out of the comparison; a speculative llama.cpp answer has no token ids (the server
+sends none for drafted tokens), so its text is compared instead.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from engine.loop import DecodeSettings, Done
+
+
+class Row:
+    """Like measure/bench.py's Row: one llama.cpp mode, measured request by request. `text_turns`:
+    the requests' text only (llama.cpp drafts on text turns only; images make it refuse)."""
+
+    def __init__(self, backend, drafter: str | None, label: str | None, text_turns: bool = False):
+        self.backend, self.drafter, self.label, self.text_turns = backend, drafter, label, text_turns
+        self.engine, self.mode = "llama.cpp", "speculative" if drafter else "plain"
+        self.tree_nodes, self.draft_tokens = 0, None
+        self.runs = []
+        self.error = None
+
+    @property
+    def title(self) -> str:
+        return f"llama.cpp {self.mode}" + (f" ({self.label})" if self.label else "")
+
+    def measure(self, engine, drafter, messages, decode: DecodeSettings, request_id: int):
+        """measure/bench_rows.py's Measurement of one request (with the answer's text as `.text`)."""
+        from measure.bench_rows import Measurement
+
+        if self.text_turns:
+            messages = [{"role": m["role"], "content": [p for p in m["content"] if p["type"] == "text"]}
+                        for m in messages]
+        try:
+            done = answer(self.backend, messages, self.drafter, decode)
+        except Exception as error:  # a crash is a result: the row reports it
+            return Measurement(request_id, error=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
+        s = done.stats
+        measurement = Measurement(request_id, done.token_ids, s.ttft_s, s.total_s, s.decode_tok_s, None,
+                                  s.drafted, s.accepted)
+        measurement.text = done.text
+        return measurement
+
+
+class _Request:
+    """engine/backend.py's Request fields, for a backend (that module lives on the worker branch)."""
+
+    def __init__(self, messages, drafter=None, decode: DecodeSettings = DecodeSettings()):
+        from engine.sampling import SamplingSettings
+
+        self.messages, self.drafter, self.decode = messages, drafter, decode
+        self.sampling, self.stop, self.started, self.max_image_tokens = SamplingSettings(), None, None, None
+
+
+def start(target: str, draft: str | None, outtype: str = "f32"):
+    """The llama.cpp backend on `target` (and `draft`), converted once, threads as torch's."""
+    from engine.backends.llamacpp import LlamaCpp
+
+    return LlamaCpp.from_checkpoint(target, draft=draft, outtype=outtype, threads=torch.get_num_threads(),
+                                    cache_prompt=False)
+
+
+def answer(backend, messages, drafter: str | None, decode: DecodeSettings) -> Done:
+    """The backend's final event for one request."""
+    return [e for e in backend.stream(_Request(messages, drafter, decode)) if isinstance(e, Done)][0]
+
+
+def without_stop(engine, token_ids: list[int]) -> list[int]:
+    """The built-in engine's ids as llama-server sends them: no final stop token."""
+    return token_ids[:-1] if token_ids and token_ids[-1] in engine.stop_token_ids() else token_ids
+
+
+def eval_row(engine, backend, questions, plain: list[Done], decode: DecodeSettings) -> dict:
+    """measure/eval.py's row for llama.cpp plain: accuracy, and the share of answers whose token
+    ids equal the built-in engine's plain answer (`plain`, one per question)."""
+    from measure.eval import messages_of
+    from models.demo.world import answer_matches
+
+    done = [answer(backend, messages_of(q), None, decode) for q in questions]
+    same = [d.token_ids == without_stop(engine, p.token_ids) for d, p in zip(done, plain)]
+    return {"mode": "llama.cpp", "drafter": None,
+            "accuracy": sum(answer_matches(d.text, q.answer) for d, q in zip(done, questions)) / len(questions),
+            "identical_to_plain": sum(same) / len(questions), "acceptance": None,
+            "differing": [q.prompt for q, s in zip(questions, same) if not s]}
+
+
+def bench_rows(engine, target: str, outtype: str = "f32") -> list[Row]:
+    """llama.cpp plain on the benchmark's requests; with the engine's text drafter (if loaded) as
+    llama.cpp's draft model, plain and speculative rows on the requests' text."""
+    draft = next((d.name for d in engine.drafters.values() if d.kind == "text_lm"), None)
+    backend = start(target, draft, outtype)
+    rows = [Row(backend, None, None if outtype in ("f32", "bf16") else outtype)]
+    if draft:
+        suffix = "" if outtype in ("f32", "bf16") else f", {outtype}"
+        rows += [Row(backend, None, f"text turns{suffix}", True),
+                 Row(backend, "text", f"text_drafter, text turns{suffix}", True)]
+    return rows
+
+
+def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
+    """Set the llama.cpp rows' `identical_to_plain` in `table` (measure/bench.py's summaries):
+    plain rows on the same requests by token ids against this engine's plain row; the text-turn
+    rows by text against llama.cpp's plain text-turn row, whose speedups they are given too. Returns
+    the lines to print under the table: what was compared, and each plain row's bound."""
+    ours = {m.request: without_stop(engine, m.token_ids) for m in this_plain.runs}
+    by_title = {r["engine"] + " " + r["mode"] + (f" ({r['drafter']})" if r["drafter"] else ""): r for r in table}
+    text_plain = next((row for row in rows if row.text_turns and row.drafter is None), None)
+    bandwidth = measured_bandwidth()
+    weights = sum(p.numel() * p.element_size() for name, p in engine.target.model.named_parameters()
+                  if "visual" not in name and "vision" not in name)  # a decode step reads the LM only
+    lines = [f"this plain: {bound(weights, bandwidth)}"]
+    for row in rows:
+        summary, runs = by_title[row.title], [m for m in row.runs if m.error is None]
+        if not row.text_turns:
+            summary["identical_to_plain"] = sum(m.token_ids == ours.get(m.request) for m in runs)
+            summary["differing"] = [m.request for m in runs if m.token_ids != ours.get(m.request)]
+            lines.append(f"{row.title}: token ids compared with this engine's plain answers (stop token aside); "
+                         + bound(gguf_weight_bytes(row.backend.paths["model"]), bandwidth))
+            continue
+        plain = {m.request: m for m in text_plain.runs if m.error is None}
+        summary["identical_to_plain"] = sum(m.text == plain[m.request].text for m in runs if m.request in plain)
+        summary["differing"] = [m.request for m in runs if m.request in plain and m.text != plain[m.request].text]
+        speedups = [m.decode_tok_s / plain[m.request].decode_tok_s for m in runs if m.request in plain]
+        if speedups:
+            summary["speedup_vs_plain"] = {"min": min(speedups), "median": statistics.median(speedups),
+                                           "max": max(speedups)}
+        lines.append(f"{row.title}: text compared with, and speedup against, llama.cpp plain (text turns)"
+                     + ("" if row.drafter else "; " + bound(gguf_weight_bytes(row.backend.paths["model"]), bandwidth)))
+    return lines
+
+
+def bound(weights: int, bandwidth: float) -> str:
+    """Bytes of weights read per token over the memory bandwidth (GB/s): the most tokens/s plain
+    decoding can reach (weights that fit in the caches can beat it)."""
+    return (f"bound: {weights / 1e6:.1f} MB of weights per token / {bandwidth:.1f} GB/s "
+            f"= {bandwidth * 1e9 / weights:.0f} tok/s")
+
+
+def gguf_weight_bytes(path) -> int:
+    """The bytes of a GGUF file's tensors (all are read for each token, the embedding's one row aside)."""
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+
+
+def measured_bandwidth(size: int = 4096, repeats: int = 9) -> float:
+    """GB/s of a float32 matrix-vector product of size x size (64 MB, beyond the caches): the
+    memory bandwidth plain decoding sees, measured the way issue 28 did (median of repeats)."""
+    matrix, vector = torch.randn(size, size), torch.randn(size)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.mv(matrix, vector)
+        times.append(time.perf_counter() - started)
+    return matrix.numel() * matrix.element_size() / statistics.median(times[1:]) / 1e9
