@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from pydantic import field_validator
 
 from app_ui import views
 from app_ui.session import Options, Session, Turn, answer, messages_for, new_turn, question_of
+from app_ui.stop_lane import leave_queue
 from app_ui.visitors import Visitors
 from engine.ab import ABProgress, run_ab
 from engine.engine import Engine, RequestError
@@ -178,7 +180,7 @@ def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: dict,
     open while an answer streams, and has the focus again when it ends."""
 
     def accept(message_value, session: Session, request: gr.Request):  # no outputs: a refusal is a toast
-        visitors.touch(session)
+        visitors.touch(session, request.session_hash)
         session.refused_files = []
         with _user_errors():
             if session.pending is not None or session.running:
@@ -191,6 +193,8 @@ def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: dict,
                 session.refused_files = _named_files(message_value, str(error))
                 raise ImageError(f"{error} (taken out of the message; your text stays)") from None
             turn.arrived = _arrival(request)
+            visitors.spoke(session, request.session_hash)
+            visitors.claim(session, turn.files)
             _start(session, turn)
 
     def drop_refused(message_value, session: Session):
@@ -203,14 +207,15 @@ def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: dict,
         return (gr.MultimodalTextbox(value=None), views.chatbot_messages(session),
                 gr.Button(variant="stop", interactive=True))
 
-    def retry(session: Session, temperature, seed):
-        """The last turn again; with sampling, from the next seed (the same seed gives the same answer)."""
+    def retry(session: Session, temperature, seed, request: gr.Request):
+        """The last turn again; with sampling, from the next seed (the same seed gives the same answer;
+        after 2**63 - 1 comes 0; a seed that is not one is left for the answer to name)."""
+        visitors.touch(session, request.session_hash)
         if session.pending is None and session.turns:
+            if _number(temperature) > 0:
+                seed = _next_seed(seed)
             last = session.turns.pop()
             _start(session, Turn(last.text, last.files, last.images))
-            if _number(temperature) > 0:
-                seed = int(_number(seed)) + 1
-        visitors.touch(session)
         return views.chatbot_messages(session), seed, gr.Button(variant="stop", interactive=True)
 
     def undo(session: Session):
@@ -224,8 +229,11 @@ def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: dict,
 
     @gpu
     def respond(session: Session, *values):
-        visitors.touch(session)
-        yield from _respond(engine, session, Options(**dict(zip(settings, values))))
+        try:
+            visitors.touch(session)
+            yield from _respond(engine, session, Options(**dict(zip(settings, values))))
+        finally:  # whatever happened, the turn no longer waits: the next send is taken
+            session.pending = None
 
     respond_event = dict(fn=respond, inputs=[session, *settings.values()], outputs=[*chat.panels, chat.message],
                          show_progress_on=[chat.chatbot], api_visibility="private", **GENERATE)
@@ -250,7 +258,7 @@ def _wire_ab(engine: Engine, gpu: Callable, session: gr.State, settings: list, a
 
     @gpu
     def ab_live(request: gr.Request, message_value, session: Session, *values):  # Gradio puts the request first
-        visitors.touch(session)
+        visitors.touch(session, request.session_hash)
         options = Options(mode="speculative", **dict(zip(settings, values)))
         yield from _ab_live(engine, message_value, session, options, _arrival(request))
 
@@ -281,11 +289,11 @@ def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, 
              system_prompt, max_image_tokens, draft_tree, session, request: gr.Request):
         """Answer a message (text and image files) in this client's conversation; streams the answer
         text and the statistics."""
-        visitors.touch(session)
+        visitors.touch(session, request.session_hash)
         options = Options(mode=mode, drafter=drafter, draft_tokens=draft_tokens, adaptive=adaptive,
                           temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
                           system_prompt=system_prompt, max_image_tokens=max_image_tokens, draft_tree=draft_tree)
-        yield from _api_chat(engine, message, session, options, _arrival(request), visitors)
+        yield from _api_chat(engine, message, session, options, _arrival(request), visitors, request.session_hash)
 
     @gpu
     def ab(message, drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens, seed, system_prompt,
@@ -293,7 +301,7 @@ def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, 
         """Answer one message (no history) plainly and speculatively: both answers, the decode speedup,
         whether they are identical and where they first differ (None when identical; both None when
         stopped)."""
-        visitors.touch(session)
+        visitors.touch(session, request.session_hash)
         options = Options(mode="speculative", drafter=drafter, draft_tokens=draft_tokens, adaptive=adaptive,
                           temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
                           system_prompt=system_prompt, max_image_tokens=max_image_tokens, draft_tree=draft_tree)
@@ -320,7 +328,7 @@ class ApiMessageData(MultimodalData):
     preprocess=False the callback gets this model's dict: {"text": ..., "files": [FileData dicts]}."""
 
     text: object = ""
-    files: list[FileData] = []
+    files: list[FileData] | object = []  # anything else reaches new_turn, which names it
 
     @field_validator("files", mode="before")
     @classmethod
@@ -418,16 +426,28 @@ def _number(value) -> float:
         return 0.0
 
 
-def _stop(session: Session) -> None:
+async def _stop(session: Session, request: gr.Request) -> None:
+    """Stop the session's running answer, and let its answers still waiting in Gradio's queue
+    run at once (each sees the stop and ends without an answer)."""
     session.request_stop()
+    await leave_queue(request, request.session_hash)
 
 
 def _clear(session: Session, visitors: Visitors) -> None:
     """A new conversation; a running or waiting answer stops and is not kept; the old
-    conversation's uploads are deleted."""
-    files, since = session.files(), session.last_message()
+    conversation's uploads are deleted (unless another conversation holds them)."""
+    files = session.files()
     session.clear()
-    visitors.release(files, since)
+    visitors.release(session, files)
+
+
+def _next_seed(seed):
+    """The seed after `seed`, wrapping at 2**63; no change (gr.skip) when `seed` is not a whole
+    number from 0 to 2**63 - 1: the answer then names it."""
+    if isinstance(seed, (int, float)) and not isinstance(seed, bool) and math.isfinite(seed) and seed == int(seed) \
+            and 0 <= seed < 2**63:
+        return (int(seed) + 1) % 2**63
+    return gr.skip()
 
 
 def _arrival(request: gr.Request | None) -> float:
@@ -481,7 +501,7 @@ def _respond(engine: Engine, session: Session, options: Options):
 
 
 def _api_chat(engine: Engine, message_value, session: Session, options: Options, arrived: float,
-              visitors: Visitors):
+              visitors: Visitors, session_id: str | None = None):
     """/chat: (answer text, statistics dict), streamed; the turn joins the session's history. A
     request stopped while it waited in the queue answers "" with finish_reason "stopped"."""
     started, tick = time.perf_counter(), views.Throttle(views.UPDATES_PER_SECOND)
@@ -490,10 +510,20 @@ def _api_chat(engine: Engine, message_value, session: Session, options: Options,
         options = options.checked(engine)
         turn = new_turn(message_value, engine, session)
         turn.arrived = arrived
+        visitors.spoke(session, session_id)
+        visitors.claim(session, turn.files)
         for side in answer(engine, session, turn, options, started):
             if tick.ready():
-                yield side.text, views.stats_dict(side.stats, session.dropped)
-    yield side.text, views.stats_dict(side.stats, session.dropped)
+                yield side.text, _public_stats(engine, side.stats, session.dropped)
+    yield side.text, _public_stats(engine, side.stats, session.dropped)
+
+
+def _public_stats(engine: Engine, stats, dropped: int) -> dict:
+    """views.stats_dict, the drafter named by its key (e.g. "text"), never by the folder it was loaded from."""
+    values = views.stats_dict(stats, dropped)
+    keys = {drafter.name: key for key, drafter in engine.drafters.items()}
+    values["drafter"] = keys.get(values["drafter"], values["drafter"] and os.path.basename(str(values["drafter"])))
+    return values
 
 
 def _ab_events(engine: Engine, message_value, session: Session, options: Options, arrived: float):
