@@ -78,9 +78,11 @@ class Guard:
     def check_body(self, body: bytes, client: str) -> str | None:
         """Why a JSON request body is refused, or None (not JSON: Gradio answers it)."""
         try:
-            request = json.loads(body)
+            request = json.loads(body, parse_constant=_not_a_number)
         except RecursionError:
             return "the request is nested too deeply"
+        except NotANumber as error:
+            return f"the request holds {error}, which is not a number JSON carries: send finite numbers"
         except ValueError:
             return None
         if not isinstance(request, dict):
@@ -109,6 +111,14 @@ class Guard:
         if not any(os.path.abspath(path).startswith(folder) for folder in self.folders):
             return f"message 'files': {shown} is not a file uploaded to this server (upload it first: /upload)"
         return None
+
+
+class NotANumber(ValueError):
+    pass
+
+
+def _not_a_number(constant: str):
+    raise NotANumber(constant)
 
 
 def _walk(value):

@@ -121,8 +121,9 @@ class Visitors:
             known = self.known.get(session_id) if session_id else None
             if known is not None:
                 if known.conversation and session.is_new():
-                    session.dropped_by_server = True
-                known.seen, known.conversation = session.last_active, known.conversation or not session.is_new()
+                    session.dropped_by_server = True  # told once: from here on it is a new conversation
+                    known.conversation = False
+                known.seen = session.last_active
 
     def spoke(self, session: Session, session_id: str | None) -> None:
         """`session` holds a conversation now (a message was accepted)."""
@@ -178,7 +179,7 @@ class Visitors:
         with self.lock:
             idle = [s for s in self.sessions.values() if now - s.last_active > self.limits.idle_s and not s.running]
             self.known = {key: known for key, known in self.known.items()
-                          if now - known.seen <= (ONE_SHOT_S if known.one_shot else self.limits.idle_s)}
+                          if now - known.seen <= (min(ONE_SHOT_S, self.limits.idle_s) if known.one_shot else self.limits.idle_s)}
         for session in idle:
             files = session.files()
             session.expire()
