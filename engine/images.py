@@ -62,6 +62,7 @@ def load_image(source, name: str | None = None, max_bytes: int = MAX_FILE_BYTES,
                     return _decode(image, fit)
                 finally:
                     image.close()  # the full-resolution pixels go before the slot does
+                    _return_freed_memory()
     except ImageError:
         raise
     except UnidentifiedImageError:
@@ -72,6 +73,27 @@ def load_image(source, name: str | None = None, max_bytes: int = MAX_FILE_BYTES,
                          "resize it and send it again") from None
     except (OSError, SyntaxError, ValueError) as error:
         raise ImageError(f"{name}: damaged or truncated image ({error})") from None
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap memory a decode freed back to the system (glibc keeps freed blocks of
+    Pillow's 16 MB image blocks in per-thread arenas, where other threads cannot reuse them:
+    measured, eight visitors' decodes left +2 GB resident a minute later without this)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc():
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+_LIBC = _glibc()
 
 
 def decoded_bytes(image: Image.Image) -> int:
