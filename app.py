@@ -48,8 +48,6 @@ def main(argv: list[str] | None = None, block: bool = True, limits=None):
         except Exception as error:
             sys.exit(f"error: the model loaded but cannot answer: {_one_line(error)}")
     # 4. The bounds on visitors (docs/security.md); a bad VLM_* value is one line.
-    from dataclasses import replace
-
     from gradio.utils import get_upload_folder
     from starlette.middleware import Middleware
 
@@ -64,7 +62,6 @@ def main(argv: list[str] | None = None, block: bool = True, limits=None):
         Ceilings.from_environ()
     except (ValueError, RequestError) as error:
         sys.exit(f"error: {error}")
-    limits = replace(limits, files_per_message=min(limits.files_per_message, engine.max_images))
     # 5. Uploads an earlier process left are deleted; this one's are listed for the next.
     journals = os.path.join(get_upload_folder(), ".vlm-uploads")
     sweep_journals(journals)

@@ -49,7 +49,7 @@ class Limits:
     upload_files_per_client: int = 200  # files on disk at once, per client address
     upload_bytes_total: int = 2048 * MB  # on disk at once, all clients
     request_bytes: int = 4 * MB  # any request body but an upload's
-    files_per_message: int = 64  # files one request may name (the app sets its --max-images)
+    files_per_message: int = 64  # files one request may name, refused before Gradio opens any (--max-images is 64 at most)
     sessions_per_client: int = 32  # live sessions (conversations) per client address
     proxy_hops: int = 0  # trusted proxies in front (a Space: 1): the address is this far from X-Forwarded-For's right
     time_budget_s: float = 120.0  # wall-clock time one answer may take (then it ends: "time_budget")

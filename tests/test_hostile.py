@@ -263,10 +263,10 @@ def test_a_request_naming_thousands_of_files_is_refused_before_gradio_opens_any(
                         lambda path, *args: checked.append(path) or check_allowed(path, *args))
     files = [file_data(f"/tmp/gradio/x{i}/a.png") for i in range(3000)]
     kind, refusal = api_call(server.url, "chat", chat_data("Hi", files), "127.0.5.1")
-    assert kind == "refused" and refusal == "the request names over 8 files; the limit is 8 images a message"
+    assert kind == "refused" and refusal == "the request names over 64 files; the limit is 64 images a message"
     kind, refusal = page_call(server.url, fn_index(server.demo, "accept"), [{"text": "Hi", "files": files}, None],
                               "many-files", "127.0.5.2")
-    assert kind == "refused" and "names over 8 files" in refusal
+    assert kind == "refused" and "names over 64 files" in refusal
     assert checked == []
 
 
