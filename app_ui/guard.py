@@ -17,9 +17,6 @@ import anyio
 
 from app_ui.visitors import MB, Visitors
 
-GRADIO_JSON_ROUTES = ("/queue/join", "/call/", "/run/", "/api/")  # the routes whose bodies hold request data
-
-
 class Guard:
     """`file_folders`: where the files a request names may be (Gradio's upload folder, the
     examples)."""
@@ -55,7 +52,7 @@ class Guard:
         if length > limit:
             return await refuse(send, 413, f"the request is {length / MB:.1f} MB; the limit is {limit / MB:.0f} MB "
                                            "(files go through the upload route)")
-        if scope["method"] == "POST" and any(route in path for route in GRADIO_JSON_ROUTES):
+        if scope["method"] == "POST":  # /queue/join, /call/<api>...: request data, bounded above
             body = await _read_body(receive, limit)
             if body is None:
                 return await refuse(send, 413, f"the request is over the limit of {limit / MB:.0f} MB")

@@ -273,7 +273,7 @@ def test_a_request_naming_thousands_of_files_is_refused_before_gradio_opens_any(
 # --- 6. request budget, stop ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("changes,refusal", [
-    (dict(max_new_tokens=10**9), r"max_new_tokens must be from 1 to 4096 on this server \(VLM_MAX_MAX_NEW_TOKENS\)"),
+    (dict(max_new_tokens=10**9), r"max_new_tokens must be from 1 to 4096 on this server \(VLM_MAX_NEW_TOKENS\)"),
     (dict(draft_tokens=64), r"draft_tokens must be from 0 to 16 on this server"),
     (dict(draft_tree=-3), r"draft_tree must be from 0 to 32 on this server"),
     (dict(draft_tree=10**9), r"draft_tree must be from 0 to 32 on this server"),
