@@ -99,11 +99,6 @@ class Session:
         turns = self.turns + ([self.pending] if self.pending else [])
         return {path for turn in turns for path in turn.files}
 
-    def last_message(self) -> float:
-        """When its latest message arrived (time.perf_counter()); -inf if none."""
-        turns = self.turns + ([self.pending] if self.pending else [])
-        return max((turn.arrived for turn in turns), default=-math.inf)
-
     def is_new(self) -> bool:
         """Nothing was ever said in it."""
         return not (self.started or self.turns or self.pending)
