@@ -10,12 +10,15 @@ for a JSON request the 422 shape Gradio's clients show as a validation message.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
 import anyio
 
 from app_ui.visitors import MB, Visitors
+
+logger = logging.getLogger(__name__)
 
 class Guard:
     """`file_folders`: where the files a request names may be (Gradio's upload folder, the
@@ -58,6 +61,7 @@ class Guard:
                 return await refuse(send, 413, f"the request is over the limit of {limit / MB:.0f} MB")
             refusal = await anyio.to_thread.run_sync(self.check_body, body, client)
             if refusal:
+                logger.info("refused %s from %s: %s", path, client, refusal)
                 return await refuse_json(send, refusal)
             return await self.app(scope, _replay(body), send)
         return await self.app(scope, receive, send)
@@ -86,6 +90,8 @@ class Guard:
             return None
         files, limit = [], self.visitors.limits.files_per_message
         for value in _walk(request.get("data")):
+            if isinstance(value, dict) and not isinstance(value.get("files", []), (list, type(None))):
+                return f"message 'files' must be a list of files, got {type(value['files']).__name__}"
             if isinstance(value, dict) and ("path" in value or "url" in value):
                 files.append(value)
                 if len(files) > limit:

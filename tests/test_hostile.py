@@ -352,7 +352,7 @@ def test_retry_at_any_seed_leaves_the_session_usable(server, i, seed):
 
 def test_visitor_mistakes_are_named_without_tracebacks_and_statistics_hold_no_path(server, capfd):
     cases = [
-        ([{"text": "Hi", "files": "abc"}], "error", "message 'files' must be a list of files, got str"),
+        ([{"text": "Hi", "files": "abc"}], "refused", "message 'files' must be a list of files, got str"),
         ([{"text": "Hi", "files": [{"path": 5, "meta": {"_type": "gradio.FileData"}}]}], "refused",
          "message 'files': 5 is not a file path"),
         ([{"text": "Hi", "files": [file_data("/etc/hostname")]}], "refused",
@@ -363,6 +363,9 @@ def test_visitor_mistakes_are_named_without_tracebacks_and_statistics_hold_no_pa
     for data, expected_kind, expected in cases:
         kind, error = api_call(server.url, "chat", data + chat_data("")[1:], "127.0.8.1")
         assert kind == expected_kind and expected in str(error), (data, kind, error)
+    kind, error = page_call(server.url, fn_index(server.demo, "accept"), [{"text": "Hi", "files": "abc"}, None],
+                            "mistakes", "127.0.8.3")  # the page's own send handler
+    assert kind == "refused" and error == "message 'files' must be a list of files, got str"
     kind, (answer, stats) = api_call(server.url, "chat", chat_data("Hi", mode="speculative"), "127.0.8.2")
     assert stats["drafter"] == "text"
     response = httpx.get(server.url + "monitoring")
