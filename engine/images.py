@@ -9,7 +9,7 @@ Limits (configurable through the arguments; the app and CLI use the defaults):
   decoded) never allocates its pixels. 40 megapixels covers any camera photo.
 - MAX_DECODED_BYTES: the decoded size, from the header too, mode and bit depth included (a
   float TIFF holds 4 bytes a pixel, a 16-bit one 2, RGB 3).
-- DECODE_SLOTS (VLM_DECODE_SLOTS, default 2): images decoded at once in this process, whichever
+- DECODE_SLOTS (VLM_DECODE_SLOTS, default 2, or 1 on a 2-core machine): images decoded at once, whichever
   request or handler asks; the others wait their turn, holding no pixels. With `fit` (the
   model's processor), an image is reduced as it is decoded (JPEG: libjpeg's 1/2, 1/4, 1/8 scale)
   or at once after (an integer box reduction), to no less than what the processor uses, so its
@@ -34,7 +34,9 @@ from PIL import Image, ImageMode, ImageOps, UnidentifiedImageError
 MAX_FILE_BYTES = 20 * 1024 * 1024
 MAX_PIXELS = 40_000_000
 MAX_DECODED_BYTES = 4 * MAX_PIXELS  # 40 megapixels of the heaviest modes (float, RGBA, CMYK: 4 bytes a pixel)
-DECODE_SLOTS = threading.BoundedSemaphore(max(1, int(os.environ.get("VLM_DECODE_SLOTS") or 2)))
+# Two at most, and one core left for the server's event loop (a 2-core Space decodes one at a time).
+DECODE_SLOTS = threading.BoundedSemaphore(max(1, int(os.environ.get("VLM_DECODE_SLOTS")
+                                                     or min(2, (os.cpu_count() or 2) - 1))))
 # Modes Image.reduce cannot take, and the mode each is reduced in instead.
 REDUCIBLE_AS = {"1": "L", "P": "RGBA", "PA": "RGBA", "I;16": "I", "I;16L": "I", "I;16B": "I", "I;16N": "I"}
 EXIF_ORIENTATION = 0x0112
