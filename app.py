@@ -26,7 +26,7 @@ def gpu_decorator():
 
 def main(argv: list[str] | None = None, block: bool = True, limits=None):
     """Start the app; `limits` (app_ui.visitors.Limits): the bounds on what visitors may hold
-    (default: Limits())."""
+    (default: Limits from VLM_* variables, docs/security.md)."""
     from app_ui.setup import SetupError, load_engine, read_config, warm_up
 
     # 1. Settings from flags, else environment variables, else defaults; a bad one is one line.
@@ -47,26 +47,40 @@ def main(argv: list[str] | None = None, block: bool = True, limits=None):
             warm_up(engine)
         except Exception as error:
             sys.exit(f"error: the model loaded but cannot answer: {_one_line(error)}")
-    # 4. Build the UI and serve it behind the visitors' guard; generations queue (one at a time,
-    #    see app_ui/layout.py); idle conversations and unsent uploads are swept while it runs.
+    # 4. The bounds on visitors (docs/security.md); a bad VLM_* value is one line.
+    from gradio.utils import get_upload_folder
     from starlette.middleware import Middleware
 
+    from app_ui.guard import Guard
     from app_ui.layout import CSS, EXAMPLES_DIR, build_demo
-    from app_ui.visitors import Guard, Limits, Visitors
+    from app_ui.visitors import Limits, Visitors, sweep_journals
+    from engine.engine import Ceilings, RequestError
     from engine.images import MAX_FILE_BYTES
 
-    visitors = Visitors(limits or Limits())
+    try:
+        limits = limits or Limits.from_environ(proxy_hops=1 if config.behind_proxy else 0)
+        Ceilings.from_environ()
+    except (ValueError, RequestError) as error:
+        sys.exit(f"error: {error}")
+    # 5. Uploads an earlier process left are deleted; this one's are listed for the next.
+    journals = os.path.join(get_upload_folder(), ".vlm-uploads")
+    sweep_journals(journals)
+    os.makedirs(journals, exist_ok=True)
+    # 6. Build the UI and serve it behind the visitors' guard; generations queue (one at a time,
+    #    see app_ui/layout.py); idle conversations and unsent uploads are swept while it runs.
+    visitors = Visitors(limits)
     demo = build_demo(engine, gpu=gpu_decorator(), visitors=visitors)
     demo.queue(default_concurrency_limit=1)
-    guard = Middleware(Guard, visitors=visitors, forwarded=config.behind_proxy)
+    guard = Middleware(Guard, visitors=visitors, file_folders=[get_upload_folder(), EXAMPLES_DIR])
     try:
         demo.launch(server_name=config.host, server_port=config.port, share=config.share,
                     inbrowser=config.open_browser, prevent_thread_lock=True, allowed_paths=[EXAMPLES_DIR],
                     max_file_size=MAX_FILE_BYTES, css=CSS,  # serves uploads and the examples, nothing else
-                    app_kwargs={"middleware": [guard], "lifespan": visitors.lifespan},
+                    app_kwargs={"middleware": [guard], "lifespan": visitors.lifespan}, enable_monitoring=False,
                     state_session_capacity=visitors.limits.sessions, quiet=True)
     except OSError as error:  # e.g. the port is taken
         sys.exit(f"error: {error}")
+    visitors.journal = os.path.join(journals, f"{os.getpid()}-{demo.server_port}.txt")
     # Our own start-up lines: Gradio's would suggest `share=True`, a code change, for what --share does.
     print(f"Running on {demo.local_url}" + (f" and {demo.share_url}" if demo.share_url else
                                           " (a public link: --share, or VLM_SHARE=1)"), flush=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from pydantic import field_validator
 
 from app_ui import views
 from app_ui.session import Options, Session, Turn, answer, messages_for, new_turn, question_of, read_message
+from app_ui.stop_lane import leave_queue
 from app_ui.visitors import Visitors
 from engine.ab import ABProgress, run_ab
 from engine.backend import BuiltIn
@@ -205,13 +207,15 @@ def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: dict,
     demo_model = is_demo(engine)
 
     def accept(message_value, session: Session, request: gr.Request):  # no outputs: a refusal is a toast
-        visitors.touch(session)
+        visitors.touch(session, request.session_hash)
         with _user_errors():
             if session.pending is not None or session.running:
                 raise RequestError("an answer is still streaming: wait for it, or press Stop (your message "
                                    "stays in the box)")
             session.check_not_expired(visitors.limits.idle_s)
             text, files = read_message(message_value, engine, session)
+            visitors.spoke(session, request.session_hash)
+            visitors.claim(session, files)
             _start(session, Turn(text, files, [], arrived=_arrival(request)))
 
     def accept_example(event: gr.SelectData, session: Session, request: gr.Request):
@@ -221,14 +225,15 @@ def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: dict,
         return (gr.MultimodalTextbox(value=None) if clear_box else gr.skip(),
                 views.chatbot_messages(session, demo=demo_model), gr.Button(variant="stop", interactive=True))
 
-    def retry(session: Session, temperature, seed):
-        """The last turn again; with sampling, from the next seed (the same seed gives the same answer)."""
+    def retry(session: Session, temperature, seed, request: gr.Request):
+        """The last turn again; with sampling, from the next seed (the same seed gives the same answer;
+        after 2**63 - 1 comes 0; a seed that is not one is left for the answer to name)."""
+        visitors.touch(session, request.session_hash)
         if session.pending is None and session.turns:
+            if _number(temperature) > 0:
+                seed = _next_seed(seed)
             last = session.turns.pop()
             _start(session, Turn(last.text, last.files, last.images))
-            if _number(temperature) > 0:
-                seed = int(_number(seed)) + 1
-        visitors.touch(session)
         return views.chatbot_messages(session, demo=demo_model), seed, gr.Button(variant="stop", interactive=True)
 
     def undo(session: Session):
@@ -270,7 +275,7 @@ def _wire_ab(engine: Engine, gpu: Callable, session: gr.State, settings: list, a
 
     @gpu
     def ab_live(request: gr.Request, message_value, session: Session, *values):  # Gradio puts the request first
-        visitors.touch(session)
+        visitors.touch(session, request.session_hash)
         options = Options(mode="speculative", **dict(zip(settings, values)))
         yield from _ab_live(engine, message_value, session, options, _arrival(request))
 
@@ -301,11 +306,11 @@ def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, 
              system_prompt, max_image_tokens, draft_tree, session, request: gr.Request):
         """Answer a message (text and image files) in this client's conversation; streams the answer
         text and the statistics."""
-        visitors.touch(session)
+        visitors.touch(session, request.session_hash)
         options = Options(mode=mode, drafter=drafter, draft_tokens=draft_tokens, adaptive=adaptive,
                           temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
                           system_prompt=system_prompt, max_image_tokens=max_image_tokens, draft_tree=draft_tree)
-        yield from _api_chat(engine, message, session, options, _arrival(request), visitors)
+        yield from _api_chat(engine, message, session, options, _arrival(request), visitors, request.session_hash)
 
     @gpu
     def ab(message, drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens, seed, system_prompt,
@@ -313,7 +318,7 @@ def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, 
         """Answer one message (no history) plainly and speculatively: both answers, the decode speedup,
         whether they are identical and where they first differ (None when identical; both None when
         stopped)."""
-        visitors.touch(session)
+        visitors.touch(session, request.session_hash)
         options = Options(mode="speculative", drafter=drafter, draft_tokens=draft_tokens, adaptive=adaptive,
                           temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
                           system_prompt=system_prompt, max_image_tokens=max_image_tokens, draft_tree=draft_tree)
@@ -340,7 +345,7 @@ class ApiMessageData(MultimodalData):
     preprocess=False the callback gets this model's dict: {"text": ..., "files": [FileData dicts]}."""
 
     text: object = ""
-    files: list[FileData] = []
+    files: list[FileData] | object = []  # anything else reaches new_turn, which names it
 
     @field_validator("files", mode="before")
     @classmethod
@@ -458,16 +463,28 @@ def _number(value) -> float:
         return 0.0
 
 
-def _stop(session: Session) -> None:
+async def _stop(session: Session, request: gr.Request) -> None:
+    """Stop the session's running answer, and let its answers still waiting in Gradio's queue
+    run at once (each sees the stop and ends without an answer)."""
     session.request_stop()
+    await leave_queue(request, request.session_hash)
 
 
 def _clear(session: Session, visitors: Visitors) -> None:
     """A new conversation; a running or waiting answer stops and is not kept; the old
-    conversation's uploads are deleted."""
-    files, since = session.files(), session.last_message()
+    conversation's uploads are deleted (unless another conversation holds them)."""
+    files = session.files()
     session.clear()
-    visitors.release(files, since)
+    visitors.release(session, files)
+
+
+def _next_seed(seed):
+    """The seed after `seed`, wrapping at 2**63; no change (gr.skip) when `seed` is not a whole
+    number from 0 to 2**63 - 1: the answer then names it."""
+    if isinstance(seed, (int, float)) and not isinstance(seed, bool) and math.isfinite(seed) and seed == int(seed) \
+            and 0 <= seed < 2**63:
+        return (int(seed) + 1) % 2**63
+    return gr.skip()
 
 
 def _arrival(request: gr.Request | None) -> float:
@@ -547,7 +564,7 @@ def _panels(messages: list[dict], side=None, plain_tok_s: float | None = None,
 
 
 def _api_chat(engine: Engine, message_value, session: Session, options: Options, arrived: float,
-              visitors: Visitors):
+              visitors: Visitors, session_id: str | None = None):
     """/chat: (answer text, statistics dict), streamed; the turn joins the session's history. A
     request stopped while it waited in the queue answers "" with finish_reason "stopped"."""
     started, tick = time.perf_counter(), views.Throttle(views.UPDATES_PER_SECOND)
@@ -556,10 +573,20 @@ def _api_chat(engine: Engine, message_value, session: Session, options: Options,
         options = options.checked(engine)
         turn = new_turn(message_value, engine, session)
         turn.arrived = arrived
+        visitors.spoke(session, session_id)
+        visitors.claim(session, turn.files)
         for side in answer(engine, session, turn, options, started):
             if tick.ready():
-                yield side.text, views.stats_dict(side.stats, session.dropped)
-    yield side.text, views.stats_dict(side.stats, session.dropped)
+                yield side.text, _public_stats(engine, side.stats, session.dropped)
+    yield side.text, _public_stats(engine, side.stats, session.dropped)
+
+
+def _public_stats(engine: Engine, stats, dropped: int) -> dict:
+    """views.stats_dict, the drafter named by its key (e.g. "text"), never by the folder it was loaded from."""
+    values = views.stats_dict(stats, dropped)
+    keys = {drafter.name: key for key, drafter in engine.drafters.items()}
+    values["drafter"] = keys.get(values["drafter"], values["drafter"] and os.path.basename(str(values["drafter"])))
+    return values
 
 
 def _ab_events(engine: Engine, message_value, session: Session, options: Options, arrived: float):

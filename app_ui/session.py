@@ -9,8 +9,11 @@ Policies (docs/app.md, "Limits and failures"):
   in the queue; a Stop sent while nothing was asked is not kept for the next request.
 - A conversation that outgrows the context leaves out its oldest answered turns (their images
   are freed), enough for the new turn and room for its answer; the chat says how many.
-- A conversation idle for `Visitors`' limit is emptied; its next message is refused once with a
-  message saying so, and the one after starts a new conversation.
+- A conversation idle for `Visitors`' limit is emptied, or dropped by Gradio's session store;
+  its next message is refused once with a message saying so, and the one after starts a new
+  conversation.
+- A request runs for at most `time_budget_s` (app_ui/visitors.Limits): then it stops as Stop
+  would, and its answer says "cut at the time budget" (finish reason "time_budget").
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from PIL import Image
 
 from engine.ab import Side
 from engine.backend import BuiltIn, Request
-from engine.engine import AUTO, ContextError, Engine, RequestError, check_text
-from engine.images import fit_to_processor, load_image
+from engine.engine import AUTO, ContextError, Engine, RequestError, check_ceilings, check_text
+from engine.images import load_image
 from engine.loop import DecodeSettings
 from engine.prompt import Prompt
 from engine.sampling import SamplingSettings
@@ -72,6 +75,10 @@ class Session:
         self.dropped = 0  # the oldest answered turns no longer sent to the model (they outgrew the context)
         self.last_active = time.perf_counter()
         self.expired = False  # emptied for being idle; the next message says so
+        self.started = False  # it has held a conversation (a message was accepted)
+        self.dropped_by_server = False  # Gradio's store dropped it; the next message says so
+        self.time_budget_s: float | None = None  # a request's wall-clock budget (Visitors sets it)
+        self.budget_timer: threading.Timer | None = None
 
     def __deepcopy__(self, memo) -> Session:
         # gr.State copies its initial value for every visitor: each gets a new, empty session.
@@ -92,18 +99,29 @@ class Session:
         turns = self.turns + ([self.pending] if self.pending else [])
         return {path for turn in turns for path in turn.files}
 
-    def last_message(self) -> float:
-        """When its latest message arrived (time.perf_counter()); -inf if none."""
-        turns = self.turns + ([self.pending] if self.pending else [])
-        return max((turn.arrived for turn in turns), default=-math.inf)
+    def is_new(self) -> bool:
+        """Nothing was ever said in it."""
+        return not (self.started or self.turns or self.pending)
 
     def begin(self, arrived: float) -> threading.Event:
         """A new stop flag for a request that arrived at `arrived`: already set if Stop was
-        pressed since (while the request waited in the queue)."""
+        pressed since (while the request waited in the queue), and set when `time_budget_s`
+        runs out (its `reason` is then "time_budget")."""
         self.stop = threading.Event()
+        self.stop.reason = "stopped"
         if self.stopped_at >= arrived:
             self.stop.set()
+        self.end_budget()
+        if self.time_budget_s:
+            self.budget_timer = threading.Timer(self.time_budget_s, _out_of_time, [self.stop])
+            self.budget_timer.daemon = True
+            self.budget_timer.start()
         return self.stop
+
+    def end_budget(self) -> None:
+        if self.budget_timer is not None:
+            self.budget_timer.cancel()
+            self.budget_timer = None
 
     def request_stop(self) -> None:
         self.stopped_at = time.perf_counter()
@@ -114,9 +132,10 @@ class Session:
         return self.plain_tok_s if self.plain_question == question_of(turn) else None
 
     def clear(self) -> None:
-        """A new conversation; a running or waiting answer stops and is not kept."""
+        """A new conversation; a running or waiting answer stops and is not kept, and a turn
+        waiting for its answer is dropped (so a send failed on the way can never wedge the chat)."""
         self.request_stop()
-        self.turns, self.dropped, self.expired = [], 0, False
+        self.turns, self.dropped, self.expired, self.pending = [], 0, False, None
 
     def expire(self) -> None:
         """Free an idle conversation; its next message is told so."""
@@ -124,7 +143,12 @@ class Session:
         self.expired = True
 
     def check_not_expired(self, idle_s: float) -> None:
-        """RequestError, once, when the conversation expired (`idle_s`: the idle time that expires one)."""
+        """RequestError, once, when the conversation expired (`idle_s`: the idle time that expires
+        one) or the server dropped it."""
+        if self.dropped_by_server:
+            self.dropped_by_server = False
+            raise RequestError("the server dropped this conversation to make room for others (too many were open "
+                               "at once); send your message again to start a new conversation")
         if self.expired:
             self.expired = False
             idle = f"{idle_s / 60:.0f} minutes" if idle_s >= 120 else f"{idle_s:.0f} seconds"
@@ -164,6 +188,8 @@ class Options:
                     raise RequestError(f"max_image_tokens must be 0 (the model's own limit) or more, got {value}")
             elif kind is not None:
                 value = _convert(option.name, value, kind)
+                if kind is float and not math.isfinite(value):
+                    raise RequestError(f"{option.name} must be a finite number, got {value}")
             elif option.name == "system_prompt":
                 value = "" if value is None else value
                 check_text(value, engine.context_limit(), "system_prompt")
@@ -171,7 +197,9 @@ class Options:
                 listed = ", ".join(str(choice) for choice in choices[option.name] if choice)
                 raise RequestError(f"{option.name} {value} is not in the list of choices ({listed})"[:300])
             values[option.name] = value
-        return Options(**values)
+        options = Options(**values)
+        check_ceilings(options.max_new_tokens, options.draft_tokens, options.draft_tree)
+        return options
 
     def sampling(self) -> SamplingSettings:
         return SamplingSettings(temperature=float(self.temperature), top_p=float(self.top_p), seed=int(self.seed))
@@ -211,8 +239,7 @@ def new_turn(message: dict | str | None, engine: Engine, session: Session | None
     the field or the limit. Checks the text before opening any image."""
     arrived = time.perf_counter()
     text, files = read_message(message, engine, session)
-    images = [fit_to_processor(load_image(path, name=os.path.basename(path)), engine.target.processor,
-                               engine.target.family)
+    images = [load_image(path, name=os.path.basename(path), fit=engine.target.processor, family=engine.target.family)
               for path in files]
     return Turn(text, files, images, arrived=arrived, load_s=time.perf_counter() - arrived)
 
@@ -331,6 +358,9 @@ def answer(engine: Engine, session: Session, turn: Turn, options: Options, start
 
 def record(session: Session, turn: Turn, side: Side, history: list[Turn]) -> None:
     stats = side.stats
+    session.end_budget()
+    if stats.finish_reason == "stopped" and getattr(session.stop, "reason", None) == "time_budget":
+        stats.finish_reason = "time_budget"
     if stats.mode == "plain" and stats.finish_reason != "stopped" and stats.decode_tokens:
         session.plain_tok_s, session.plain_question = stats.decode_tok_s, question_of(turn)
     turn.answer = side.text
@@ -354,8 +384,15 @@ def summary(stats: Stats, plain_tok_s: float | None = None, dropped: int = 0) ->
         line += " · stopped"
     if stats.finish_reason == "max_new_tokens":
         line += " · cut at max new tokens"
+    if stats.finish_reason == "time_budget":
+        line += " · cut at the server's time budget for one answer"
     if stats.finish_reason == "context":
         line += " · cut: the model's context is full (start a new chat)"
     if dropped:
         line += f" · left out the {dropped} oldest turn{'s' if dropped > 1 else ''}: the conversation outgrew the context"
     return line
+
+
+def _out_of_time(stop: threading.Event) -> None:
+    stop.reason = "time_budget"
+    stop.set()

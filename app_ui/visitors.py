@@ -1,31 +1,43 @@
 """What the server keeps for its visitors, and the bounds on it; no Gradio here but the names
-of its routes.
+of its routes and the shape of its request bodies.
 
-- `Visitors` knows every live conversation and every file uploaded to this app. Its `sweep`
-  (every `Limits.sweep_s`, from the app's lifespan) empties conversations idle for
-  `idle_s` and deletes uploads that no live conversation shows once they are
-  `unsent_upload_s` old; a conversation that is cleared or expires deletes its own uploads.
-- `Guard` is an ASGI middleware in front of Gradio: it answers 404 for deep links (Gradio
-  would write a visitor's whole page state, messages and upload paths included, to a file that
-  anyone knowing the session id could fetch), refuses uploads over the per-client or total
-  bounds and request bodies over `request_bytes` before they are read, and stamps each
-  request's arrival time (`scope["state"]["arrived"]`, time.perf_counter()) for Stop.
+- `Visitors` knows every live conversation, every Gradio session id an address holds, and every
+  file uploaded to this app. Its `sweep` (every `Limits.sweep_s`, from the app's lifespan)
+  empties conversations idle for `idle_s` and deletes uploads that nobody sent once they are
+  `unsent_upload_s` old. An upload is held by each conversation that sent it and by each of its
+  uploads not sent yet (equal contents share one path); a conversation that is cleared or
+  expires lets go of its files, and a file goes when nobody holds it. Each upload is written to a journal of this process, so that the next process
+  deletes what this one left (`sweep_journals`, at start).
+- `Guard` (app_ui/guard.py) is the ASGI middleware in front of Gradio that applies these
+  bounds before Gradio reads a request: deep links and the monitoring route answer 404; the
+  client's address is the socket's, or behind `proxy_hops` trusted proxies (a Space: 1) the
+  entry the nearest proxy appended to X-Forwarded-For, counted from the right (a client writes
+  the entries to its left, never that one; see docs/security.md); an upload's bytes are
+  reserved under one lock before its body is read (`reserve`), so a burst cannot race the
+  bound, and its files are counted when Gradio answers (`uploaded`); a JSON body is checked
+  for the number of files it names, where they are, and a new session past the address's
+  `sessions_per_client` (`admit_session`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import itertools
 import logging
+import math
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from app_ui.session import Session
 
 MB = 1024 * 1024
+# A request without a session id gets a new Gradio session that no later request can reach; it
+# counts among its address's sessions for this long (Gradio's state for it lasts longer).
+ONE_SHOT_S = 60.0
+BLOCK = 4096  # a file's disk use is rounded up to blocks, and its folder takes one more
 logger = logging.getLogger(__name__)
 
 
@@ -34,86 +46,197 @@ class Limits:
     idle_s: float = 30 * 60  # a conversation without a request for this long is emptied
     unsent_upload_s: float = 10 * 60  # an upload no conversation shows is deleted after this
     upload_bytes_per_client: int = 200 * MB  # on disk at once, per client address
+    upload_files_per_client: int = 200  # files on disk at once, per client address
     upload_bytes_total: int = 2048 * MB  # on disk at once, all clients
     request_bytes: int = 4 * MB  # any request body but an upload's
+    files_per_message: int = 64  # files one request may name, refused before Gradio opens any (--max-images is 64 at most)
+    sessions_per_client: int = 32  # live sessions (conversations) per client address
+    proxy_hops: int = 0  # trusted proxies in front (a Space: 1): the address is this far from X-Forwarded-For's right
+    time_budget_s: float = 120.0  # wall-clock time one answer may take (then it ends: "time_budget")
     sweep_s: float = 10.0
     # Gradio keeps its own state for this many sessions, the most recently active (the page's
     # components as that visitor last saw them; size per session: docs/app.md); an older one is dropped.
     sessions: int = 1000
 
+    @classmethod
+    def from_environ(cls, environ=os.environ, **defaults) -> Limits:
+        """`defaults` over Limits' own, and over both each VLM_<FIELD> variable that is set (e.g.
+        VLM_TIME_BUDGET_S=60); ValueError names a variable that is not a number of its kind."""
+        values = dict(defaults)
+        for option in fields(cls):
+            variable = f"VLM_{option.name.upper()}"
+            text = environ.get(variable)
+            if not text:
+                continue
+            kind = int if option.type == "int" else float
+            try:
+                value = kind(text)
+            except ValueError:
+                raise ValueError(f"{variable}: {text!r} is not a {'whole ' if kind is int else ''}number") from None
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{variable}: {text!r} must be 0 or more")
+            values[option.name] = value
+        return cls(**values)
+
 
 @dataclass
 class Upload:
+    client: str  # the address that first uploaded these bytes (Gradio stores equal contents at one path)
+    disk: int  # bytes on disk, its folder included
+    unsent: list[float] = field(default_factory=list)  # the times of its uploads that no conversation sent yet
+    owners: set[int] = field(default_factory=set)  # the live conversations that sent it (ids of Sessions)
+
+
+@dataclass
+class Known:
+    """A Gradio session id this server has seen."""
     client: str
-    size: int
-    created: float  # time.perf_counter() of its latest upload (Gradio stores equal contents at one path)
+    seen: float  # time.perf_counter() of its latest request
+    conversation: bool = False  # it has held a conversation (so an empty session later means it was dropped)
+    one_shot: bool = False  # a request without a session id: Gradio made it one that nobody can send again
 
 
 class Visitors:
-    def __init__(self, limits: Limits = Limits(), clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, limits: Limits = Limits(), clock: Callable[[], float] = time.perf_counter,
+                 journal: str | None = None):
         self.limits = limits
         self.clock = clock  # the clock of Turn.arrived
         self.sessions: dict[int, Session] = {}  # id -> live session
+        self.known: dict[str, Known] = {}  # Gradio session id -> its address and when it was last seen
         self.uploads: dict[str, Upload] = {}  # path -> who uploaded it
+        self.reserved: dict[int, tuple[str, int]] = {}  # upload in progress -> (client, bytes)
+        self.tokens = itertools.count()
+        self.journal = journal  # this process's list of uploads (see sweep_journals)
         self.lock = threading.Lock()
 
     # --- conversations --------------------------------------------------------------------------
-    def touch(self, session: Session) -> None:
-        """`session` made a request: it is live, and its idle time starts again."""
+    def touch(self, session: Session, session_id: str | None = None) -> None:
+        """`session` (Gradio's session `session_id`) made a request: it is live, and its idle time
+        starts again. An empty session under an id that held a conversation was dropped by
+        Gradio (its state holds the most recent `Limits.sessions`): its next message says so."""
         with self.lock:
             self.sessions[id(session)] = session
             session.last_active = self.clock()
+            session.time_budget_s = self.limits.time_budget_s or None
+            known = self.known.get(session_id) if session_id else None
+            if known is not None:
+                if known.conversation and session.is_new():
+                    session.dropped_by_server = True  # told once: from here on it is a new conversation
+                    known.conversation = False
+                known.seen = session.last_active
 
-    def release(self, files: set[str], since: float, session: Session | None = None) -> None:
-        """Delete the uploads among `files` (those of a conversation just cleared, whose last
-        message arrived at `since`) that no other live conversation shows and nobody uploaded
-        again after `since` (equal contents share a path); `session`: also drop it from the live
-        ones."""
+    def spoke(self, session: Session, session_id: str | None) -> None:
+        """`session` holds a conversation now (a message was accepted)."""
+        session.started = True
         with self.lock:
-            if session is not None:
+            if session_id in self.known:
+                self.known[session_id].conversation = True
+
+    def admit_session(self, client: str, session_id: str | None) -> str | None:
+        """Why a request of Gradio session `session_id` (None: Gradio makes a new one) from
+        `client` is refused, or None; a new id is counted as one of `client`'s sessions."""
+        now = self.clock()
+        with self.lock:
+            if session_id in self.known:
+                self.known[session_id].seen = now
+                return None
+            live = sum(1 for known in self.known.values() if known.client == client)
+            if live >= self.limits.sessions_per_client:
+                return (f"{live} conversations from your address are open, the limit is "
+                        f"{self.limits.sessions_per_client}: keep using one (gradio_client does; raw HTTP: send "
+                        f"its session_hash) or wait {self.limits.idle_s / 60:g} minutes for idle ones to close")
+            self.known[session_id or f"one-shot-{next(self.tokens)}"] = Known(client, now, one_shot=not session_id)
+        return None
+
+    def release(self, session: Session, files: set[str], forget: bool = False) -> None:
+        """`session` no longer holds `files` (its conversation was cleared or expired): delete
+        those that no other conversation holds and that nobody uploaded and left unsent.
+        `forget`: the session is no longer live either."""
+        with self.lock:
+            if forget:
                 self.sessions.pop(id(session), None)
-            shown = set().union(*(other.files() for other in self.sessions.values()))
-            for path in files - shown:
-                if path in self.uploads and self.uploads[path].created <= since:
-                    self._delete(path)
+            for path in files:
+                upload = self.uploads.get(path)
+                if upload is not None:
+                    upload.owners.discard(id(session))
+                    if not upload.owners and not upload.unsent:
+                        self._delete(path)
+
+    def claim(self, session: Session, files: list[str]) -> None:
+        """`session` sent `files`: one unsent upload of each is now its own."""
+        with self.lock:
+            for path in files:
+                if path in self.uploads:
+                    upload = self.uploads[path]
+                    if upload.unsent:
+                        upload.unsent.pop(0)
+                    upload.owners.add(id(session))
 
     def sweep(self) -> None:
-        """Empty idle conversations (freeing their images and uploads) and delete old uploads
-        that no live conversation shows."""
+        """Empty idle conversations (freeing their images and uploads), forget idle session ids,
+        and delete old uploads that no live conversation shows."""
         now = self.clock()
         with self.lock:
             idle = [s for s in self.sessions.values() if now - s.last_active > self.limits.idle_s and not s.running]
+            self.known = {key: known for key, known in self.known.items()
+                          if now - known.seen <= (min(ONE_SHOT_S, self.limits.idle_s) if known.one_shot else self.limits.idle_s)}
         for session in idle:
-            files, since = session.files(), session.last_message()
+            files = session.files()
             session.expire()
-            self.release(files, since, session)
+            self.release(session, files, forget=True)
         with self.lock:
-            shown = set().union(*(session.files() for session in self.sessions.values()))
             for path, upload in list(self.uploads.items()):
-                if path not in shown and now - upload.created > self.limits.unsent_upload_s:
+                upload.unsent = [t for t in upload.unsent if now - t <= self.limits.unsent_upload_s]
+                if not upload.owners and not upload.unsent:
                     self._delete(path)
 
     # --- uploads --------------------------------------------------------------------------------
-    def admit(self, client: str, size: int) -> str | None:
-        """Why an upload of `size` bytes from `client` is refused, or None."""
+    def reserve(self, client: str, size: int) -> tuple[int | None, str | None]:
+        """(a reservation, None), or (None, why) when an upload of `size` bytes from `client`
+        is refused. The bytes count against the bounds from now until `uploaded` or `unreserve`."""
         with self.lock:
-            total = sum(upload.size for upload in self.uploads.values())
-            mine = sum(upload.size for upload in self.uploads.values() if upload.client == client)
-        if mine + size > self.limits.upload_bytes_per_client:
-            return (f"uploads from your address hold {mine / MB:.0f} MB of the "
-                    f"{self.limits.upload_bytes_per_client / MB:.0f} MB allowed; send or clear your conversation, "
-                    f"or wait {self.limits.unsent_upload_s / 60:g} minutes for unsent uploads to be deleted")
-        if total + size > self.limits.upload_bytes_total:
-            return "the server's upload space is full; try again in a few minutes"
-        return None
+            total = sum(u.disk for u in self.uploads.values()) + sum(b for _, b in self.reserved.values())
+            mine = sum(u.disk for u in self.uploads.values() if u.client == client) + \
+                sum(b for c, b in self.reserved.values() if c == client)
+            files = sum(1 for u in self.uploads.values() if u.client == client)
+            if mine + size > self.limits.upload_bytes_per_client:
+                return None, (f"uploads from your address hold {mine / MB:.1f} MB and this one is {size / MB:.1f} MB; "
+                              f"the limit is {self.limits.upload_bytes_per_client / MB:.0f} MB: send or clear your "
+                              f"conversation, or wait {self.limits.unsent_upload_s / 60:g} minutes for unsent "
+                              "uploads to be deleted")
+            if files >= self.limits.upload_files_per_client:
+                return None, (f"uploads from your address hold {files} files, the limit is "
+                              f"{self.limits.upload_files_per_client}: send or clear your conversation, or wait "
+                              f"{self.limits.unsent_upload_s / 60:g} minutes for unsent uploads to be deleted")
+            if total + size > self.limits.upload_bytes_total:
+                return None, "the server's upload space is full; try again in a few minutes"
+            token = next(self.tokens)
+            self.reserved[token] = (client, size)
+            return token, None
 
-    def uploaded(self, client: str, paths: list[str], size: int) -> None:
-        """`client` uploaded `paths`, `size` bytes in all (the request's length: Gradio may still be
-        moving the files into place)."""
+    def unreserve(self, token: int) -> None:
+        with self.lock:
+            self.reserved.pop(token, None)
+
+    def uploaded(self, token: int, paths: list[str]) -> str | None:
+        """The upload `token` wrote `paths`: they replace its reservation. Returns why they are
+        refused (and deletes them) when they take `client` over its file count."""
         now = self.clock()
         with self.lock:
+            client, _ = self.reserved.pop(token, ("unknown", 0))
+            files = sum(1 for u in self.uploads.values() if u.client == client)
+            new = [p for p in paths if p not in self.uploads]
+            if files + len(new) > self.limits.upload_files_per_client:
+                for path in new:
+                    self.uploads[path] = Upload(client, 0)
+                    self._delete(path)
+                return (f"{len(new)} files would take your address over {self.limits.upload_files_per_client} "
+                        "uploaded files; send fewer")
             for path in paths:
-                self.uploads[path] = Upload(client, size // max(1, len(paths)), now)
+                upload = self.uploads.setdefault(path, Upload(client, disk_use(path)))
+                upload.unsent.append(now)
+            self._journal(new)
+        return None
 
     def _delete(self, path: str) -> None:
         """Remove an upload and its folder if that is now empty (Gradio keeps one folder a file)."""
@@ -122,6 +245,11 @@ class Visitors:
             os.remove(path)
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(path))
+
+    def _journal(self, paths: list[str]) -> None:
+        if self.journal and paths:
+            with contextlib.suppress(OSError), open(self.journal, "a") as file:
+                file.writelines(path + "\n" for path in paths)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -141,67 +269,54 @@ class Visitors:
             yield
         finally:
             task.cancel()
+            if self.journal:
+                with contextlib.suppress(OSError):
+                    os.remove(self.journal)
 
 
-class Guard:
-    """ASGI middleware: see the module docstring. `forwarded`: take the client's address from
-    X-Forwarded-For (behind a proxy that sets it, as on Hugging Face Spaces)."""
-
-    def __init__(self, app, visitors: Visitors, forwarded: bool = False):
-        self.app = app
-        self.visitors = visitors
-        self.forwarded = forwarded
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        scope.setdefault("state", {})["arrived"] = time.perf_counter()
-        path, headers = scope["path"].rstrip("/"), dict(scope.get("headers") or [])
-        if path.endswith("/deep_link") or "deep_link=" in scope.get("query_string", b"").decode("latin-1"):
-            return await _refuse(send, 404, "deep links are off on this server: each visitor's conversation is private")
-        if b"transfer-encoding" in headers:  # a body of unknown length: not taken
-            return await _refuse(send, 411, "a request body needs a Content-Length")
-        length = headers.get(b"content-length", b"0")
-        length = int(length) if length.isdigit() else 0
-        if scope["method"] == "POST" and path.endswith("/upload"):
-            client = self._client(scope, headers)
-            refusal = self.visitors.admit(client, length)
-            if refusal:
-                return await _refuse(send, 429, refusal)
-            return await self.app(scope, receive, _recording_upload(send, self.visitors, client, length))
-        if length > self.visitors.limits.request_bytes:
-            return await _refuse(send, 413, f"the request is {length / MB:.1f} MB; the limit is "
-                                            f"{self.visitors.limits.request_bytes / MB:.0f} MB (files go through "
-                                            "the upload route)")
-        return await self.app(scope, receive, send)
-
-    def _client(self, scope, headers: dict) -> str:
-        forwarded = headers.get(b"x-forwarded-for", b"").decode("latin-1").split(",")[0].strip()
-        if self.forwarded and forwarded:
-            return forwarded
-        return (scope.get("client") or ("unknown",))[0]
+def disk_use(path: str) -> int:
+    """What `path` takes on disk: its blocks and its folder's."""
+    try:
+        return max(BLOCK, math.ceil(os.stat(path).st_blocks * 512 / BLOCK) * BLOCK) + BLOCK
+    except OSError:
+        return 2 * BLOCK
 
 
-def _recording_upload(send, visitors: Visitors, client: str, size: int):
-    """`send`, noting the paths a successful upload response lists as `client`'s (`size` bytes)."""
-    status, body = [0], []
+def sweep_journals(folder: str) -> int:
+    """Delete the uploads listed in the journals (`<pid>-<port>.txt` in `folder`) of processes that
+    are no longer running, and those journals; returns how many files went. A path that a live
+    process's journal lists too is kept."""
+    if not os.path.isdir(folder):
+        return 0
+    dead, live = [], set()
+    for name in os.listdir(folder):
+        pid = name.removesuffix(".txt").split("-")[0]
+        if not pid.isdigit():
+            continue
+        with contextlib.suppress(OSError), open(os.path.join(folder, name)) as file:
+            paths = file.read().split("\n")
+        if _running(int(pid)):
+            live.update(paths)
+        else:
+            dead.append((os.path.join(folder, name), paths))
+    removed = 0
+    for journal, paths in dead:
+        for path in set(paths) - live - {""}:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+                removed += 1
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(path))
+        with contextlib.suppress(OSError):
+            os.remove(journal)
+    return removed
 
-    async def recording(message):
-        if message["type"] == "http.response.start":
-            status[0] = message["status"]
-        elif message["type"] == "http.response.body" and status[0] == 200:
-            body.append(message.get("body", b""))
-            if not message.get("more_body"):
-                with contextlib.suppress(ValueError):
-                    paths = json.loads(b"".join(body))
-                    visitors.uploaded(client, [p for p in paths if isinstance(p, str)], size)
-        await send(message)
 
-    return recording
-
-
-async def _refuse(send, status: int, text: str) -> None:
-    body = text.encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -7,6 +7,13 @@ Limits (configurable through the arguments; the app and CLI use the defaults):
 - MAX_PIXELS: width * height above this is refused from the header alone, before any pixel is
   decoded: a decompression bomb (a 20000x20000 one-colour PNG is 50 KB on disk and 400 MB
   decoded) never allocates its pixels. 40 megapixels covers any camera photo.
+- MAX_DECODED_BYTES: the decoded size, from the header too, mode and bit depth included (a
+  float TIFF holds 4 bytes a pixel, a 16-bit one 2, RGB 3).
+- DECODE_SLOTS (VLM_DECODE_SLOTS, default 2, or 1 on a 2-core machine): images decoded at once, whichever
+  request or handler asks; the others wait their turn, holding no pixels. With `fit` (the
+  model's processor), an image is reduced as it is decoded (JPEG: libjpeg's 1/2, 1/4, 1/8 scale)
+  or at once after (an integer box reduction), to no less than what the processor uses, so its
+  full-resolution pixels are never kept past the slot.
 Handled rather than refused: animated images (first frame), CMYK, 16-bit and 32-bit
 grayscale, palette and transparent images (composited on white), EXIF rotation.
 
@@ -19,12 +26,20 @@ from __future__ import annotations
 import io
 import math
 import os
+import threading
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageMode, ImageOps, UnidentifiedImageError
 
 MAX_FILE_BYTES = 20 * 1024 * 1024
 MAX_PIXELS = 40_000_000
+MAX_DECODED_BYTES = 4 * MAX_PIXELS  # 40 megapixels of the heaviest modes (float, RGBA, CMYK: 4 bytes a pixel)
+# Two at most, and one core left for the server's event loop (a 2-core Space decodes one at a time).
+DECODE_SLOTS = threading.BoundedSemaphore(max(1, int(os.environ.get("VLM_DECODE_SLOTS")
+                                                     or min(2, (os.cpu_count() or 2) - 1))))
+# Modes Image.reduce cannot take, and the mode each is reduced in instead.
+REDUCIBLE_AS = {"1": "L", "P": "RGBA", "PA": "RGBA", "I;16": "I", "I;16L": "I", "I;16B": "I", "I;16N": "I"}
+EXIF_ORIENTATION = 0x0112
 
 
 class ImageError(ValueError):
@@ -32,21 +47,26 @@ class ImageError(ValueError):
 
 
 def load_image(source, name: str | None = None, max_bytes: int = MAX_FILE_BYTES,
-               max_pixels: int = MAX_PIXELS) -> Image.Image:
-    """source: a path, raw bytes, or a PIL image. Returns a fully decoded RGB image."""
+               max_pixels: int = MAX_PIXELS, fit=None, max_decoded_bytes: int = MAX_DECODED_BYTES,
+               family=None) -> Image.Image:
+    """source: a path, raw bytes, or a PIL image. Returns a fully decoded RGB image; with `fit`
+    (a VLM processor, or its image processor), the image as `fit_to_processor` makes it, decoded
+    under DECODE_SLOTS and reduced as it is decoded (see the module docstring); `family`: the
+    model's Family (models/families), for its own resize rule."""
     if isinstance(source, Image.Image):
-        return to_rgb(source)
+        return to_rgb(source) if fit is None else fit_to_processor(to_rgb(source), fit, family)
     name = name or (os.path.basename(source) if isinstance(source, (str, os.PathLike)) else "image")
-    data = _read(source, name, max_bytes)
+    file = _open(source, name, max_bytes)  # a path stays on disk while the request waits for a slot
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            width, height = image.size
-            if width * height > max_pixels:
-                raise ImageError(f"{name}: {width}x{height} is {width * height:,} pixels, over the limit of "
-                                 f"{max_pixels:,} (a likely decompression bomb); resize it and send it again")
-            image.seek(0)  # animated images: the first frame
-            image.load()
-            return to_rgb(image)
+        with file, Image.open(file) as image:
+            check_header(image, name, max_pixels, max_decoded_bytes)
+            with DECODE_SLOTS:
+                try:
+                    image.seek(0)  # animated images: the first frame
+                    return _decode(image, fit, family)
+                finally:
+                    image.close()  # the full-resolution pixels go before the slot does
+                    _return_freed_memory()
     except ImageError:
         raise
     except UnidentifiedImageError:
@@ -59,27 +79,111 @@ def load_image(source, name: str | None = None, max_bytes: int = MAX_FILE_BYTES,
         raise ImageError(f"{name}: damaged or truncated image ({error})") from None
 
 
-def _read(source, name: str, max_bytes: int) -> bytes:
+def _return_freed_memory() -> None:
+    """Hand the heap memory a decode freed back to the system (glibc keeps freed blocks of
+    Pillow's 16 MB image blocks in per-thread arenas, where other threads cannot reuse them:
+    measured, eight visitors' decodes left +2 GB resident a minute later without this)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc():
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+_LIBC = _glibc()
+
+
+def decoded_bytes(image: Image.Image) -> int:
+    """What `image`'s pixels take once decoded, from its header: width x height x bands x the
+    bytes of one band (Pillow keeps a 1-bit image at a byte a pixel)."""
+    mode = ImageMode.getmode(image.mode)
+    return image.size[0] * image.size[1] * len(mode.bands) * int(mode.typestr[-1])
+
+
+def check_header(image: Image.Image, name: str, max_pixels: int = MAX_PIXELS,
+                 max_decoded_bytes: int = MAX_DECODED_BYTES) -> None:
+    """ImageError when `image` (opened, not decoded) is over either bound."""
+    width, height = image.size
+    if width * height > max_pixels:
+        raise ImageError(f"{name}: {width}x{height} is {width * height:,} pixels, over the limit of "
+                         f"{max_pixels:,} (a likely decompression bomb); resize it and send it again")
+    if decoded_bytes(image) > max_decoded_bytes:
+        raise ImageError(f"{name}: {width}x{height} in mode {image.mode} is {decoded_bytes(image) / 1e6:,.0f} MB "
+                         f"decoded, over the limit of {max_decoded_bytes / 1e6:,.0f} MB; send it as an 8-bit "
+                         "RGB image or smaller")
+
+
+def _decode(image: Image.Image, fit, family=None) -> Image.Image:
+    """`image` decoded; with `fit`, reduced while decoding (JPEG) or right after, to no less than
+    the processor's size, then made exactly that size."""
+    target = None if fit is None else _fit_size(*_upright_size(image), fit, family)
+    if target is not None:
+        if _rotated(image):
+            target = target[::-1]
+        image.draft(image.mode, target)  # JPEG: decode at 1/2, 1/4 or 1/8 scale, still at least `target`
+    image.load()
+    if target is not None:
+        factor = min(image.size[0] // target[0], image.size[1] // target[1])
+        if factor >= 2:
+            reducible = image if image.mode not in REDUCIBLE_AS else image.convert(REDUCIBLE_AS[image.mode])
+            image = _keep_exif(reducible.reduce(factor), image)
+    image = to_rgb(image)
+    return image if fit is None else fit_to_processor(image, fit, family)
+
+
+def _upright_size(image: Image.Image) -> tuple[int, int]:
+    width, height = image.size
+    return (height, width) if _rotated(image) else (width, height)
+
+
+def _rotated(image: Image.Image) -> bool:
+    """EXIF says the image is turned a quarter (orientations 5 to 8)."""
+    try:
+        return image.getexif().get(EXIF_ORIENTATION) in (5, 6, 7, 8)
+    except Exception:  # a damaged EXIF block: to_rgb ignores it too
+        return False
+
+
+def _keep_exif(reduced: Image.Image, original: Image.Image) -> Image.Image:
+    """`reduced` with `original`'s EXIF orientation, for to_rgb to apply."""
+    orientation = original.getexif().get(EXIF_ORIENTATION)
+    if orientation:
+        reduced.getexif()[EXIF_ORIENTATION] = orientation
+    return reduced
+
+
+def _open(source, name: str, max_bytes: int):
+    """A file object for `source` (a path or bytes), or ImageError naming what is wrong."""
     if isinstance(source, (bytes, bytearray)):
-        data = bytes(source)
+        size, opener = len(source), lambda: io.BytesIO(bytes(source))
     else:
         try:
-            size = os.path.getsize(source)
-            if size > max_bytes:
-                raise ImageError(f"{name}: {size / 1e6:.1f} MB is over the upload limit of {max_bytes / 1e6:.0f} MB")
-            with open(source, "rb") as file:
-                data = file.read()
+            size, opener = os.path.getsize(source), lambda: open(source, "rb")
+            if os.path.isdir(source):
+                raise IsADirectoryError
         except FileNotFoundError:
             raise ImageError(f"{name}: no such file") from None
         except IsADirectoryError:
             raise ImageError(f"{name}: is a folder, not an image file") from None
-        except PermissionError:
-            raise ImageError(f"{name}: cannot be read (permission denied)") from None
-    if len(data) > max_bytes:
-        raise ImageError(f"{name}: {len(data) / 1e6:.1f} MB is over the upload limit of {max_bytes / 1e6:.0f} MB")
-    if not data:
+        except (OSError, TypeError, ValueError):
+            raise ImageError(f"{name}: cannot be read") from None
+    if size > max_bytes:
+        raise ImageError(f"{name}: {size / 1e6:.1f} MB is over the upload limit of {max_bytes / 1e6:.0f} MB")
+    if not size:
         raise ImageError(f"{name}: the file is empty")
-    return data
+    try:
+        return opener()
+    except PermissionError:
+        raise ImageError(f"{name}: cannot be read (permission denied)") from None
+    except OSError as error:
+        raise ImageError(f"{name}: cannot be read ({error.strerror or error})") from None
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -104,14 +208,23 @@ def fit_to_processor(image: Image.Image, processor, family=None) -> Image.Image:
 
     A `family` (models/families) with a resize rule of its own gives the size
     (`Family.fitted_size`: Qwen-VL's exact `smart_resize`, so the processor's output is
-    bit-for-bit the same as for the full image); else processors that resize to a longest or
-    shortest edge, or to a fixed height and width, get the largest image that still covers it."""
+    bit-for-bit the same as for the full image; Step-3.7 keeps the full resolution for its
+    local crops); else processors that resize to a longest or shortest edge, or to a fixed
+    height and width, get the largest image that still covers it."""
+    images = getattr(processor, "image_processor", processor)
+    new_size = _fit_size(*image.size, processor, family)
+    if new_size is None:
+        return image
+    return image.resize(new_size, Image.Resampling(int(getattr(images, "resample", None) or Image.Resampling.BICUBIC)))
+
+
+def _fit_size(width: int, height: int, processor, family=None) -> tuple[int, int] | None:
+    """The size fit_to_processor shrinks a `width` x `height` image to; None: kept as it is."""
     images = getattr(processor, "image_processor", processor)
     size = _size_dict(getattr(images, "size", None))
     if getattr(images, "do_pan_and_scan", False) or getattr(images, "image_grid_pinpoints", None) \
             or not getattr(images, "do_resize", True) or not size:
-        return image
-    width, height = image.size
+        return None
     family_size = family.fitted_size(images, width, height) if family is not None else None
     if family_size is not None:
         new_size = family_size
@@ -122,10 +235,10 @@ def fit_to_processor(image: Image.Image, processor, family=None) -> Image.Image:
     elif size.get("height") and size.get("width"):
         new_size = _scaled(width, height, max(size["height"] / height, size["width"] / width))
     else:
-        return image
+        return None
     if new_size is None or new_size[0] * new_size[1] >= width * height:
-        return image
-    return image.resize(new_size, Image.Resampling(int(getattr(images, "resample", None) or Image.Resampling.BICUBIC)))
+        return None
+    return new_size
 
 
 def _size_dict(size) -> dict:
