@@ -82,6 +82,11 @@ def wait_until(condition, what: str, timeout: float = WAIT_S) -> None:
         time.sleep(0.02)
 
 
+def wait_for_output(job) -> None:
+    """Until a gradio_client job has streamed its first output."""
+    wait_until(lambda: job.outputs(), "the answer's first output")
+
+
 def wait_until_queued(*jobs) -> None:
     """Until each gradio_client job waits in the server's queue."""
     wait_until(lambda: all(job.status().code == Status.IN_QUEUE for job in jobs), "queued")

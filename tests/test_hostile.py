@@ -33,8 +33,7 @@ from PIL import Image, TiffImagePlugin
 
 from app_ui.visitors import MB, Limits, Visitors
 from engine import images
-from tests.test_app import message, wait_for_output
-from tests.test_reliability import launch_app
+from tests.helpers import launch_app, message, wait_for_output
 
 LIMITS = Limits(idle_s=30.0, unsent_upload_s=30.0, upload_bytes_per_client=20 * MB, upload_files_per_client=40,
                 upload_bytes_total=200 * MB, sessions_per_client=6, sessions=24, time_budget_s=60.0, sweep_s=0.5)
@@ -119,7 +118,7 @@ def float_tiff(folder, size: int, seed: int) -> bytes:
 # --- 1. images ----------------------------------------------------------------------------------------
 
 def test_the_page_send_handler_decodes_images_under_the_decode_slots(server, tmp_path, monkeypatch):
-    """Eight visitors send two float TIFFs each through the page's own send handler at once:
+    """Eight visitors send two float TIFFs each through the page's own send handlers at once:
     no more than DECODE_SLOTS images are decoded at a time (each decode waits, up to half a
     second, for a third to start: without the slots, eight would)."""
     tiffs = [float_tiff(tmp_path, 1500, seed) for seed in range(4)]
@@ -142,13 +141,16 @@ def test_the_page_send_handler_decodes_images_under_the_decode_slots(server, tmp
                 decoding[0] -= 1
 
     monkeypatch.setattr(TiffImagePlugin.TiffImageFile, "load", counted_load)
-    accept, results = fn_index(server.demo, "accept"), [None] * 8
+    accept, respond, results = fn_index(server.demo, "accept"), fn_index(server.demo, "respond"), [None] * 8
+    settings = [SETTINGS[name] for name in SETTINGS]
 
-    def visit(i: int):
+    def visit(i: int):  # as the page sends: accept (checks only), then respond (opens the images, answers)
         source = f"127.0.1.{i + 1}"
         paths = upload(server.url, [(f"v{i}-{k}.tif", tiffs[(i + k) % 4]) for k in range(2)], source).json()
-        results[i] = page_call(server.url, accept, [{"text": "What is this?", "files": [file_data(p) for p in paths]},
-                                                    None], f"decode-{i}", source)
+        files = [file_data(p) for p in paths]
+        accepted = page_call(server.url, accept, [{"text": "What is this?", "files": files}, None], f"decode-{i}", source)
+        results[i] = accepted if accepted[0] != "complete" else \
+            page_call(server.url, respond, [None, *settings], f"decode-{i}", source)
 
     threads = [threading.Thread(target=visit, args=(i,)) for i in range(8)]
     for thread in threads:
@@ -165,15 +167,16 @@ def test_an_image_is_refused_from_its_header_by_its_decoded_size_and_reduced_as_
     with pytest.raises(images.ImageError, match=r"float.tif: 1000x1000 in mode F is 4 MB decoded, over the limit "
                                                 r"of 3 MB"):
         images.load_image(str(path), max_decoded_bytes=3_000_000)
-    processor = zoo.target("qwen2_vl").processor
+    target = zoo.target("qwen2_vl")
+    processor, family = target.processor, target.family
     photo = Image.fromarray(np.random.default_rng(0).integers(0, 255, (3000, 4000, 3), dtype=np.uint8))
     photo.save(tmp_path / "photo.jpg", quality=90)
-    fitted = images.load_image(str(tmp_path / "photo.jpg"), fit=processor)
-    assert fitted.size == images.fit_to_processor(photo, processor).size == (84, 56)
+    fitted = images.load_image(str(tmp_path / "photo.jpg"), fit=processor, family=family)
+    assert fitted.size == images.fit_to_processor(photo, processor, family).size == (84, 56)
     exif = Image.Exif()
     exif[0x0112] = 6  # turned a quarter: the processor sees it upright, 56x84
     photo.save(tmp_path / "turned.jpg", quality=90, exif=exif)
-    assert images.load_image(str(tmp_path / "turned.jpg"), fit=processor).size == (56, 84)
+    assert images.load_image(str(tmp_path / "turned.jpg"), fit=processor, family=family).size == (56, 84)
 
 
 # --- 2. uploads ---------------------------------------------------------------------------------------
