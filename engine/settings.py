@@ -222,3 +222,26 @@ def from_args(args: argparse.Namespace, **values) -> Settings:
     """The settings the parsed flags give (the others at their defaults, or as `values`), checked."""
     given = {name: getattr(args, name) for name in names() if spec(name).cli and hasattr(args, name)}
     return Settings(**{**given, **values}).check()
+
+
+def table() -> str:
+    """The settings as a Markdown table (docs/settings.md holds it; a test keeps the two equal)."""
+    rows = ["| setting (API) | flag | default | range | what it does |", "|---|---|---|---|---|"]
+    for name in names():
+        meta, value = spec(name), default(name)
+        if meta.choices:
+            bounds = ", ".join(meta.choices)
+        elif meta.low is None and meta.high is None:
+            bounds = ""
+        else:
+            low = ("over " if meta.above_low else "") + _number(meta.low)
+            high = meta.high_text or _number(meta.high)
+            bounds = (f"{low}, at most {high}" if meta.above_low else f"{low} to {high}") if meta.high is not None \
+                else f"{low} or more"
+        where = flag(name) if meta.cli else f"({flag(name)}: a load flag)"
+        rows.append(f"| `{name}` | `{where}` | `{value!r}` | {bounds} | {meta.help} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(table(), end="")
