@@ -69,7 +69,7 @@ class Settings:
                            high=1, above_low=True, ui=(0.05, 1, 0.05))
     max_new_tokens: int = setting(256, "the answer's most tokens", "Max new tokens", low=1, high=4096,
                                   ui=(1, 1024, 1))
-    seed: int = setting(0, "the sampler's seed (with temperature over 0); Retry takes the next", "Seed", low=0,
+    seed: int = setting(0, "the sampler's seed (with temperature over 0)", "Seed", low=0,
                         high=2**63 - 1, high_text="2**63 - 1")
     system_prompt: str = setting("", "an instruction placed before the conversation", "System prompt (optional)")
     max_image_tokens: int | None = setting(None, "at most about this many tokens per image (0: the model's processor's "
@@ -182,7 +182,9 @@ def check_value(name: str, value: Any) -> None:
 
 
 def _number(value: float | None) -> str:
-    return "" if value is None else f"{value:g}" if isinstance(value, float) and value != int(value) else str(int(value))
+    if value is None:
+        return ""
+    return f"{value:g}" if isinstance(value, float) and value != int(value) else str(int(value))
 
 
 def check_text(text: str, context_limit: int | None, what: str = "the message") -> None:
@@ -214,8 +216,9 @@ def add_cli_args(parser: argparse.ArgumentParser, only: list[str] | None = None,
         if kind(name) is bool:
             parser.add_argument(flag(name), action="store_true", default=value, help=meta.help)
         else:
+            metavar = None if meta.choices else {int: "N", float: "X", str: "TEXT"}[kind(name)]
             parser.add_argument(flag(name), type=kind(name), default=value, choices=meta.choices or None,
-                                help=help.replace("%", "%%"))
+                                metavar=metavar, help=help.replace("%", "%%"))
 
 
 def from_args(args: argparse.Namespace, **values) -> Settings:
