@@ -73,7 +73,7 @@ class Settings:
                         high=2**63 - 1, high_text="2**63 - 1")
     system_prompt: str = setting("", "an instruction placed before the conversation", "System prompt (optional)")
     max_image_tokens: int | None = setting(None, "at most about this many tokens per image (0: the model's processor's "
-                                           "own limit; default: the engine's)", "Tokens per image at most", low=0,
+                                           "own limit; none: the engine's default)", "Tokens per image at most", low=0,
                                            low_means="0 (the model's own limit)", env="VLM_MAX_IMAGE_TOKENS",
                                            cli=False)
     draft_tree: int = setting(0, "draft trees of up to this many nodes, draft_tokens deep, verified in one pass "

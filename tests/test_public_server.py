@@ -341,7 +341,7 @@ def test_typed_chat_markup_and_image_placeholders_are_plain_text(server, monkeyp
     ("adaptive None", dict(adaptive=None), r"adaptive must be true or false"),
     ("system_prompt 5", dict(system_prompt=5), r"system_prompt: the text must be a string, not int"),
     ("mode", dict(mode="sideways"), r"mode sideways is not in the list of choices \(speculative, plain\)"),
-    ("drafter", dict(drafter="nope"), r"drafter nope is not in the list of choices \(text, ngram, none\)"),
+    ("drafter", dict(drafter="nope"), r"drafter nope is not in the list of choices \(auto, text, ngram, none\)"),
     ("system_prompt surrogate", dict(system_prompt="\ud800"), r"system_prompt is not valid Unicode"),
 ])
 def test_odd_api_values_get_named_errors(server, what, changes, refusal):
