@@ -25,9 +25,11 @@ from gradio.data_classes import FileData
 from pydantic import field_validator
 
 from app_ui import views
-from app_ui.session import Options, Session, Turn, answer, messages_for, new_turn, question_of, read_message
+from app_ui.session import (Options, Session, Turn, answer, checked, drafter_for, messages_for, new_turn, question_of,
+                            read_message)
 from app_ui.stop_lane import leave_queue
 from app_ui.visitors import Visitors
+from engine import settings as schema
 from engine.ab import ABProgress, run_ab
 from engine.backend import BuiltIn
 from engine.engine import Engine, RequestError
@@ -288,8 +290,8 @@ def _wire_ab(engine: Engine, gpu: Callable, session: gr.State, settings: list, a
 
 
 def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, visitors: Visitors) -> None:
-    """The API-only endpoints /chat, /ab and /clear (/stop is the Stop button's); explicit
-    signatures name the parameters for API clients. Their inputs and outputs are hidden
+    """The API-only endpoints /chat, /ab and /clear (/stop is the Stop button's); the
+    settings schema names their parameters (engine/settings.py). Their inputs and outputs are hidden
     components. The message box takes any file type: Gradio's own type check would refuse a
     non-image file without naming it, our image validation names the file and the reason."""
     with gr.Row(visible=False):
@@ -301,39 +303,33 @@ def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, 
         first_difference = gr.JSON(label="first_difference")
         trigger = gr.Button()
 
+    # The settings are keyword inputs named by the schema (engine/settings.py): the API's parameters
+    # are message, then every setting in the schema's order (/ab: all but the mode).
     @gpu
-    def chat(message, mode, drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens, seed,
-             system_prompt, max_image_tokens, draft_tree, session, request: gr.Request):
+    def chat(message, session, request: gr.Request, **values):
         """Answer a message (text and image files) in this client's conversation; streams the answer
         text and the statistics."""
         visitors.touch(session, request.session_hash)
-        options = Options(mode=mode, drafter=drafter, draft_tokens=draft_tokens, adaptive=adaptive,
-                          temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-                          system_prompt=system_prompt, max_image_tokens=max_image_tokens, draft_tree=draft_tree)
-        yield from _api_chat(engine, message, session, options, _arrival(request), visitors, request.session_hash)
+        yield from _api_chat(engine, message, session, Options(**values), _arrival(request), visitors,
+                             request.session_hash)
 
     @gpu
-    def ab(message, drafter, draft_tokens, adaptive, temperature, top_p, max_new_tokens, seed, system_prompt,
-           max_image_tokens, draft_tree, session, request: gr.Request):
+    def ab(message, session, request: gr.Request, **values):
         """Answer one message (no history) plainly and speculatively: both answers, the decode speedup,
         whether they are identical and where they first differ (None when identical; both None when
         stopped)."""
         visitors.touch(session, request.session_hash)
-        options = Options(mode="speculative", drafter=drafter, draft_tokens=draft_tokens, adaptive=adaptive,
-                          temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-                          system_prompt=system_prompt, max_image_tokens=max_image_tokens, draft_tree=draft_tree)
-        return _api_ab(engine, message, session, options, _arrival(request))
+        return _api_ab(engine, message, session, Options(mode="speculative", **values), _arrival(request))
 
     def clear(session):
         _clear(session, visitors)
 
     # preprocess=False: the values reach Options.checked as sent (a slider would refuse a value out of
     # its range without naming the parameter); the message's files are still checked by Gradio.
-    trigger.click(chat, [message, *settings.values(), session], [answer_text, statistics], api_name="chat",
-                  preprocess=False, **GENERATE)
-    trigger.click(ab, [message, *[c for name, c in settings.items() if name != "mode"], session],
-                  [plain, speculative, speedup, identical,
-                                                            first_difference], api_name="ab", preprocess=False,
+    trigger.click(chat, [message, session], [answer_text, statistics], api_name="chat", preprocess=False,
+                  inputs_kwargs={name: settings[name] for name in schema.api_names()}, **GENERATE)
+    trigger.click(ab, [message, session], [plain, speculative, speedup, identical, first_difference], api_name="ab",
+                  inputs_kwargs={name: settings[name] for name in schema.api_names(mode=False)}, preprocess=False,
                   **GENERATE)
     trigger.click(clear, [session], None, api_name="clear", concurrency_limit=None)
 
@@ -378,7 +374,6 @@ def _settings(engine: Engine) -> dict:
         descriptions["auto"] = AUTO_LABEL
         auto = ("Auto" + (" (default)" if engine.auto else ""), "auto")
         choices = [auto] + choices if engine.auto else choices + [auto]
-    defaults = Options()
     speculative = bool(engine.drafters)
     demo_model, image_tokens = is_demo(engine), _image_budget_range(engine)
 
@@ -386,33 +381,46 @@ def _settings(engine: Engine) -> dict:
         return descriptions.get(key, "").partition(": ")[2]
 
     settings = {
-        "mode": gr.Radio(["speculative", "plain"], value="speculative" if speculative else "plain", label="Decoding"),
-        "drafter": gr.Dropdown(choices, value=choices[0][1], label="Drafter", interactive=speculative,
+        "mode": gr.Radio(list(schema.MODES), value="speculative" if speculative else "plain", label=_label("mode")),
+        "drafter": gr.Dropdown(choices, value=choices[0][1], label=_label("drafter"), interactive=speculative,
                                info=describe(choices[0][1])),
-        "draft_tokens": gr.Slider(0, 8, value=defaults.draft_tokens, step=1, label="Draft length",
-                                  info="0: chosen from the measured cost", interactive=speculative),
-        "adaptive": gr.Checkbox(defaults.adaptive, label="Adaptive draft length", interactive=speculative),
-        "temperature": gr.Slider(0, 1.5, value=defaults.temperature, step=0.05, label="Temperature",
-                                 info="0: greedy, the same answer every time"),
-        "top_p": gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="Top-p"),
-        "max_new_tokens": gr.Slider(1, 1024, value=defaults.max_new_tokens, step=1, label="Max new tokens"),
-        "seed": gr.Number(defaults.seed, precision=0, label="Seed", info="for sampling; Retry takes the next"),
-        "system_prompt": gr.Textbox(defaults.system_prompt, label="System prompt (optional)", lines=2,
+        "draft_tokens": _slider("draft_tokens", interactive=speculative),
+        "adaptive": gr.Checkbox(schema.default("adaptive"), label=_label("adaptive"), interactive=speculative),
+        "temperature": _slider("temperature"),
+        "top_p": _slider("top_p"),
+        "max_new_tokens": _slider("max_new_tokens"),
+        "seed": gr.Number(schema.default("seed"), precision=0, label=_label("seed"),
+                          info=schema.spec("seed").help + "; Retry takes the next"),
+        "system_prompt": gr.Textbox(schema.default("system_prompt"), label=_label("system_prompt"), lines=2,
                                     visible=not demo_model),
-        "max_image_tokens": gr.Slider(0, image_tokens or 4096, step=16, label="Tokens per image at most",
+        "max_image_tokens": gr.Slider(0, image_tokens or 4096, step=16, label=_label("max_image_tokens"),
                                       value=min(engine.max_image_tokens or 0, image_tokens or 0),
                                       info="0: the model's own limit", visible=image_tokens is not None),
-        "draft_tree": gr.Slider(0, 16, value=defaults.draft_tree, step=1, interactive=speculative,
-                                label="Draft tree nodes", info="0: one chain; more: branches verified in one pass"),
+        "draft_tree": _slider("draft_tree", interactive=speculative),
+        "top_k": _slider("top_k"),
+        "tree_branching": _slider("tree_branching", interactive=speculative),
     }
+    assert list(settings) == schema.names(), "a control per setting, in the schema's order (the API's)"
     if demo_model:
         gr.Markdown(f"*{DEMO_SETTINGS_NOTE}*", elem_id="settings-note")
-    drafter_controls = [settings[name] for name in ("drafter", "draft_tokens", "adaptive", "draft_tree")]
-    settings["mode"].change(lambda mode: [gr.update(interactive=mode == "speculative" and speculative)] * 4,
+    drafter_controls = [settings[name] for name in ("drafter", "draft_tokens", "adaptive", "draft_tree",
+                                                    "tree_branching")]
+    settings["mode"].change(lambda mode: [gr.update(interactive=mode == "speculative" and speculative)] * 5,
                             [settings["mode"]], drafter_controls, **INSTANT)
     settings["drafter"].change(lambda key: gr.update(info=describe(key)), [settings["drafter"]],
                                [settings["drafter"]], **INSTANT)
     return settings
+
+
+def _label(name: str) -> str:
+    return schema.spec(name).label
+
+
+def _slider(name: str, **options) -> gr.Slider:
+    """A setting's slider: the schema's label, help, default and range (its UI range where narrower)."""
+    meta = schema.spec(name)
+    low, high, step = meta.ui or (meta.low, meta.high, 1)
+    return gr.Slider(low, high, value=schema.default(name), step=step, label=meta.label, info=meta.help, **options)
 
 
 def _image_budget_range(engine: Engine) -> int | None:
@@ -511,7 +519,7 @@ def _respond(engine: Engine, session: Session, options: Options, demo_model: boo
     plain_tok_s = session.plain_speed_for(turn)
     try:
         _prepare_images(engine, session, turn)
-        for side in answer(engine, session, turn, options.checked(engine)):
+        for side in answer(engine, session, turn, checked(options, engine)):
             if side.stats.decode_tokens:
                 points.append((side.stats.new_tokens, round(side.stats.decode_tok_s, 2)))
             if side.text and session.turns is history and text_tick.ready():
@@ -570,7 +578,7 @@ def _api_chat(engine: Engine, message_value, session: Session, options: Options,
     started, tick = time.perf_counter(), views.Throttle(views.UPDATES_PER_SECOND)
     with _user_errors():
         session.check_not_expired(visitors.limits.idle_s)
-        options = options.checked(engine)
+        options = checked(options, engine)
         turn = new_turn(message_value, engine, session)
         turn.arrived = arrived
         visitors.spoke(session, session_id)
@@ -592,10 +600,10 @@ def _public_stats(engine: Engine, stats, dropped: int) -> dict:
 def _ab_events(engine: Engine, message_value, session: Session, options: Options, arrived: float):
     """run_ab on one message (no chat history), with a stop flag that Stop sets (also while the
     request waits in the queue)."""
-    options = options.checked(engine)
+    options = checked(options, engine)
     turn = new_turn(message_value, engine)
     messages = messages_for(Session(), turn, options.system_prompt)
-    drafter = options.drafter_for(engine) if engine.drafters else None  # run_ab says why None cannot do
+    drafter = drafter_for(options, engine) if engine.drafters else None  # run_ab says why None cannot do
     stop, session.running = session.begin(arrived), True
     try:
         for event in run_ab(BuiltIn(engine), messages, drafter, options.sampling(), options.decode(), stop,

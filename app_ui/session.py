@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import closing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from PIL import Image
 
@@ -32,9 +32,8 @@ from engine.ab import Side
 from engine.backend import BuiltIn, Request
 from engine.engine import AUTO, ContextError, Engine, RequestError, check_ceilings, check_text
 from engine.images import load_image
-from engine.loop import DecodeSettings
 from engine.prompt import Prompt
-from engine.sampling import SamplingSettings
+from engine.settings import Settings
 from engine.stats import Stats
 
 ANSWER_ROOM = 256  # tokens kept free for the answer when old turns must make way (at most max_new_tokens)
@@ -156,81 +155,28 @@ class Session:
                                "memory; send your message again to start a new conversation")
 
 
-@dataclass(frozen=True)
-class Options:
-    """The settings a request carries; the defaults are the API's (greedy, so deterministic)."""
-
-    mode: str = "speculative"  # or "plain"
-    drafter: str | None = None  # a key of engine.drafters; None or "none": the engine's default
-    draft_tokens: int = 0  # 0: chosen each round from measured cost (engine/draft_length.py)
-    adaptive: bool = False  # the +2/-1 rule from draft_tokens (or 4)
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_new_tokens: int = 256
-    seed: int = 0
-    system_prompt: str = ""
-    max_image_tokens: int | None = None  # tokens per image at most; None: the engine's default; 0: the processor's own
-    draft_tree: int = 0  # draft trees of up to this many nodes, draft_tokens deep; 0: chains
-
-    def checked(self, engine: Engine) -> Options:
-        """The options converted to their types; RequestError names the first that is not of
-        its type or not a choice (engine.checked_settings then checks the ranges)."""
-        auto = [AUTO] if engine.drafters else []  # engine/auto.py picks one per request
-        choices = {"mode": ["speculative", "plain"], "drafter": [*auto, *engine.drafters, "none", "", None]}
-        values = {}
-        for option in fields(self):
-            value = getattr(self, option.name)
-            kind = {"draft_tokens": int, "max_new_tokens": int, "seed": int, "adaptive": bool,
-                    "temperature": float, "top_p": float, "draft_tree": int}.get(option.name)
-            if option.name == "max_image_tokens":
-                value = None if value is None else _convert(option.name, value, int)
-                if value is not None and value < 0:
-                    raise RequestError(f"max_image_tokens must be 0 (the model's own limit) or more, got {value}")
-            elif kind is not None:
-                value = _convert(option.name, value, kind)
-                if kind is float and not math.isfinite(value):
-                    raise RequestError(f"{option.name} must be a finite number, got {value}")
-            elif option.name == "system_prompt":
-                value = "" if value is None else value
-                check_text(value, engine.context_limit(), "system_prompt")
-            elif value not in choices[option.name]:
-                listed = ", ".join(str(choice) for choice in choices[option.name] if choice)
-                raise RequestError(f"{option.name} {value} is not in the list of choices ({listed})"[:300])
-            values[option.name] = value
-        options = Options(**values)
-        check_ceilings(options.max_new_tokens, options.draft_tokens, options.draft_tree)
-        return options
-
-    def sampling(self) -> SamplingSettings:
-        return SamplingSettings(temperature=float(self.temperature), top_p=float(self.top_p), seed=int(self.seed))
-
-    def decode(self) -> DecodeSettings:
-        return DecodeSettings(max_new_tokens=int(self.max_new_tokens), draft_tokens=int(self.draft_tokens) or None,
-                              adaptive=bool(self.adaptive), tree_nodes=int(self.draft_tree or 0))
-
-    def drafter_for(self, engine: Engine) -> str | None:
-        """The drafter to decode with; None decodes plainly."""
-        if self.mode == "plain":
-            return None
-        if self.mode != "speculative":
-            raise RequestError(f"unknown mode {self.mode!r}; use 'speculative' or 'plain'")
-        drafter = self.drafter if self.drafter not in (None, "", "none") else engine.default_drafter
-        if drafter is None:
-            raise RequestError("speculative decoding needs a drafter and none is loaded; choose the plain mode")
-        return drafter
+Options = Settings  # a request's settings: the one schema (engine/settings.py), its defaults the API's
 
 
-def _convert(name: str, value, kind: type):
-    """`value` as `kind` (a whole-valued float counts as an int); RequestError naming `name`."""
-    if kind is bool and isinstance(value, bool):
-        return value
-    if kind in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
-        if kind is float:
-            return float(value)
-        if isinstance(value, int) or (math.isfinite(value) and value == int(value)):
-            return int(value)
-    wanted = {int: "a whole number", float: "a number", bool: "true or false"}[kind]
-    raise RequestError(f"{name} must be {wanted}, got {value!r}")
+def checked(options: Settings, engine: Engine) -> Settings:
+    """The options converted to their types and checked against the schema's ranges and the
+    engine's drafters; RequestError names the first setting that is wrong."""
+    auto = [AUTO] if engine.drafters else []  # engine/auto.py picks one per request
+    options = options.check([*auto, *engine.drafters], engine.context_limit())
+    check_ceilings(options.max_new_tokens, options.draft_tokens, options.draft_tree)  # this server's own (VLM_MAX_*)
+    return options
+
+
+def drafter_for(options: Settings, engine: Engine) -> str | None:
+    """The drafter to decode with; None decodes plainly."""
+    if options.mode == "plain":
+        return None
+    if options.mode != "speculative":
+        raise RequestError(f"mode {options.mode} is not in the list of choices (speculative, plain)")
+    drafter = options.drafter if options.drafter not in (None, "", "none") else engine.default_drafter
+    if drafter is None:
+        raise RequestError("speculative decoding needs a drafter and none is loaded; choose the plain mode")
+    return drafter
 
 
 def new_turn(message: dict | str | None, engine: Engine, session: Session | None = None) -> Turn:
@@ -338,7 +284,7 @@ def answer(engine: Engine, session: Session, turn: Turn, options: Options, start
     side, failed = Side(options.mode), False
     session.running = True
     try:
-        drafter = options.drafter_for(engine)
+        drafter = drafter_for(options, engine)
         prompt = None if stop.is_set() else fit_to_context(engine, session, turn, options)[0]
         events = BuiltIn(engine).stream(Request(
             prompt or messages_for(session, turn, options.system_prompt), drafter, options.sampling(),

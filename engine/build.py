@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from engine.drafters.base import Drafter
 from engine.drafters.registry import load_drafter
 from engine.engine import AUTO, Engine
+from engine.settings import flag
 from engine.target import load_target
 from models.loading import (DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError, LoadOptions, fitted_options,
                             resolve_device)
@@ -70,9 +71,10 @@ def add_model_flags(parser: argparse.ArgumentParser, env: Callable[[str], str | 
                         help='where the models run; "auto" (default): cuda when there is one, else cpu')
     parser.add_argument("--quantization", default=flag_default("QUANTIZATION"), choices=QUANTIZATIONS,
                         help="load the target in 4 or 8 bits (bitsandbytes)")
-    parser.add_argument("--max-image-tokens", type=int, default=_int_or_none(flag_default("MAX_IMAGE_TOKENS")),
-                        help=f"at most about this many tokens per image (0: the model's processor's own limit; "
-                             f"default: {CPU_IMAGE_TOKENS} on a CPU, the processor's own on a GPU)")
+    parser.add_argument(flag("max_image_tokens"), type=int, default=_int_or_none(flag_default("MAX_IMAGE_TOKENS")),
+                        metavar="N", help=f"the default of the setting max_image_tokens: at most about this many "
+                                          f"tokens per image (0: the model's processor's own limit; default: "
+                                          f"{CPU_IMAGE_TOKENS} on a CPU, the processor's own on a GPU)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         default=(flag_default("TRUST_REMOTE_CODE", "")).lower() in TRUE,
                         help="run a checkpoint's own Python code (off: such a model is refused, naming this flag)")

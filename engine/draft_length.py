@@ -162,7 +162,7 @@ class DraftLength:
         if adaptive or draft_tokens is not None:
             self.k = draft_tokens or FIRST_K
             self.reason = (f"adaptive: from {self.k}, +2 after a full acceptance, -1 after a rejection" if adaptive
-                           else f"fixed: --draft-tokens {self.k}")
+                           else f"fixed: draft_tokens {self.k}")
         else:
             self._choose()
 

@@ -15,7 +15,6 @@ models share one device and one set of threads.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -31,16 +30,13 @@ from engine.loop import Chunk, DecodeSettings, Done, RequestInfo, generate
 from engine.images import fit_to_processor
 from engine.prompt import Prompt, encode_vlm, images_of, neutralize, normalize
 from engine.sampling import SamplingSettings
+from engine.settings import RequestError, check_text, check_value
 from engine.stats import Stats
 from engine.target import Target
 from engine.worker import Worker
 
 
 AUTO = "auto"  # the drafter name that picks one per request
-
-
-class RequestError(ValueError):
-    """The request cannot be answered as sent (too many images, too long...); says why."""
 
 
 class ContextError(RequestError):
@@ -161,23 +157,6 @@ class Engine:
 
 
 MIN_TEMPERATURE = 1e-3  # below it sampling is greedy in effect, and logits / T can overflow: decode greedily
-MAX_DRAFT_TOKENS = 64
-CHARS_PER_TOKEN = 16  # a message's text may be this many characters per token of context, checked before tokenizing
-
-
-def check_text(text: str, context_limit: int | None, what: str = "the message") -> None:
-    """RequestError when `text` is not a string, not valid Unicode, or over CHARS_PER_TOKEN
-    characters per token of the context (a bound far over what a context holds in practice):
-    refused before anything tokenizes it."""
-    if not isinstance(text, str):
-        raise RequestError(f"{what}: the text must be a string, not {type(text).__name__}")
-    if context_limit and len(text) > context_limit * CHARS_PER_TOKEN:
-        raise RequestError(f"{what} is {len(text):,} characters; the model's context ({context_limit:,} tokens) "
-                           f"takes at most {context_limit * CHARS_PER_TOKEN:,}: send a shorter text")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise RequestError(f"{what} is not valid Unicode (an unpaired surrogate at character {error.start})") from None
 
 
 def fit_images(messages: list[dict], processor, family) -> list[dict]:
@@ -189,20 +168,15 @@ def fit_images(messages: list[dict], processor, family) -> list[dict]:
 
 
 def checked_settings(sampling: SamplingSettings, decode: DecodeSettings) -> tuple[SamplingSettings, DecodeSettings]:
-    """The settings, or RequestError naming the first one out of range; a temperature under
-    MIN_TEMPERATURE decodes greedily."""
-    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
-        raise RequestError(f"temperature must be 0 (greedy) or more, got {sampling.temperature}")
-    if not (math.isfinite(sampling.top_p) and 0 < sampling.top_p <= 1):
-        raise RequestError(f"top_p must be over 0 and at most 1, got {sampling.top_p}")
-    if sampling.top_k < 0:
-        raise RequestError(f"top_k must be 0 (off) or more, got {sampling.top_k}")
-    if sampling.seed is not None and not 0 <= sampling.seed < 2**63:
-        raise RequestError(f"seed must be a whole number from 0 to 2**63 - 1, got {sampling.seed}")
-    if decode.max_new_tokens < 1:
-        raise RequestError(f"max_new_tokens must be at least 1, got {decode.max_new_tokens}")
-    if decode.draft_tokens is not None and not 1 <= decode.draft_tokens <= MAX_DRAFT_TOKENS:  # None: from cost
-        raise RequestError(f"draft_tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {decode.draft_tokens}")
+    """The settings, or RequestError naming the first one out of its range (engine/settings.py);
+    a temperature under MIN_TEMPERATURE decodes greedily."""
+    for name, value in [("temperature", sampling.temperature), ("top_p", sampling.top_p), ("top_k", sampling.top_k),
+                        ("seed", sampling.seed), ("max_new_tokens", decode.max_new_tokens),
+                        ("draft_tokens", decode.draft_tokens), ("draft_tree", decode.tree_nodes),
+                        ("tree_branching", decode.tree_branching)]:
+        check_value(name, value)  # seed None: a random seed; draft_tokens None: chosen from cost
+    if decode.draft_tokens == 0:  # as in the schema: 0 is chosen from cost
+        decode = replace(decode, draft_tokens=None)
     if 0 < sampling.temperature < MIN_TEMPERATURE:
         sampling = replace(sampling, temperature=0.0)
     return sampling, decode

@@ -4,7 +4,7 @@ transformers' own `generate()`.
 
     python -m measure.bench [--preset demo | --model ID --drafter ID ...] [--dtype bfloat16]
                             [--drafter-dtype auto] [--draft-tokens K] [--fixed-k K] [--quick]
-                            [--tree [--tree-nodes N]] [--llamacpp [f32|bf16|q8_0]] [--json FILE] [--plot FILE]
+                            [--tree [--draft-tree N]] [--llamacpp [f32|bf16|q8_0]] [--json FILE] [--plot FILE]
 
 Rows (all on the same requests, greedy, streamed): this engine plain; this engine with each
 drafter; transformers `generate()` plain; `generate(assistant_model=...)` with each drafter
@@ -25,7 +25,7 @@ measured bandwidth) printed; with a text drafter, llama.cpp plain and with that 
 requests' text (llama.cpp refuses to draft on images). `--llamacpp q8_0` runs llama.cpp on Q8_0 weights
 (its ids then need not equal this engine's).
 
-`--tree` adds, for each drafter, a row drafting trees (engine/tree.py) of `--tree-nodes` nodes
+`--tree` adds, for each drafter, a row drafting trees (engine/tree.py) of `--draft-tree` nodes
 (default: --draft-tokens, else 4, so the tree's verify pass covers as many tokens as a chain of
 4) and k deep; the chain rows then draft chains explicitly. A tree row's `limit` counts a whole
 `propose_tree` and one tree verify pass per round.
@@ -233,21 +233,19 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     from engine.build import add_model_flags, build_engine, spec_from_args
+    from engine.settings import add_cli_args
 
     parser = argparse.ArgumentParser(prog="python -m measure.bench", description=__doc__.split("\n\n")[0])
     add_model_flags(parser)
     parser.add_argument("--quick", action="store_true", help="6 requests instead of 12")
     parser.add_argument("--requests", type=int, help="number of requests (default 12, 6 with --quick)")
-    parser.add_argument("--draft-tokens", type=int, default=None,
-                        help="draft exactly K tokens a round (default: chosen each round from measured cost)")
     parser.add_argument("--fixed-k", type=int, metavar="K", help="also a row per drafter at a fixed k = K")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    add_cli_args(parser, ["draft_tokens", "max_new_tokens", "draft_tree", "tree_branching"], max_new_tokens=128)
     parser.add_argument("--requests-from", choices=["demo", "photos"],
                         help="the demo world's questions (default for the demo preset) or the example photos")
     parser.add_argument("--tree", action="store_true",
-                        help="also a draft-tree row per drafter, at the chain's verify budget")
-    parser.add_argument("--tree-nodes", type=int, help="nodes per tree (default: --draft-tokens)")
-    parser.add_argument("--tree-branching", type=int, default=2, help="a tree node's most children (default 2)")
+                        help="also a draft-tree row per drafter, at the chain's verify budget (--draft-tree nodes; "
+                             "default: --draft-tokens, else 4)")
     parser.add_argument("--llamacpp", nargs="?", const="same", choices=["same", "f32", "bf16", "q8_0"],
                         help="also llama.cpp rows on the same weights converted to GGUF: the target's dtype "
                              "(default), or f32, bf16, q8_0")
@@ -263,8 +261,8 @@ def main(argv=None) -> int:
     count = args.requests or (6 if args.quick else 12)
     source = args.requests_from or ("demo" if spec.preset == "demo" else "photos")
     requests = demo_requests(count) if source == "demo" else photo_requests(count)
-    tree_nodes = (args.tree_nodes or args.draft_tokens or 4) if args.tree else 0
-    decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
+    tree_nodes = (args.draft_tree or args.draft_tokens or 4) if args.tree or args.draft_tree else 0
+    decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens or None,
                             tree_branching=args.tree_branching)
 
     labels = {key: short(drafter.name) for key, drafter in engine.drafters.items()}

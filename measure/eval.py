@@ -71,6 +71,7 @@ def evaluate(engine, questions, decode: DecodeSettings, llamacpp=None) -> list[d
 
 def main(argv=None) -> int:
     from engine.build import EngineSpec, add_model_flags, build_engine, spec_from_args
+    from engine.settings import add_cli_args
     from models.loading import dtype_name
     from models.demo.world import eval_questions
 
@@ -78,8 +79,7 @@ def main(argv=None) -> int:
     add_model_flags(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit", type=int, default=200, help="number of questions")
-    parser.add_argument("--draft-tokens", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=160)
+    add_cli_args(parser, ["draft_tokens", "max_new_tokens"], draft_tokens=4, max_new_tokens=160)  # engine/settings.py
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--per-kind", action="store_true", help="also print plain accuracy per kind of question")
     parser.add_argument("--backend", choices=["llamacpp"], help="also answer plainly with llama.cpp on the same "
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
                                 for d in spec.drafters), spec.options)
     engine = build_engine(spec)
     questions = eval_questions(args.seed, args.limit)
-    decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens)
+    decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens or None)
     llamacpp = None
     if args.backend == "llamacpp":
         from measure.llamacpp_rows import start

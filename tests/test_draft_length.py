@@ -160,7 +160,7 @@ def test_one_bad_round_does_not_stop_a_good_drafter_on_a_short_answer(monkeypatc
 def test_fixed_and_adaptive_lengths_are_kept(monkeypatch):
     stats, _ = timed_answer(monkeypatch, 0.1, draft_tokens=3)
     assert {c["k"] for c in stats.draft_length_changes} == {3}
-    assert stats.draft_length_reason == "fixed: --draft-tokens 3"
+    assert stats.draft_length_reason == "fixed: draft_tokens 3"
     stats, _ = timed_answer(monkeypatch, 1.0, adaptive=True)
     assert stats.draft_lengths[:3] == [4, 6, 8] and stats.draft_length_reason.startswith("adaptive")
 

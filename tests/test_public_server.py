@@ -28,6 +28,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 
 import httpx
 import numpy as np
@@ -42,6 +43,7 @@ from app_ui import session as session_module
 from app_ui.session import Options, Session, new_turn
 from app_ui.visitors import MB, Limits
 from engine.engine import Engine
+from engine.settings import Settings
 from models import tiny
 from tests.conftest import ROOT
 from tests.helpers import (Gate, launch_app, live_images, message, reference, reference_engine, rss_bytes, wait_until,
@@ -108,10 +110,9 @@ def call(url: str, data: list, api: str = "chat") -> tuple[str, object]:
 
 
 def settings(text: str, files: list[str] = (), **changes) -> list:
-    """The positional /chat data: message and every setting (defaults as the API's, 3 new tokens)."""
-    values = dict(mode="speculative", drafter="text", draft_tokens=4, adaptive=False, temperature=0.0, top_p=1.0,
-                  max_new_tokens=3, seed=0, system_prompt="", max_image_tokens=None, draft_tree=0)
-    values.update(changes)
+    """The positional /chat data: message and every setting in the schema's order (defaults as the
+    API's, 3 new tokens)."""
+    values = {**asdict(Settings()), "drafter": "text", "draft_tokens": 4, "max_new_tokens": 3, **changes}
     files = [{"path": path, "meta": {"_type": "gradio.FileData"}} for path in files]
     return [{"text": text, "files": files}, *values.values()]
 
@@ -328,19 +329,24 @@ def test_typed_chat_markup_and_image_placeholders_are_plain_text(server, monkeyp
 
 
 @pytest.mark.parametrize("what,changes,refusal", [
-    ("seed 2**70", dict(seed=2**70), r"seed must be a whole number from 0 to 2\*\*63 - 1"),
+    ("seed 2**70", dict(seed=2**70), r"seed must be from 0 to 2\*\*63 - 1, got 1180591620717411303424"),
     ("seed None", dict(seed=None), r"seed must be a whole number, got None"),
     ("seed 1.5", dict(seed=1.5), r"seed must be a whole number, got 1.5"),
     ("temperature text", dict(temperature="hot"), r"temperature must be a number, got 'hot'"),
     ("temperature -1", dict(temperature=-1), r"temperature must be 0 \(greedy\) or more"),
     ("top_p 0", dict(top_p=0), r"top_p must be over 0 and at most 1"),
-    ("max_new_tokens 0", dict(max_new_tokens=0), r"max_new_tokens must be from 1 to 4096 on this server"),
-    ("draft_tokens 65", dict(draft_tokens=65), r"draft_tokens must be from 0 to 16 on this server"),  # 0: from cost
+    ("max_new_tokens 0", dict(max_new_tokens=0), r"max_new_tokens must be from 1 to 4096, got 0"),
+    ("max_new_tokens 5000", dict(max_new_tokens=5000), r"max_new_tokens must be from 1 to 4096, got 5000"),
+    ("draft_tokens 65", dict(draft_tokens=65), r"draft_tokens must be from 0 \(chosen from cost\) to 64, got 65"),
+    ("draft_tree 65", dict(draft_tree=65), r"draft_tree must be from 0 \(chains\) to 64, got 65"),
+    ("top_k -1", dict(top_k=-1), r"top_k must be 0 \(off\) or more, got -1"),
+    ("tree_branching 0", dict(tree_branching=0), r"tree_branching must be from 1 to 16, got 0"),
+    ("draft_tokens 20", dict(draft_tokens=20), r"draft_tokens must be from 0 to 16 on this server \(VLM_MAX_DRAFT_TOKENS\)"),
     ("draft_tokens text", dict(draft_tokens="abc"), r"draft_tokens must be a whole number, got 'abc'"),
     ("adaptive None", dict(adaptive=None), r"adaptive must be true or false"),
     ("system_prompt 5", dict(system_prompt=5), r"system_prompt: the text must be a string, not int"),
     ("mode", dict(mode="sideways"), r"mode sideways is not in the list of choices \(speculative, plain\)"),
-    ("drafter", dict(drafter="nope"), r"drafter nope is not in the list of choices \(text, ngram, none\)"),
+    ("drafter", dict(drafter="nope"), r"drafter nope is not in the list of choices \(auto, text, ngram, none\)"),
     ("system_prompt surrogate", dict(system_prompt="\ud800"), r"system_prompt is not valid Unicode"),
 ])
 def test_odd_api_values_get_named_errors(server, what, changes, refusal):

@@ -1,0 +1,75 @@
+"""One settings schema (engine/settings.py): every setting is a flag of `python -m engine`, a
+parameter of /chat and /ab with the same name, default and range, and a refusal names it."""
+
+from __future__ import annotations
+
+import pytest
+
+from app_ui import layout
+from engine import settings as schema
+from engine.__main__ import main, parse_args
+from tests.conftest import ROOT
+from tests.helpers import reference_engine
+
+RANGED = [name for name in schema.names() if schema.spec(name).low is not None]
+
+
+@pytest.fixture(scope="module")
+def api(zoo):
+    """The /chat and /ab parameters, as gradio_client's view_api reads them: {endpoint: {name: parameter}}."""
+    demo = layout.build_demo(reference_engine(zoo))
+    info = demo.get_api_info()["named_endpoints"]
+    return {endpoint: {p["parameter_name"]: p for p in info[endpoint]["parameters"]} for endpoint in ("/chat", "/ab")}
+
+
+def test_every_setting_is_a_parameter_of_chat_and_ab_in_the_schemas_order(api):
+    assert list(api["/chat"]) == ["message", *schema.api_names()]
+    assert list(api["/ab"]) == ["message", *schema.api_names(mode=False)]
+    assert {"top_k", "tree_branching", "draft_tree"} <= set(api["/chat"]) and "tree_nodes" not in api["/chat"]
+
+
+def test_the_apis_defaults_are_the_schemas_except_the_engines_own(api):
+    engine_given = {"mode", "drafter", "max_image_tokens"}  # the loaded model's default drafter and image budget
+    for endpoint, parameters in api.items():
+        for name in set(parameters) - {"message"} - engine_given:
+            assert parameters[name]["parameter_has_default"], (endpoint, name)
+            assert parameters[name]["parameter_default"] == schema.default(name), (endpoint, name)
+
+
+def test_every_setting_is_a_flag_with_the_schemas_default():
+    args = parse_args(["a question"])
+    for name in schema.names():
+        assert hasattr(args, name), f"no {schema.flag(name)}"
+        if schema.spec(name).cli:  # drafter, max_image_tokens: load flags of the same name (engine/build.py)
+            assert getattr(args, name) == schema.default(name), name
+
+
+@pytest.mark.parametrize("name", RANGED)
+def test_values_out_of_range_are_refused_naming_the_setting_everywhere(name, capsys):
+    meta = schema.spec(name)
+    bad = [meta.low - 1] + ([meta.high + 1] if meta.high is not None else [])
+    for value in bad:
+        with pytest.raises(schema.RequestError, match=rf"^{name} must be .*, got {value}"):
+            schema.Settings(**{name: value}).check()
+        if meta.cli:  # the command line refuses it before loading anything, naming the setting, not its flag
+            assert main(["hi", schema.flag(name), str(value)]) == 2
+            assert capsys.readouterr().err.startswith(f"error: {name} must be ")
+    edges = [meta.high] if meta.high is not None else []
+    for value in edges + ([] if meta.above_low else [meta.low]):
+        schema.Settings(**{name: value}).check()  # the range's ends are taken
+
+
+def test_wrong_types_and_choices_name_the_setting():
+    for changes, refusal in [(dict(draft_tree="5"), "draft_tree must be a whole number, got '5'"),
+                             (dict(top_k=1.5), "top_k must be a whole number, got 1.5"),
+                             (dict(mode="sideways"), "mode sideways is not in the list of choices (speculative, "
+                                                     "plain)"),
+                             (dict(drafter="nope"), "drafter nope is not in the list of choices (text, none)")]:
+        with pytest.raises(schema.RequestError) as refused:
+            schema.Settings(**changes).check(drafters=["text"])
+        assert str(refused.value) == refusal
+
+
+def test_the_docs_table_is_the_schemas():
+    with open(f"{ROOT}/docs/settings.md", encoding="utf-8") as page:
+        assert schema.table() in page.read(), "docs/settings.md: paste the output of python -m engine.settings"
