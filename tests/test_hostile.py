@@ -33,12 +33,14 @@ from PIL import Image, TiffImagePlugin
 
 from app_ui.visitors import MB, Limits, Visitors
 from engine import images
+from engine.settings import Settings
 from tests.helpers import launch_app, message, wait_for_output
 
 LIMITS = Limits(idle_s=30.0, unsent_upload_s=30.0, upload_bytes_per_client=20 * MB, upload_files_per_client=40,
                 upload_bytes_total=200 * MB, sessions_per_client=6, sessions=24, time_budget_s=60.0, sweep_s=0.5)
-SETTINGS = dict(mode="plain", drafter="text", draft_tokens=0, adaptive=False, temperature=0.0, top_p=1.0,
-                max_new_tokens=3, seed=0, system_prompt="", max_image_tokens=0, draft_tree=0)
+# Every setting in the schema's order (engine/settings.py), as the page and the API send them.
+SETTINGS = {**dataclasses.asdict(Settings()), "mode": "plain", "drafter": "text", "max_new_tokens": 3,
+            "max_image_tokens": 0}
 
 
 @pytest.fixture(scope="module")
@@ -276,10 +278,12 @@ def test_a_request_naming_thousands_of_files_is_refused_before_gradio_opens_any(
 # --- 6. request budget, stop ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("changes,refusal", [
-    (dict(max_new_tokens=10**9), r"max_new_tokens must be from 1 to 4096 on this server \(VLM_MAX_NEW_TOKENS\)"),
-    (dict(draft_tokens=64), r"draft_tokens must be from 0 to 16 on this server"),
-    (dict(draft_tree=-3), r"draft_tree must be from 0 to 32 on this server"),
-    (dict(draft_tree=10**9), r"draft_tree must be from 0 to 32 on this server"),
+    # Outside the schema's ranges (engine/settings.py), then over this server's own ceilings (VLM_MAX_*).
+    (dict(max_new_tokens=10**9), r"max_new_tokens must be from 1 to 4096, got 1000000000"),
+    (dict(draft_tokens=64), r"draft_tokens must be from 0 to 16 on this server \(VLM_MAX_DRAFT_TOKENS\)"),
+    (dict(draft_tree=-3), r"draft_tree must be from 0 \(chains\) to 64, got -3"),
+    (dict(draft_tree=10**9), r"draft_tree must be from 0 \(chains\) to 64, got 1000000000"),
+    (dict(draft_tree=40), r"draft_tree must be from 0 to 32 on this server \(VLM_MAX_DRAFT_TREE\)"),
     (dict(temperature=float("inf")), r"the request holds Infinity, which is not a number JSON carries"),
 ])
 def test_request_settings_over_the_ceilings_get_named_errors(server, changes, refusal):
