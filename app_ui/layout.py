@@ -24,13 +24,13 @@ from gradio.data_classes import FileData
 from pydantic import field_validator
 
 from app_ui import views
+from app_ui.served import IMAGE_BUDGET_STEP, Served, served_of
 from app_ui.session import Options, Session, Turn, answer, messages_for, new_turn, question_of, read_message
 from app_ui.visitors import Visitors
 from engine.ab import ABProgress, run_ab
-from engine.backend import BuiltIn
+from engine.backend import Backend
 from engine.engine import Engine, RequestError
 from engine.images import ImageError
-from models.presets import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,8 @@ DEMO_NOTE = ("This demo model is tiny (3.6 M parameters, trained here from scrat
 DEMO_SETTINGS_NOTE = ("The demo model reads every image as the same few tokens and was trained without a system "
                       "prompt, so those two settings are not offered. The app can serve a real VLM in its place "
                       "(see the README).")
+SERVER_SETTINGS_NOTE = ("The server decides its own speculative decoding (its drafter and draft length are set where "
+                        "it runs), and its own image sizes, so those settings are not offered here.")
 AUTO_LABEL = "Auto: the drafter that has been fastest"
 # Phones: the settings sidebar starts closed (Gradio opens it at any width). Wide screens: the
 # message box has the focus (on a phone that would open the keyboard over the page).
@@ -85,7 +87,6 @@ DROP_ON_CHAT = """() => {
 }"""
 GENERATE = {"concurrency_id": "generate", "concurrency_limit": 1}
 INSTANT = {"concurrency_limit": None, "api_visibility": "private", "show_progress": "hidden"}  # quick, not limited
-IMAGE_BUDGET_STEP, MAX_IMAGE_BUDGET = 16, 4096  # the tokens-per-image slider
 CHAT_HEIGHT = "min(560px, calc(100dvh - 290px))"  # the message box stays on the first screen, phones too
 CSS = """
 #header h2 { margin: 0 0 4px; }
@@ -116,13 +117,17 @@ CSS = """
 """
 
 
-def build_demo(engine: Engine, gpu: Callable = lambda fn: fn, visitors: Visitors | None = None) -> gr.Blocks:
-    """The app for `engine`. `gpu` wraps every callback that generates (spaces.GPU on ZeroGPU).
-    Launch it with `css=CSS`, and with `visitors`' Guard and lifespan (see app.py)."""
-    visitors = visitors or Visitors()
+def build_demo(engine: Engine | Served, gpu: Callable = lambda fn: fn, visitors: Visitors | None = None,
+               ab_backend: Backend | None = None) -> gr.Blocks:
+    """The app for `engine` (a loaded Engine, or any backend described by Served: app_ui/served.py;
+    the callbacks get that description as `engine`). `ab_backend`: the A/B tab compares `engine`
+    with it instead of plain with speculative decoding. `gpu` wraps every callback that generates
+    (spaces.GPU on ZeroGPU). Launch it with `css=CSS`, and with `visitors`' Guard and lifespan
+    (see app.py)."""
+    engine, visitors = served_of(engine), visitors or Visitors()
+    demo_model = engine.demo
     examples = [{"text": text, "files": [os.path.join(EXAMPLES_DIR, f) for f in files]}
-                for text, files in (DEMO_EXAMPLES if is_demo(engine) else PHOTO_EXAMPLES)]
-    demo_model = is_demo(engine)
+                for text, files in (DEMO_EXAMPLES if demo_model else PHOTO_EXAMPLES)]
     # Gradio's own backstop: its files older than a day are deleted, checked hourly (Visitors deletes
     # unsent uploads after minutes, and a conversation's uploads when it is cleared or expires).
     with gr.Blocks(title="VLM chat · speculative decoding", fill_width=True, delete_cache=(3600, 86400)) as demo:
@@ -135,11 +140,11 @@ def build_demo(engine: Engine, gpu: Callable = lambda fn: fn, visitors: Visitors
         demo.load(None, js=DROP_ON_CHAT)
         with gr.Tab("Chat"):
             chat = _chat_tab(examples, demo_model)
-        with gr.Tab("A/B: plain vs speculative"):
-            ab = _ab_tab(examples)
+        with gr.Tab(f"A/B: {' vs '.join(ab_names(engine, ab_backend))}"):
+            ab = _ab_tab(examples, engine, ab_backend)
         _wire_chat(engine, gpu, session, settings, chat, visitors, examples)
-        _wire_ab(engine, gpu, session, {k: v for k, v in settings.items() if k != "mode"}, ab, visitors)
-        _wire_api(engine, gpu, session, settings, visitors)
+        _wire_ab(engine, gpu, session, {k: v for k, v in settings.items() if k != "mode"}, ab, visitors, ab_backend)
+        _wire_api(engine, gpu, session, settings, visitors, ab_backend)
     return demo
 
 
@@ -177,12 +182,28 @@ def _chat_tab(examples: list[dict], demo_model: bool) -> SimpleNamespace:
                            panels=[chatbot, stats, tokens, acceptance_plot, speed_plot, details])
 
 
-def _ab_tab(examples: list[dict]) -> SimpleNamespace:
+def ab_names(served: Served, ab_backend: Backend | None) -> tuple[str, str]:
+    """What the A/B tab compares: plain and speculative decoding, or two backends by name."""
+    if ab_backend is None:
+        return "plain", "speculative"
+    return served.name, ab_backend.capabilities.name
+
+
+def _ab_tab(examples: list[dict], served: Served, ab_backend: Backend | None) -> SimpleNamespace:
     """Message box and Stop, the examples, then the verdict over the full width, the two
     answers (side by side on a wide screen, one above the other on a phone) and the table."""
-    gr.Markdown("One message (no chat history), answered plainly and then speculatively with the drafter from "
-                "the settings; each side's timings count only its own run. At temperature 0 the two answers "
-                "must be identical.")
+    if ab_backend is None:
+        gr.Markdown("One message (no chat history), answered plainly and then speculatively with the drafter from "
+                    "the settings; each side's timings count only its own run. At temperature 0 the two answers "
+                    "must be identical." + (" This server decides its own decoding: to compare it with another, "
+                                            "start the app with `--ab-backend URL`." if served.server_decides else ""))
+    else:
+        first, second = ab_names(served, ab_backend)
+        how = "with the drafter from the settings" if not served.server_decides else "as it decodes"
+        gr.Markdown(f"One message (no chat history), answered by **{first}** ({how}) and then by **{second}** (as it "
+                    "decodes); each side's timings count only its own run. At temperature 0, with the same model "
+                    "and weights, the two answers should be identical (compared as text when a backend gives no "
+                    "token ids).")
     message = _message_box("ab-input")
     with gr.Row():
         stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="ab-stop", interactive=False, scale=0,
@@ -196,13 +217,13 @@ def _ab_tab(examples: list[dict]) -> SimpleNamespace:
     return SimpleNamespace(message=message, stop=stop, panels=[verdict, plain, speculative, table])
 
 
-def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: dict, chat: SimpleNamespace,
+def _wire_chat(engine: Served, gpu: Callable, session: gr.State, settings: dict, chat: SimpleNamespace,
                visitors: Visitors, examples: list[dict]) -> None:
     """Send (or click an example): check the message without opening its files (or refuse it,
     saying why, with the message left in the box), show it in the chat at once with Stop on,
     then prepare its images and answer it in the queue. The box stays open while an answer
     streams, and has the focus again when it ends."""
-    demo_model = is_demo(engine)
+    demo_model = engine.demo
 
     def accept(message_value, session: Session, request: gr.Request):  # no outputs: a refusal is a toast
         visitors.touch(session)
@@ -264,15 +285,15 @@ def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: dict,
     chat.stop.click(_stop, [session], None, queue=False, api_name="stop")
 
 
-def _wire_ab(engine: Engine, gpu: Callable, session: gr.State, settings: list, ab: SimpleNamespace,
-             visitors: Visitors) -> None:
+def _wire_ab(engine: Served, gpu: Callable, session: gr.State, settings: list, ab: SimpleNamespace,
+             visitors: Visitors, ab_backend: Backend | None) -> None:
     """`settings` without the mode."""
 
     @gpu
     def ab_live(request: gr.Request, message_value, session: Session, *values):  # Gradio puts the request first
         visitors.touch(session)
         options = Options(mode="speculative", **dict(zip(settings, values)))
-        yield from _ab_live(engine, message_value, session, options, _arrival(request))
+        yield from _ab_live(engine, message_value, session, options, _arrival(request), ab_backend)
 
     running = dict(fn=lambda: gr.Button(variant="stop", interactive=True), outputs=[ab.stop], **INSTANT)
     idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[ab.stop], **INSTANT)
@@ -282,7 +303,8 @@ def _wire_ab(engine: Engine, gpu: Callable, session: gr.State, settings: list, a
     ab.stop.click(_stop, [session], None, queue=False, api_visibility="private")
 
 
-def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, visitors: Visitors) -> None:
+def _wire_api(engine: Served, gpu: Callable, session: gr.State, settings: list, visitors: Visitors,
+              ab_backend: Backend | None) -> None:
     """The API-only endpoints /chat, /ab and /clear (/stop is the Stop button's); explicit
     signatures name the parameters for API clients. Their inputs and outputs are hidden
     components. The message box takes any file type: Gradio's own type check would refuse a
@@ -317,7 +339,7 @@ def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, 
         options = Options(mode="speculative", drafter=drafter, draft_tokens=draft_tokens, adaptive=adaptive,
                           temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
                           system_prompt=system_prompt, max_image_tokens=max_image_tokens, draft_tree=draft_tree)
-        return _api_ab(engine, message, session, options, _arrival(request))
+        return _api_ab(engine, message, session, options, _arrival(request), ab_backend)
 
     def clear(session):
         _clear(session, visitors)
@@ -348,45 +370,44 @@ class ApiMessageData(MultimodalData):
         return [] if files is None else files
 
 
-def is_demo(engine: Engine) -> bool:
-    """The target is the bundled demo model."""
-    return os.path.abspath(engine.target.name) == os.path.abspath(DEFAULT_MODEL)
+def _header(served: Served) -> str:
+    title = "## Chat with a vision-language model, faster with speculative decoding\n\n"
+    if served.server_decides:
+        return (title + f"Answers from the server at `{served.name}` · speculative decoding: as the server is "
+                f"configured · up to {served.max_images} images per conversation")
+    name = served.model.rstrip("/").rsplit("/", 2)
+    drafters = ", ".join(views.drafter_name(kind) for kind in served.drafters.values())
+    return (title + f"Model `{'/'.join(name[-2:])}` ({served.family}) · drafters: "
+            f"{drafters or 'none (plain decoding only)'} · up to {served.max_images} images per conversation")
 
 
-def _header(engine: Engine) -> str:
-    name = engine.target.name.rstrip("/").rsplit("/", 2)
-    drafters = ", ".join(views.drafter_name(d.kind) for d in engine.drafters.values())
-    return ("## Chat with a vision-language model, faster with speculative decoding\n\n"
-            f"Model `{'/'.join(name[-2:])}` ({engine.target.family.name}) · drafters: "
-            f"{drafters or 'none (plain decoding only)'} · up to {engine.max_images} images per conversation")
-
-
-def _settings(engine: Engine) -> dict:
+def _settings(served: Served) -> dict:
     """The request settings, keyed by Options' field names (the API's parameter names too); the
-    drafter controls are off in plain mode. Settings that change nothing for the loaded model
-    are hidden, and a note says why."""
-    descriptions = {key: views.DRAFTER_LABELS.get(drafter.kind, drafter.kind)
-                    for key, drafter in engine.drafters.items()}
-    choices = [(views.drafter_name(drafter.kind) + (" (default)" if key == engine.default_drafter else ""), key)
-               for key, drafter in engine.drafters.items()] or [("none", "none")]
-    if len(engine.drafters) > 1:  # engine/auto.py: per request, the drafter that has delivered the most
+    drafter controls are off in plain mode. Settings that change nothing for the loaded model,
+    or that the backend cannot honour, are hidden, and a note says why."""
+    descriptions = {key: views.DRAFTER_LABELS.get(kind, kind) for key, kind in served.drafters.items()}
+    choices = [(views.drafter_name(kind) + (" (default)" if key == served.default_drafter else ""), key)
+               for key, kind in served.drafters.items()] or [("none", "none")]
+    if len(served.drafters) > 1:  # engine/auto.py: per request, the drafter that has delivered the most
         descriptions["auto"] = AUTO_LABEL
-        auto = ("Auto" + (" (default)" if engine.auto else ""), "auto")
-        choices = [auto] + choices if engine.auto else choices + [auto]
+        auto = ("Auto" + (" (default)" if served.auto else ""), "auto")
+        choices = [auto] + choices if served.auto else choices + [auto]
     defaults = Options()
-    speculative = bool(engine.drafters)
-    demo_model, image_tokens = is_demo(engine), _image_budget_range(engine)
+    speculative, ours = bool(served.drafters), not served.server_decides  # ours: the built-in engine's controls
+    demo_model, image_tokens = served.demo, served.image_budget
 
     def describe(key: str) -> str:
         return descriptions.get(key, "").partition(": ")[2]
 
     settings = {
-        "mode": gr.Radio(["speculative", "plain"], value="speculative" if speculative else "plain", label="Decoding"),
+        "mode": gr.Radio(["speculative", "plain"], value="speculative" if speculative else "plain", label="Decoding",
+                         visible=ours),
         "drafter": gr.Dropdown(choices, value=choices[0][1], label="Drafter", interactive=speculative,
-                               info=describe(choices[0][1])),
+                               info=describe(choices[0][1]), visible=ours),
         "draft_tokens": gr.Slider(0, 8, value=defaults.draft_tokens, step=1, label="Draft length",
-                                  info="0: chosen from the measured cost", interactive=speculative),
-        "adaptive": gr.Checkbox(defaults.adaptive, label="Adaptive draft length", interactive=speculative),
+                                  info="0: chosen from the measured cost", interactive=speculative, visible=ours),
+        "adaptive": gr.Checkbox(defaults.adaptive, label="Adaptive draft length", interactive=speculative,
+                                visible=ours),
         "temperature": gr.Slider(0, 1.5, value=defaults.temperature, step=0.05, label="Temperature",
                                  info="0: greedy, the same answer every time"),
         "top_p": gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="Top-p"),
@@ -394,35 +415,24 @@ def _settings(engine: Engine) -> dict:
         "seed": gr.Number(defaults.seed, precision=0, label="Seed", info="for sampling; Retry takes the next"),
         "system_prompt": gr.Textbox(defaults.system_prompt, label="System prompt (optional)", lines=2,
                                     visible=not demo_model),
-        "max_image_tokens": gr.Slider(0, image_tokens or 4096, step=16, label="Tokens per image at most",
-                                      value=min(engine.max_image_tokens or 0, image_tokens or 0),
+        "max_image_tokens": gr.Slider(0, image_tokens or 4096, step=IMAGE_BUDGET_STEP,
+                                      label="Tokens per image at most",
+                                      value=min(served.max_image_tokens or 0, image_tokens or 0),
                                       info="0: the model's own limit", visible=image_tokens is not None),
         "draft_tree": gr.Slider(0, 16, value=defaults.draft_tree, step=1, interactive=speculative,
-                                label="Draft tree nodes", info="0: one chain; more: branches verified in one pass"),
+                                label="Draft tree nodes", info="0: one chain; more: branches verified in one pass",
+                                visible=ours),
     }
     if demo_model:
         gr.Markdown(f"*{DEMO_SETTINGS_NOTE}*", elem_id="settings-note")
+    if not ours:
+        gr.Markdown(f"*{SERVER_SETTINGS_NOTE}*", elem_id="settings-note")
     drafter_controls = [settings[name] for name in ("drafter", "draft_tokens", "adaptive", "draft_tree")]
     settings["mode"].change(lambda mode: [gr.update(interactive=mode == "speculative" and speculative)] * 4,
                             [settings["mode"]], drafter_controls, **INSTANT)
     settings["drafter"].change(lambda key: gr.update(info=describe(key)), [settings["drafter"]],
                                [settings["drafter"]], **INSTANT)
     return settings
-
-
-def _image_budget_range(engine: Engine) -> int | None:
-    """The largest tokens-per-image budget worth offering; None when a budget changes nothing (a
-    model that reads every image as a fixed number of tokens, or as at most one slider step)."""
-    processor = engine.target.processor
-    if not engine.target.family.image_budget(processor, IMAGE_BUDGET_STEP):
-        return None
-    image_processor = processor.image_processor
-    patch, merge = getattr(image_processor, "patch_size", None), getattr(image_processor, "merge_size", None)
-    max_pixels = getattr(getattr(image_processor, "size", None), "longest_edge", None)
-    if patch and merge and max_pixels:  # a patchifier: its own limit, in tokens
-        own = max_pixels // (patch * merge) ** 2
-        return own if own > IMAGE_BUDGET_STEP else None
-    return MAX_IMAGE_BUDGET
 
 
 def _message_box(elem_id: str) -> gr.MultimodalTextbox:
@@ -480,13 +490,13 @@ def _start(session: Session, turn: Turn) -> None:
     session.pending = turn
 
 
-def _respond(engine: Engine, session: Session, options: Options, demo_model: bool = False):
+def _respond(engine: Engine | Served, session: Session, options: Options, demo_model: bool = False):
     """Prepare the pending turn's images, then stream its answer into the chat panels (and,
     last, the message box), throttled; plots less often. A refused turn (an unreadable image, a
     prompt too long for the context) goes back into the message box, less a refused file, with
     the reason in a notice; the conversation is unchanged. A turn stopped before it started, or
     that failed, is shown with the reason. A chat cleared meanwhile gets empty panels."""
-    turn, history = session.pending, session.turns
+    turn, history, engine = session.pending, session.turns, served_of(engine)
     if turn is None:
         return
     text_tick, plot_tick = views.Throttle(views.UPDATES_PER_SECOND), views.Throttle(views.PLOT_UPDATES_PER_SECOND)
@@ -523,7 +533,7 @@ def _respond(engine: Engine, session: Session, options: Options, demo_model: boo
         yield _panels(messages, side, plain_tok_s, points) + (returned,)
 
 
-def _prepare_images(engine: Engine, session: Session, turn: Turn) -> None:
+def _prepare_images(engine: Served, session: Session, turn: Turn) -> None:
     """Open and shrink the turn's images (a turn shown at once has its files only)."""
     if turn.files and not turn.images:
         prepared = new_turn(turn.message, engine, session)
@@ -546,7 +556,7 @@ def _panels(messages: list[dict], side=None, plain_tok_s: float | None = None,
             gr.Column(visible=bool(side and side.text)))
 
 
-def _api_chat(engine: Engine, message_value, session: Session, options: Options, arrived: float,
+def _api_chat(engine: Served, message_value, session: Session, options: Options, arrived: float,
               visitors: Visitors):
     """/chat: (answer text, statistics dict), streamed; the turn joins the session's history. A
     request stopped while it waited in the queue answers "" with finish_reason "stopped"."""
@@ -562,17 +572,22 @@ def _api_chat(engine: Engine, message_value, session: Session, options: Options,
     yield side.text, views.stats_dict(side.stats, session.dropped)
 
 
-def _ab_events(engine: Engine, message_value, session: Session, options: Options, arrived: float):
+def _ab_events(engine: Served, message_value, session: Session, options: Options, arrived: float,
+               ab_backend: Backend | None):
     """run_ab on one message (no chat history), with a stop flag that Stop sets (also while the
-    request waits in the queue)."""
+    request waits in the queue); against `ab_backend` when there is one."""
     options = options.checked(engine)
+    if engine.server_decides and ab_backend is None:
+        raise RequestError(f"the server at {engine.name} decides its own decoding, so there is no plain and "
+                           "speculative run to compare; start the app with --ab-backend URL to compare it with "
+                           "another backend")
     turn = new_turn(message_value, engine)
     messages = messages_for(Session(), turn, options.system_prompt)
     drafter = options.drafter_for(engine) if engine.drafters else None  # run_ab says why None cannot do
     stop, session.running = session.begin(arrived), True
     try:
-        for event in run_ab(BuiltIn(engine), messages, drafter, options.sampling(), options.decode(), stop,
-                            options.max_image_tokens):
+        for event in run_ab(engine.backend, messages, drafter, options.sampling(), options.decode(), stop,
+                            options.max_image_tokens, against=ab_backend):
             if not isinstance(event, ABProgress) and not event.stopped:
                 session.plain_tok_s, session.plain_question = event.plain.stats.decode_tok_s, question_of(turn)
             yield event
@@ -580,23 +595,26 @@ def _ab_events(engine: Engine, message_value, session: Session, options: Options
         session.running = False
 
 
-def _ab_live(engine: Engine, message_value, session: Session, options: Options, arrived: float):
-    tick = views.Throttle(views.UPDATES_PER_SECOND)
+def _ab_live(engine: Served, message_value, session: Session, options: Options, arrived: float,
+             ab_backend: Backend | None):
+    tick, names = views.Throttle(views.UPDATES_PER_SECOND), ab_names(engine, ab_backend)
     with _user_errors():
-        for event in _ab_events(engine, message_value, session, options, arrived):
+        for event in _ab_events(engine, message_value, session, options, arrived, ab_backend):
             done = not isinstance(event, ABProgress)
             if done or tick.ready():
-                verdict = views.ab_markdown(event if done else None, None if done else event.running)
-                yield (verdict, views.plain_html(event.plain.text),
-                       views.highlight_html(event.speculative, "Speculative"),
-                       views.ab_table(event.plain.stats, event.speculative.stats))
+                verdict = views.ab_markdown(event if done else None, None if done else event.running, names)
+                first = (views.plain_html(event.plain.text) if ab_backend is None
+                         else views.highlight_html(event.plain, names[0]))
+                yield (verdict, first, views.highlight_html(event.speculative, names[1].capitalize()),
+                       views.ab_table(event.plain.stats, event.speculative.stats, names))
 
 
-def _api_ab(engine: Engine, message_value, session: Session, options: Options, arrived: float):
+def _api_ab(engine: Served, message_value, session: Session, options: Options, arrived: float,
+            ab_backend: Backend | None):
     """/ab: plain answer, speculative answer, speedup, identical, first difference (or None);
     stopped: speedup, identical and first difference are None."""
     with _user_errors():
-        *_, result = _ab_events(engine, message_value, session, options, arrived)
+        *_, result = _ab_events(engine, message_value, session, options, arrived, ab_backend)
     difference = result.as_dict()["first_difference"]
     identical = None if result.identical is None else json.dumps(result.identical)  # gr.JSON reads "true"
     return result.plain.text, result.speculative.text, result.decode_speedup, identical, difference

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field, fields
 from PIL import Image
 
 from engine.ab import Side
-from engine.backend import BuiltIn, Request
-from engine.engine import AUTO, ContextError, Engine, RequestError, check_text
-from engine.images import fit_to_processor, load_image
+from app_ui.served import Served
+from engine.backend import Request
+from engine.engine import AUTO, ContextError, RequestError, check_text
+from engine.images import load_image
 from engine.loop import DecodeSettings
 from engine.prompt import Prompt
 from engine.sampling import SamplingSettings
@@ -148,7 +149,7 @@ class Options:
     max_image_tokens: int | None = None  # tokens per image at most; None: the engine's default; 0: the processor's own
     draft_tree: int = 0  # draft trees of up to this many nodes, draft_tokens deep; 0: chains
 
-    def checked(self, engine: Engine) -> Options:
+    def checked(self, engine: Served) -> Options:
         """The options converted to their types; RequestError names the first that is not of
         its type or not a choice (engine.checked_settings then checks the ranges)."""
         auto = [AUTO] if engine.drafters else []  # engine/auto.py picks one per request
@@ -180,7 +181,7 @@ class Options:
         return DecodeSettings(max_new_tokens=int(self.max_new_tokens), draft_tokens=int(self.draft_tokens) or None,
                               adaptive=bool(self.adaptive), tree_nodes=int(self.draft_tree or 0))
 
-    def drafter_for(self, engine: Engine) -> str | None:
+    def drafter_for(self, engine: Served) -> str | None:
         """The drafter to decode with; None decodes plainly."""
         if self.mode == "plain":
             return None
@@ -205,19 +206,17 @@ def _convert(name: str, value, kind: type):
     raise RequestError(f"{name} must be {wanted}, got {value!r}")
 
 
-def new_turn(message: dict | str | None, engine: Engine, session: Session | None = None) -> Turn:
+def new_turn(message: dict | str | None, engine: Served, session: Session | None = None) -> Turn:
     """A MultimodalTextbox value ({"text": ..., "files": [...]}) made into a turn whose images
     are validated and shrunk to the processor's size; RequestError / ImageError name the file,
     the field or the limit. Checks the text before opening any image."""
     arrived = time.perf_counter()
     text, files = read_message(message, engine, session)
-    images = [fit_to_processor(load_image(path, name=os.path.basename(path)), engine.target.processor,
-                               engine.target.family)
-              for path in files]
+    images = [engine.fit_image(load_image(path, name=os.path.basename(path))) for path in files]
     return Turn(text, files, images, arrived=arrived, load_s=time.perf_counter() - arrived)
 
 
-def read_message(message: dict | str | None, engine: Engine, session: Session | None = None) -> tuple[str, list[str]]:
+def read_message(message: dict | str | None, engine: Served, session: Session | None = None) -> tuple[str, list[str]]:
     """The message's (text, file paths), checked without opening any file: RequestError names
     the field or the limit."""
     if isinstance(message, str):
@@ -263,7 +262,7 @@ def messages_for(session: Session, turn: Turn, system_prompt: str = "", dropped:
     return messages
 
 
-def fit_to_context(engine: Engine, session: Session, turn: Turn, options: Options) -> tuple[Prompt, int]:
+def fit_to_context(engine: Served, session: Session, turn: Turn, options: Options) -> tuple[Prompt, int]:
     """The prompt for `turn`, and how many of the oldest answered turns it leaves out: as few as
     leave room for the answer (max_new_tokens, at most ANSWER_ROOM). Leaving them out is
     kept (later turns never bring them back) and frees their images. A turn that does not fit
@@ -297,7 +296,7 @@ def fit_to_context(engine: Engine, session: Session, turn: Turn, options: Option
     return prompts[low], low
 
 
-def answer(engine: Engine, session: Session, turn: Turn, options: Options, started: float | None = None
+def answer(engine: Served, session: Session, turn: Turn, options: Options, started: float | None = None
            ) -> Iterator[Side]:
     """Stream the answer to `turn` (the live Side after every chunk) and keep the turn in the
     session's history when it ends: finished, stopped by `session.stop`, or closed by the
@@ -311,9 +310,9 @@ def answer(engine: Engine, session: Session, turn: Turn, options: Options, start
     side, failed = Side(options.mode), False
     session.running = True
     try:
-        drafter = options.drafter_for(engine)
-        prompt = None if stop.is_set() else fit_to_context(engine, session, turn, options)[0]
-        events = BuiltIn(engine).stream(Request(
+        drafter = None if engine.server_decides else options.drafter_for(engine)
+        prompt = None if stop.is_set() or engine.engine is None else fit_to_context(engine, session, turn, options)[0]
+        events = engine.backend.stream(Request(
             prompt or messages_for(session, turn, options.system_prompt), drafter, options.sampling(),
             options.decode(), stop, started, options.max_image_tokens))
         with closing(events):
