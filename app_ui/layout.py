@@ -372,13 +372,13 @@ class ApiMessageData(MultimodalData):
 
 def _header(served: Served) -> str:
     title = "## Chat with a vision-language model, faster with speculative decoding\n\n"
-    if served.server_decides:
-        return (title + f"Answers from the server at `{served.name}` · speculative decoding: as the server is "
-                f"configured · up to {served.max_images} images per conversation")
-    name = served.model.rstrip("/").rsplit("/", 2)
     drafters = ", ".join(views.drafter_name(kind) for kind in served.drafters.values())
-    return (title + f"Model `{'/'.join(name[-2:])}` ({served.family}) · drafters: "
-            f"{drafters or 'none (plain decoding only)'} · up to {served.max_images} images per conversation")
+    drafters = "as the server is configured" if served.server_decides else drafters or "none (plain decoding only)"
+    images = f"up to {served.max_images} images per conversation"
+    if served.engine is None:
+        return title + f"Answers from `{served.name}` · speculative decoding: {drafters} · {images}"
+    name = served.model.rstrip("/").rsplit("/", 2)
+    return title + f"Model `{'/'.join(name[-2:])}` ({served.family}) · drafters: {drafters} · {images}"
 
 
 def _settings(served: Served) -> dict:
@@ -393,7 +393,8 @@ def _settings(served: Served) -> dict:
         auto = ("Auto" + (" (default)" if served.auto else ""), "auto")
         choices = [auto] + choices if served.auto else choices + [auto]
     defaults = Options()
-    speculative, ours = bool(served.drafters), not served.server_decides  # ours: the built-in engine's controls
+    speculative = bool(served.drafters)
+    ours = served.engine is not None  # the built-in engine's draft settings: another backend has its own
     demo_model, image_tokens = served.demo, served.image_budget
 
     def describe(key: str) -> str:
@@ -401,9 +402,9 @@ def _settings(served: Served) -> dict:
 
     settings = {
         "mode": gr.Radio(["speculative", "plain"], value="speculative" if speculative else "plain", label="Decoding",
-                         visible=ours),
+                         visible=not served.server_decides),
         "drafter": gr.Dropdown(choices, value=choices[0][1], label="Drafter", interactive=speculative,
-                               info=describe(choices[0][1]), visible=ours),
+                               info=describe(choices[0][1]), visible=not served.server_decides),
         "draft_tokens": gr.Slider(0, 8, value=defaults.draft_tokens, step=1, label="Draft length",
                                   info="0: chosen from the measured cost", interactive=speculative, visible=ours),
         "adaptive": gr.Checkbox(defaults.adaptive, label="Adaptive draft length", interactive=speculative,
@@ -425,7 +426,7 @@ def _settings(served: Served) -> dict:
     }
     if demo_model:
         gr.Markdown(f"*{DEMO_SETTINGS_NOTE}*", elem_id="settings-note")
-    if not ours:
+    if served.server_decides:
         gr.Markdown(f"*{SERVER_SETTINGS_NOTE}*", elem_id="settings-note")
     drafter_controls = [settings[name] for name in ("drafter", "draft_tokens", "adaptive", "draft_tree")]
     settings["mode"].change(lambda mode: [gr.update(interactive=mode == "speculative" and speculative)] * 4,
@@ -605,7 +606,7 @@ def _ab_live(engine: Served, message_value, session: Session, options: Options, 
                 verdict = views.ab_markdown(event if done else None, None if done else event.running, names)
                 first = (views.plain_html(event.plain.text) if ab_backend is None
                          else views.highlight_html(event.plain, names[0]))
-                yield (verdict, first, views.highlight_html(event.speculative, names[1].capitalize()),
+                yield (verdict, first, views.highlight_html(event.speculative, "Speculative" if ab_backend is None else names[1]),
                        views.ab_table(event.plain.stats, event.speculative.stats, names))
 
 

@@ -50,8 +50,11 @@ class Served:
 
     @classmethod
     def remote(cls, backend: Backend, max_images: int = 8) -> Served:
-        """A backend that decides its own decoding: no drafters to choose, no image budget."""
-        return cls(backend, backend.capabilities.name, max_images=max_images)
+        """Another backend: the drafters its capabilities name (none: it decides its own decoding,
+        as an OpenAI-compatible server does), no image budget, no draft-length settings."""
+        capabilities = backend.capabilities
+        return cls(backend, capabilities.name, drafters={name: name for name in capabilities.drafters},
+                   max_images=max_images)
 
     @property
     def name(self) -> str:
@@ -61,11 +64,11 @@ class Served:
     @property
     def server_decides(self) -> bool:
         """The backend decodes speculatively or not by its own configuration; requests name no drafter."""
-        return self.engine is None
+        return self.engine is None and not self.drafters
 
     @property
     def default_drafter(self) -> str | None:
-        return self.engine.default_drafter if self.engine is not None else None
+        return (self.engine or self.backend.capabilities).default_drafter
 
     @property
     def tokenizer(self):

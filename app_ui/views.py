@@ -74,7 +74,7 @@ def ab_table(plain: Stats | None, speculative: Stats | None, names: tuple[str, s
         return ""
     rows = _stat_rows(plain)
     other = _stat_rows(speculative) if speculative else [(name, "") for name, _ in rows]
-    return _table(["Statistic", *(name[:1].upper() + name[1:] for name in names)], [(name, a or "—", b or "—") for (name, a), (_, b)
+    return _table(["Statistic", *(("Plain", "Speculative") if names == AB_SIDES else names)], [(name, a or "—", b or "—") for (name, a), (_, b)
                                                           in zip(rows, other) if a is not None or b is not None])
 
 

@@ -175,3 +175,32 @@ def test_ab_on_a_server_alone_says_what_to_do(served, fresh):
     with pytest.raises(AppError, match="--ab-backend URL"):
         Client(served.url, verbose=False).predict(message("Which is larger?"), api_name="/ab")
     assert fresh.requests == []
+
+
+def test_ab_server_against_server(zoo, fresh):
+    """`--backend A --ab-backend B`: each side from its own server, compared as text."""
+    other = FakeServer()
+    other.reply = (200, llama_server_answer(pieces=["The", " blue", " square"]))
+    app = launch_app(zoo, "--backend", fresh.url, "--ab-backend", other.url)
+    try:
+        first, second, _, identical, difference = Client(app.url, verbose=False).predict(
+            message("Which is larger?"), api_name="/ab")
+        assert (first, second, identical) == (ANSWER, "The blue square", False)
+        assert difference["index"] == 4 and difference["plain"].startswith("red")
+        assert len(fresh.requests) == len(other.requests) == 1
+    finally:
+        app.demo.close()
+        other.close()
+
+
+def test_the_ab_tab_names_the_two_servers(fresh):
+    other = FakeServer()
+    try:
+        first, second = Served.remote(OpenAIServer(fresh.url)), OpenAIServer(other.url)
+        *_, (verdict, first_html, second_html, table) = layout._ab_live(
+            first, {"text": "Which is larger?", "files": []}, Session(), Options(), 0.0, second)
+        assert verdict.endswith("answers **identical** ✓") and f"**{second.capabilities.name}: " in verdict
+        assert table.splitlines()[0] == f"| Statistic | {first.name} | {second.capabilities.name} |"
+        assert "which tokens were drafted is not reported" in first_html and ANSWER in second_html
+    finally:
+        other.close()
