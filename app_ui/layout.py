@@ -192,11 +192,14 @@ def ab_names(served: Served, ab_backend: Backend | None) -> tuple[str, str]:
 def _ab_tab(examples: list[dict], served: Served, ab_backend: Backend | None) -> SimpleNamespace:
     """Message box and Stop, the examples, then the verdict over the full width, the two
     answers (side by side on a wide screen, one above the other on a phone) and the table."""
-    if ab_backend is None:
+    if ab_backend is None and served.server_decides:
+        gr.Markdown(f"*The server at `{served.name}` decides its own decoding, so there is no plain and speculative "
+                    "run of it to compare here: start the app with `--ab-backend URL` to compare it with another "
+                    "backend (docs/backends.md).*")
+    elif ab_backend is None:
         gr.Markdown("One message (no chat history), answered plainly and then speculatively with the drafter from "
                     "the settings; each side's timings count only its own run. At temperature 0 the two answers "
-                    "must be identical." + (" This server decides its own decoding: to compare it with another, "
-                                            "start the app with `--ab-backend URL`." if served.server_decides else ""))
+                    "must be identical.")
     else:
         first, second = ab_names(served, ab_backend)
         how = "with the drafter from the settings" if not served.server_decides else "as it decodes"
