@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, fields
 
 from PIL import Image
 
-from engine.ab import Side
 from app_ui.served import Served
+from engine.ab import Side
 from engine.backend import Request
 from engine.engine import AUTO, ContextError, RequestError, check_text
 from engine.images import load_image

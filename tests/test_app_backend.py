@@ -17,9 +17,9 @@ from app_ui.served import Served
 from app_ui.session import Options, Session, new_turn
 from engine.backends.openai import OpenAIServer
 from tests.conftest import ROOT
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS
 from tests.helpers import (PIECES, TIMINGS, WAIT_S, FakeServer, free_port, launch_app, llama_server_answer, message,
                            reference, reference_engine)
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS
 
 IMAGE = f"{ROOT}/assets/examples/chart.png"
 ANSWER = "".join(PIECES)

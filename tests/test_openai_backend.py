@@ -21,6 +21,7 @@ from engine.loop import Chunk, DecodeSettings, Done
 from engine.sampling import SamplingSettings
 from tests.helpers import PIECES, WAIT_S, FakeServer, chunk, llama_server_answer
 
+
 @pytest.fixture
 def server():
     server = FakeServer()
