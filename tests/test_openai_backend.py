@@ -105,7 +105,7 @@ def test_stop_mid_stream_keeps_what_came(server):
     server.hold_at = 3  # after the role delta and two pieces
     stop = threading.Event()
     stream = OpenAIServer(server.url).stream(Request(ask(), stop=stop))
-    first, second = next(stream), next(stream)
+    first, _ = next(stream), next(stream)
     assert isinstance(first, Chunk) and server.held.wait(WAIT_S)
     stop.set()
     server.release.set()
