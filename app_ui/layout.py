@@ -24,7 +24,7 @@ from gradio.data_classes import FileData
 from pydantic import field_validator
 
 from app_ui import views
-from app_ui.served import IMAGE_BUDGET_STEP, Served, served_of
+from app_ui.served import Served, served_of
 from app_ui.session import Options, Session, Turn, answer, messages_for, new_turn, question_of, read_message
 from app_ui.visitors import Visitors
 from engine.ab import ABProgress, run_ab
@@ -375,7 +375,7 @@ class ApiMessageData(MultimodalData):
 
 def _header(served: Served) -> str:
     title = "## Chat with a vision-language model, faster with speculative decoding\n\n"
-    drafters = ", ".join(views.drafter_name(kind) for kind in served.drafters.values())
+    drafters = ", ".join(views.drafter_name(drafter.kind) for drafter in served.drafters.values())
     drafters = "as the server is configured" if served.server_decides else drafters or "none (plain decoding only)"
     images = f"up to {served.max_images} images per conversation"
     if served.engine is None:
@@ -384,34 +384,33 @@ def _header(served: Served) -> str:
     return title + f"Model `{'/'.join(name[-2:])}` ({served.family}) · drafters: {drafters} · {images}"
 
 
-def _settings(served: Served) -> dict:
+def _settings(engine: Served) -> dict:
     """The request settings, keyed by Options' field names (the API's parameter names too); the
-    drafter controls are off in plain mode. Settings that change nothing for the loaded model,
-    or that the backend cannot honour, are hidden, and a note says why."""
-    descriptions = {key: views.DRAFTER_LABELS.get(kind, kind) for key, kind in served.drafters.items()}
-    choices = [(views.drafter_name(kind) + (" (default)" if key == served.default_drafter else ""), key)
-               for key, kind in served.drafters.items()] or [("none", "none")]
-    if len(served.drafters) > 1:  # engine/auto.py: per request, the drafter that has delivered the most
+    drafter controls are off in plain mode. Settings that change nothing for the loaded model
+    (or that the backend cannot honour: another backend's draft settings) are hidden, and a note
+    says why."""
+    descriptions = {key: views.DRAFTER_LABELS.get(drafter.kind, drafter.kind)
+                    for key, drafter in engine.drafters.items()}
+    choices = [(views.drafter_name(drafter.kind) + (" (default)" if key == engine.default_drafter else ""), key)
+               for key, drafter in engine.drafters.items()] or [("none", "none")]
+    if len(engine.drafters) > 1:  # engine/auto.py: per request, the drafter that has delivered the most
         descriptions["auto"] = AUTO_LABEL
-        auto = ("Auto" + (" (default)" if served.auto else ""), "auto")
-        choices = [auto] + choices if served.auto else choices + [auto]
+        auto = ("Auto" + (" (default)" if engine.auto else ""), "auto")
+        choices = [auto] + choices if engine.auto else choices + [auto]
     defaults = Options()
-    speculative = bool(served.drafters)
-    ours = served.engine is not None  # the built-in engine's draft settings: another backend has its own
-    demo_model, image_tokens = served.demo, served.image_budget
+    speculative = bool(engine.drafters)
+    demo_model, image_tokens = engine.demo, engine.image_budget
 
     def describe(key: str) -> str:
         return descriptions.get(key, "").partition(": ")[2]
 
     settings = {
-        "mode": gr.Radio(["speculative", "plain"], value="speculative" if speculative else "plain", label="Decoding",
-                         visible=not served.server_decides),
+        "mode": gr.Radio(["speculative", "plain"], value="speculative" if speculative else "plain", label="Decoding"),
         "drafter": gr.Dropdown(choices, value=choices[0][1], label="Drafter", interactive=speculative,
-                               info=describe(choices[0][1]), visible=not served.server_decides),
+                               info=describe(choices[0][1])),
         "draft_tokens": gr.Slider(0, 8, value=defaults.draft_tokens, step=1, label="Draft length",
-                                  info="0: chosen from the measured cost", interactive=speculative, visible=ours),
-        "adaptive": gr.Checkbox(defaults.adaptive, label="Adaptive draft length", interactive=speculative,
-                                visible=ours),
+                                  info="0: chosen from the measured cost", interactive=speculative),
+        "adaptive": gr.Checkbox(defaults.adaptive, label="Adaptive draft length", interactive=speculative),
         "temperature": gr.Slider(0, 1.5, value=defaults.temperature, step=0.05, label="Temperature",
                                  info="0: greedy, the same answer every time"),
         "top_p": gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="Top-p"),
@@ -419,24 +418,32 @@ def _settings(served: Served) -> dict:
         "seed": gr.Number(defaults.seed, precision=0, label="Seed", info="for sampling; Retry takes the next"),
         "system_prompt": gr.Textbox(defaults.system_prompt, label="System prompt (optional)", lines=2,
                                     visible=not demo_model),
-        "max_image_tokens": gr.Slider(0, image_tokens or 4096, step=IMAGE_BUDGET_STEP,
-                                      label="Tokens per image at most",
-                                      value=min(served.max_image_tokens or 0, image_tokens or 0),
+        "max_image_tokens": gr.Slider(0, image_tokens or 4096, step=16, label="Tokens per image at most",
+                                      value=min(engine.max_image_tokens or 0, image_tokens or 0),
                                       info="0: the model's own limit", visible=image_tokens is not None),
         "draft_tree": gr.Slider(0, 16, value=defaults.draft_tree, step=1, interactive=speculative,
-                                label="Draft tree nodes", info="0: one chain; more: branches verified in one pass",
-                                visible=ours),
+                                label="Draft tree nodes", info="0: one chain; more: branches verified in one pass"),
     }
     if demo_model:
         gr.Markdown(f"*{DEMO_SETTINGS_NOTE}*", elem_id="settings-note")
-    if served.server_decides:
-        gr.Markdown(f"*{SERVER_SETTINGS_NOTE}*", elem_id="settings-note")
+    _hide_what_the_backend_decides(engine, settings)
     drafter_controls = [settings[name] for name in ("drafter", "draft_tokens", "adaptive", "draft_tree")]
     settings["mode"].change(lambda mode: [gr.update(interactive=mode == "speculative" and speculative)] * 4,
                             [settings["mode"]], drafter_controls, **INSTANT)
     settings["drafter"].change(lambda key: gr.update(info=describe(key)), [settings["drafter"]],
                                [settings["drafter"]], **INSTANT)
     return settings
+
+
+def _hide_what_the_backend_decides(served: Served, settings: dict) -> None:
+    """Another backend has no built-in draft settings; a server with no drafters to choose decides
+    its own decoding, so it gets no mode or drafter either, and a note says so."""
+    hidden = () if served.engine is not None else ("draft_tokens", "adaptive", "draft_tree")
+    if served.server_decides:
+        hidden += ("mode", "drafter")
+        gr.Markdown(f"*{SERVER_SETTINGS_NOTE}*", elem_id="settings-note")
+    for name in hidden:
+        settings[name].visible = False  # before the page is built: Gradio reads it when it launches
 
 
 def _message_box(elem_id: str) -> gr.MultimodalTextbox:

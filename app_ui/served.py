@@ -33,7 +33,7 @@ class Served:
     backend: Backend
     model: str  # the model's name for the header: "Qwen/Qwen2.5-VL-3B-Instruct", or the server's name
     family: str | None = None  # the model family's name, where known
-    drafters: dict[str, str] = field(default_factory=dict)  # the drafters a request may name: key -> kind
+    drafters: dict[str, object] = field(default_factory=dict)  # the drafters a request may name: key -> its `.kind`
     auto: bool = False  # the default drafter is "auto" (engine/auto.py)
     max_images: int = 8
     max_image_tokens: int | None = None  # the default budget of tokens per image (built-in only)
@@ -43,8 +43,7 @@ class Served:
 
     @classmethod
     def built_in(cls, engine: Engine) -> Served:
-        return cls(BuiltIn(engine), engine.target.name, engine.target.family.name,
-                   {key: drafter.kind for key, drafter in engine.drafters.items()}, engine.auto,
+        return cls(BuiltIn(engine), engine.target.name, engine.target.family.name, dict(engine.drafters), engine.auto,
                    engine.max_images, engine.max_image_tokens, _image_budget_range(engine),
                    os.path.abspath(engine.target.name) == os.path.abspath(DEFAULT_MODEL), engine)
 
@@ -53,7 +52,7 @@ class Served:
         """Another backend: the drafters its capabilities name (none: it decides its own decoding,
         as an OpenAI-compatible server does), no image budget, no draft-length settings."""
         capabilities = backend.capabilities
-        return cls(backend, capabilities.name, drafters={name: name for name in capabilities.drafters},
+        return cls(backend, capabilities.name, drafters={name: Named(name) for name in capabilities.drafters},
                    max_images=max_images)
 
     @property
@@ -87,6 +86,13 @@ class Served:
     def prepare(self, messages: list[dict], max_image_tokens: int | None = None) -> Prompt | None:
         """The prompt, made here for the built-in engine; None: the backend takes the messages."""
         return self.engine.prepare(messages, max_image_tokens) if self.engine is not None else None
+
+
+@dataclass(frozen=True)
+class Named:
+    """Another backend's drafter, known by its name alone."""
+
+    kind: str
 
 
 def served_of(engine: Engine | Served) -> Served:

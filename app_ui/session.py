@@ -28,7 +28,7 @@ from PIL import Image
 from app_ui.served import Served
 from engine.ab import Side
 from engine.backend import Request
-from engine.engine import AUTO, ContextError, RequestError, check_text
+from engine.engine import AUTO, ContextError, Engine, RequestError, check_text
 from engine.images import load_image
 from engine.loop import DecodeSettings
 from engine.prompt import Prompt
@@ -149,7 +149,7 @@ class Options:
     max_image_tokens: int | None = None  # tokens per image at most; None: the engine's default; 0: the processor's own
     draft_tree: int = 0  # draft trees of up to this many nodes, draft_tokens deep; 0: chains
 
-    def checked(self, engine: Served) -> Options:
+    def checked(self, engine: Engine | Served) -> Options:
         """The options converted to their types; RequestError names the first that is not of
         its type or not a choice (engine.checked_settings then checks the ranges)."""
         auto = [AUTO] if engine.drafters else []  # engine/auto.py picks one per request
@@ -181,7 +181,7 @@ class Options:
         return DecodeSettings(max_new_tokens=int(self.max_new_tokens), draft_tokens=int(self.draft_tokens) or None,
                               adaptive=bool(self.adaptive), tree_nodes=int(self.draft_tree or 0))
 
-    def drafter_for(self, engine: Served) -> str | None:
+    def drafter_for(self, engine: Engine | Served) -> str | None:
         """The drafter to decode with; None decodes plainly."""
         if self.mode == "plain":
             return None
