@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields
 
 from PIL import Image
 
-from app_ui.served import Served
+from app_ui.served import Served, served_of
 from engine.ab import Side
 from engine.backend import Request
 from engine.engine import AUTO, ContextError, Engine, RequestError, check_text
@@ -206,11 +206,11 @@ def _convert(name: str, value, kind: type):
     raise RequestError(f"{name} must be {wanted}, got {value!r}")
 
 
-def new_turn(message: dict | str | None, engine: Served, session: Session | None = None) -> Turn:
+def new_turn(message: dict | str | None, engine: Engine | Served, session: Session | None = None) -> Turn:
     """A MultimodalTextbox value ({"text": ..., "files": [...]}) made into a turn whose images
     are validated and shrunk to the processor's size; RequestError / ImageError name the file,
     the field or the limit. Checks the text before opening any image."""
-    arrived = time.perf_counter()
+    arrived, engine = time.perf_counter(), served_of(engine)
     text, files = read_message(message, engine, session)
     images = [engine.fit_image(load_image(path, name=os.path.basename(path))) for path in files]
     return Turn(text, files, images, arrived=arrived, load_s=time.perf_counter() - arrived)
@@ -296,7 +296,7 @@ def fit_to_context(engine: Served, session: Session, turn: Turn, options: Option
     return prompts[low], low
 
 
-def answer(engine: Served, session: Session, turn: Turn, options: Options, started: float | None = None
+def answer(engine: Engine | Served, session: Session, turn: Turn, options: Options, started: float | None = None
            ) -> Iterator[Side]:
     """Stream the answer to `turn` (the live Side after every chunk) and keep the turn in the
     session's history when it ends: finished, stopped by `session.stop`, or closed by the
@@ -305,7 +305,7 @@ def answer(engine: Served, session: Session, turn: Turn, options: Options, start
     be sent again. A chat cleared meanwhile (`session.turns` replaced) does not get the turn.
     `started` (time.perf_counter()): when the request started (default: now, less the time its
     images took to load when the turn was accepted)."""
-    started = time.perf_counter() - turn.load_s if started is None else started
+    started, engine = time.perf_counter() - turn.load_s if started is None else started, served_of(engine)
     history, stop = session.turns, session.begin(turn.arrived)
     side, failed = Side(options.mode), False
     session.running = True

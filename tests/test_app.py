@@ -12,7 +12,6 @@ from gradio_client.exceptions import AppError
 
 import app
 from app_ui import layout, views
-from app_ui.served import Served
 from app_ui.session import Options, Session, new_turn
 from app_ui.setup import read_config
 from engine.ab import Side, compare, first_difference_index
@@ -150,7 +149,7 @@ def test_in_the_ui_a_refused_turn_goes_back_into_the_box_with_the_reason(engine)
     """A message over the context: the reason is a notice, the text (and images) go back into the
     message box, and the conversation is as it was."""
     session = Session()
-    session.pending = new_turn({"text": "word " * 2100, "files": [IMAGES[0]]}, Served.built_in(engine), session)
+    session.pending = new_turn({"text": "word " * 2100, "files": [IMAGES[0]]}, engine, session)
     with pytest.warns(UserWarning, match="Cannot answer: .*the model's context is 2048"):
         *_, (chatbot, *_, box) = layout._respond(engine, session, Options(max_new_tokens=4))
     assert box == {"text": ("word " * 2100).strip(), "files": [IMAGES[0]]}
