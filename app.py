@@ -3,6 +3,8 @@ it answer faster, and a live panel shows by how much.
 
     python app.py                                        # the bundled demo model (assets/demo)
     python app.py --model DIR_OR_HUB_ID --drafter DIR_OR_HUB_ID|ngram [--no-browser] [--share]
+    python app.py --backend http://127.0.0.1:8080       # a vLLM / SGLang / llama-server answers instead
+    python app.py --ab-backend http://127.0.0.1:8080    # A/B: the built-in engine vs that server
 
 Every flag has an environment variable for Hugging Face Spaces (`python app.py --help`,
 app_ui/setup.py). On ZeroGPU, the `spaces` package's GPU decorator wraps each callback that
@@ -27,22 +29,26 @@ def gpu_decorator():
 def main(argv: list[str] | None = None, block: bool = True, limits=None):
     """Start the app; `limits` (app_ui.visitors.Limits): the bounds on what visitors may hold
     (default: Limits from VLM_* variables, docs/security.md)."""
-    from app_ui.setup import SetupError, load_engine, read_config, warm_up
+    from app_ui.served import Served
+    from app_ui.setup import SetupError, load_engine, open_backends, read_config, warm_up
 
     # 1. Settings from flags, else environment variables, else defaults; a bad one is one line.
     try:
         config = read_config(argv)
+        backend, ab_backend = open_backends(config)
     except SetupError as error:
         sys.exit(f"error: {error}")
-    # 2. Load the target and its drafters; a missing or unusable model is one line, not a traceback.
+    # 2. Load the target and its drafters (unless a server answers); a missing or unusable model is
+    #    one line, not a traceback. A server that is down is told to each request, in one line.
     try:
-        engine = load_engine(config)
+        engine = None if backend else load_engine(config)
     except SetupError as error:
         sys.exit(f"error: {error}")
     except Exception as error:  # e.g. a truncated weights file, which safetensors reports in its own way
         sys.exit(f"error: cannot load {config.model} or its drafters: {_one_line(error)}")
+    served = Served.remote(backend, config.max_images) if backend else Served.built_in(engine)
     # 3. Keep one-time costs out of the first visitor's statistics (ZeroGPU has no GPU outside requests).
-    if not (spaces is not None and os.environ.get("SPACES_ZERO_GPU")):
+    if engine is not None and not (spaces is not None and os.environ.get("SPACES_ZERO_GPU")):
         try:
             warm_up(engine)
         except Exception as error:
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None, block: bool = True, limits=None):
     # 6. Build the UI and serve it behind the visitors' guard; generations queue (one at a time,
     #    see app_ui/layout.py); idle conversations and unsent uploads are swept while it runs.
     visitors = Visitors(limits)
-    demo = build_demo(engine, gpu=gpu_decorator(), visitors=visitors)
+    demo = build_demo(served, gpu=gpu_decorator(), visitors=visitors, ab_backend=ab_backend)
     demo.queue(default_concurrency_limit=1)
     guard = Middleware(Guard, visitors=visitors, file_folders=[get_upload_folder(), EXAMPLES_DIR])
     try:

@@ -25,16 +25,16 @@ from gradio.data_classes import FileData
 from pydantic import field_validator
 
 from app_ui import views
+from app_ui.served import Served, served_of
 from app_ui.session import (Options, Session, Turn, answer, checked, drafter_for, messages_for, new_turn, question_of,
                             read_message)
 from app_ui.stop_lane import leave_queue
 from app_ui.visitors import Visitors
 from engine import settings as schema
 from engine.ab import ABProgress, run_ab
-from engine.backend import BuiltIn
+from engine.backend import Backend
 from engine.engine import Engine, RequestError
 from engine.images import ImageError
-from models.presets import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ DEMO_NOTE = ("This demo model is tiny (3.6 M parameters, trained here from scrat
 DEMO_SETTINGS_NOTE = ("The demo model reads every image as the same few tokens and was trained without a system "
                       "prompt, so those two settings are not offered. The app can serve a real VLM in its place "
                       "(see the README).")
+SERVER_SETTINGS_NOTE = ("The server decides its own speculative decoding (its drafter and draft length are set where "
+                        "it runs), and its own image sizes, so those settings are not offered here.")
 AUTO_LABEL = "Auto: the drafter that has been fastest"
 # Phones: the settings sidebar starts closed (Gradio opens it at any width). Wide screens: the
 # message box has the focus (on a phone that would open the keyboard over the page).
@@ -89,7 +91,6 @@ DROP_ON_CHAT = """() => {
 }"""
 GENERATE = {"concurrency_id": "generate", "concurrency_limit": 1}
 INSTANT = {"concurrency_limit": None, "api_visibility": "private", "show_progress": "hidden"}  # quick, not limited
-IMAGE_BUDGET_STEP, MAX_IMAGE_BUDGET = 16, 4096  # the tokens-per-image slider
 CHAT_HEIGHT = "min(560px, calc(100dvh - 290px))"  # the message box stays on the first screen, phones too
 CSS = """
 #header h2 { margin: 0 0 4px; }
@@ -120,13 +121,17 @@ CSS = """
 """
 
 
-def build_demo(engine: Engine, gpu: Callable = lambda fn: fn, visitors: Visitors | None = None) -> gr.Blocks:
-    """The app for `engine`. `gpu` wraps every callback that generates (spaces.GPU on ZeroGPU).
-    Launch it with `css=CSS`, and with `visitors`' Guard and lifespan (see app.py)."""
-    visitors = visitors or Visitors()
+def build_demo(engine: Engine | Served, gpu: Callable = lambda fn: fn, visitors: Visitors | None = None,
+               ab_backend: Backend | None = None) -> gr.Blocks:
+    """The app for `engine` (a loaded Engine, or any backend described by Served: app_ui/served.py;
+    the callbacks get that description as `engine`). `ab_backend`: the A/B tab compares `engine`
+    with it instead of plain with speculative decoding. `gpu` wraps every callback that generates
+    (spaces.GPU on ZeroGPU). Launch it with `css=CSS`, and with `visitors`' Guard and lifespan
+    (see app.py)."""
+    engine, visitors = served_of(engine), visitors or Visitors()
+    demo_model = engine.demo
     examples = [{"text": text, "files": [os.path.join(EXAMPLES_DIR, f) for f in files]}
-                for text, files in (DEMO_EXAMPLES if is_demo(engine) else PHOTO_EXAMPLES)]
-    demo_model = is_demo(engine)
+                for text, files in (DEMO_EXAMPLES if demo_model else PHOTO_EXAMPLES)]
     # Gradio's own backstop: its files older than a day are deleted, checked hourly (Visitors deletes
     # unsent uploads after minutes, and a conversation's uploads when it is cleared or expires).
     with gr.Blocks(title="VLM chat · speculative decoding", fill_width=True, delete_cache=(3600, 86400)) as demo:
@@ -139,11 +144,11 @@ def build_demo(engine: Engine, gpu: Callable = lambda fn: fn, visitors: Visitors
         demo.load(None, js=DROP_ON_CHAT)
         with gr.Tab("Chat"):
             chat = _chat_tab(examples, demo_model)
-        with gr.Tab("A/B: plain vs speculative"):
-            ab = _ab_tab(examples)
+        with gr.Tab(f"A/B: {' vs '.join(ab_names(engine, ab_backend))}"):
+            ab = _ab_tab(examples, engine, ab_backend)
         _wire_chat(engine, gpu, session, settings, chat, visitors, examples)
-        _wire_ab(engine, gpu, session, {k: v for k, v in settings.items() if k != "mode"}, ab, visitors)
-        _wire_api(engine, gpu, session, settings, visitors)
+        _wire_ab(engine, gpu, session, {k: v for k, v in settings.items() if k != "mode"}, ab, visitors, ab_backend)
+        _wire_api(engine, gpu, session, settings, visitors, ab_backend)
     return demo
 
 
@@ -181,12 +186,31 @@ def _chat_tab(examples: list[dict], demo_model: bool) -> SimpleNamespace:
                            panels=[chatbot, stats, tokens, acceptance_plot, speed_plot, details])
 
 
-def _ab_tab(examples: list[dict]) -> SimpleNamespace:
+def ab_names(served: Served, ab_backend: Backend | None) -> tuple[str, str]:
+    """What the A/B tab compares: plain and speculative decoding, or two backends by name."""
+    if ab_backend is None:
+        return "plain", "speculative"
+    return served.name, ab_backend.capabilities.name
+
+
+def _ab_tab(examples: list[dict], served: Served, ab_backend: Backend | None) -> SimpleNamespace:
     """Message box and Stop, the examples, then the verdict over the full width, the two
     answers (side by side on a wide screen, one above the other on a phone) and the table."""
-    gr.Markdown("One message (no chat history), answered plainly and then speculatively with the drafter from "
-                "the settings; each side's timings count only its own run. At temperature 0 the two answers "
-                "must be identical.")
+    if ab_backend is None and served.server_decides:
+        gr.Markdown(f"*The server at `{served.name}` decides its own decoding, so there is no plain and speculative "
+                    "run of it to compare here: start the app with `--ab-backend URL` to compare it with another "
+                    "backend (docs/backends.md).*")
+    elif ab_backend is None:
+        gr.Markdown("One message (no chat history), answered plainly and then speculatively with the drafter from "
+                    "the settings; each side's timings count only its own run. At temperature 0 the two answers "
+                    "must be identical.")
+    else:
+        first, second = ab_names(served, ab_backend)
+        how = "with the drafter from the settings" if not served.server_decides else "as it decodes"
+        gr.Markdown(f"One message (no chat history), answered by **{first}** ({how}) and then by **{second}** (as it "
+                    "decodes); each side's timings count only its own run. At temperature 0, with the same model "
+                    "and weights, the two answers should be identical (compared as text when a backend gives no "
+                    "token ids).")
     message = _message_box("ab-input")
     with gr.Row():
         stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="ab-stop", interactive=False, scale=0,
@@ -200,13 +224,13 @@ def _ab_tab(examples: list[dict]) -> SimpleNamespace:
     return SimpleNamespace(message=message, stop=stop, panels=[verdict, plain, speculative, table])
 
 
-def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: dict, chat: SimpleNamespace,
+def _wire_chat(engine: Served, gpu: Callable, session: gr.State, settings: dict, chat: SimpleNamespace,
                visitors: Visitors, examples: list[dict]) -> None:
     """Send (or click an example): check the message without opening its files (or refuse it,
     saying why, with the message left in the box), show it in the chat at once with Stop on,
     then prepare its images and answer it in the queue. The box stays open while an answer
     streams, and has the focus again when it ends."""
-    demo_model = is_demo(engine)
+    demo_model = engine.demo
 
     def accept(message_value, session: Session, request: gr.Request):  # no outputs: a refusal is a toast
         visitors.touch(session, request.session_hash)
@@ -271,15 +295,15 @@ def _wire_chat(engine: Engine, gpu: Callable, session: gr.State, settings: dict,
     chat.stop.click(_stop, [session], None, queue=False, api_name="stop")
 
 
-def _wire_ab(engine: Engine, gpu: Callable, session: gr.State, settings: list, ab: SimpleNamespace,
-             visitors: Visitors) -> None:
+def _wire_ab(engine: Served, gpu: Callable, session: gr.State, settings: list, ab: SimpleNamespace,
+             visitors: Visitors, ab_backend: Backend | None) -> None:
     """`settings` without the mode."""
 
     @gpu
     def ab_live(request: gr.Request, message_value, session: Session, *values):  # Gradio puts the request first
         visitors.touch(session, request.session_hash)
         options = Options(mode="speculative", **dict(zip(settings, values)))
-        yield from _ab_live(engine, message_value, session, options, _arrival(request))
+        yield from _ab_live(engine, message_value, session, options, _arrival(request), ab_backend)
 
     running = dict(fn=lambda: gr.Button(variant="stop", interactive=True), outputs=[ab.stop], **INSTANT)
     idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[ab.stop], **INSTANT)
@@ -289,7 +313,8 @@ def _wire_ab(engine: Engine, gpu: Callable, session: gr.State, settings: list, a
     ab.stop.click(_stop, [session], None, queue=False, api_visibility="private")
 
 
-def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, visitors: Visitors) -> None:
+def _wire_api(engine: Served, gpu: Callable, session: gr.State, settings: list, visitors: Visitors,
+              ab_backend: Backend | None) -> None:
     """The API-only endpoints /chat, /ab and /clear (/stop is the Stop button's); the
     settings schema names their parameters (engine/settings.py). Their inputs and outputs are hidden
     components. The message box takes any file type: Gradio's own type check would refuse a
@@ -319,7 +344,7 @@ def _wire_api(engine: Engine, gpu: Callable, session: gr.State, settings: list, 
         whether they are identical and where they first differ (None when identical; both None when
         stopped)."""
         visitors.touch(session, request.session_hash)
-        return _api_ab(engine, message, session, Options(mode="speculative", **values), _arrival(request))
+        return _api_ab(engine, message, session, Options(mode="speculative", **values), _arrival(request), ab_backend)
 
     def clear(session):
         _clear(session, visitors)
@@ -349,23 +374,22 @@ class ApiMessageData(MultimodalData):
         return [] if files is None else files
 
 
-def is_demo(engine: Engine) -> bool:
-    """The target is the bundled demo model."""
-    return os.path.abspath(engine.target.name) == os.path.abspath(DEFAULT_MODEL)
+def _header(served: Served) -> str:
+    title = "## Chat with a vision-language model, faster with speculative decoding\n\n"
+    drafters = ", ".join(views.drafter_name(drafter.kind) for drafter in served.drafters.values())
+    drafters = "as the server is configured" if served.server_decides else drafters or "none (plain decoding only)"
+    images = f"up to {served.max_images} images per conversation"
+    if served.engine is None:
+        return title + f"Answers from `{served.name}` · speculative decoding: {drafters} · {images}"
+    name = served.model.rstrip("/").rsplit("/", 2)
+    return title + f"Model `{'/'.join(name[-2:])}` ({served.family}) · drafters: {drafters} · {images}"
 
 
-def _header(engine: Engine) -> str:
-    name = engine.target.name.rstrip("/").rsplit("/", 2)
-    drafters = ", ".join(views.drafter_name(d.kind) for d in engine.drafters.values())
-    return ("## Chat with a vision-language model, faster with speculative decoding\n\n"
-            f"Model `{'/'.join(name[-2:])}` ({engine.target.family.name}) · drafters: "
-            f"{drafters or 'none (plain decoding only)'} · up to {engine.max_images} images per conversation")
-
-
-def _settings(engine: Engine) -> dict:
+def _settings(engine: Served) -> dict:
     """The request settings, keyed by Options' field names (the API's parameter names too); the
     drafter controls are off in plain mode. Settings that change nothing for the loaded model
-    are hidden, and a note says why."""
+    (or that the backend cannot honour: another backend's draft settings) are hidden, and a note
+    says why."""
     descriptions = {key: views.DRAFTER_LABELS.get(drafter.kind, drafter.kind)
                     for key, drafter in engine.drafters.items()}
     choices = [(views.drafter_name(drafter.kind) + (" (default)" if key == engine.default_drafter else ""), key)
@@ -375,7 +399,7 @@ def _settings(engine: Engine) -> dict:
         auto = ("Auto" + (" (default)" if engine.auto else ""), "auto")
         choices = [auto] + choices if engine.auto else choices + [auto]
     speculative = bool(engine.drafters)
-    demo_model, image_tokens = is_demo(engine), _image_budget_range(engine)
+    demo_model, image_tokens = engine.demo, engine.image_budget
 
     def describe(key: str) -> str:
         return descriptions.get(key, "").partition(": ")[2]
@@ -403,6 +427,7 @@ def _settings(engine: Engine) -> dict:
     assert list(settings) == schema.names(), "a control per setting, in the schema's order (the API's)"
     if demo_model:
         gr.Markdown(f"*{DEMO_SETTINGS_NOTE}*", elem_id="settings-note")
+    _hide_what_the_backend_decides(engine, settings)
     drafter_controls = [settings[name] for name in ("drafter", "draft_tokens", "adaptive", "draft_tree",
                                                     "tree_branching")]
     settings["mode"].change(lambda mode: [gr.update(interactive=mode == "speculative" and speculative)] * 5,
@@ -423,19 +448,15 @@ def _slider(name: str, **options) -> gr.Slider:
     return gr.Slider(low, high, value=schema.default(name), step=step, label=meta.label, info=meta.help, **options)
 
 
-def _image_budget_range(engine: Engine) -> int | None:
-    """The largest tokens-per-image budget worth offering; None when a budget changes nothing (a
-    model that reads every image as a fixed number of tokens, or as at most one slider step)."""
-    processor = engine.target.processor
-    if not engine.target.family.image_budget(processor, IMAGE_BUDGET_STEP):
-        return None
-    image_processor = processor.image_processor
-    patch, merge = getattr(image_processor, "patch_size", None), getattr(image_processor, "merge_size", None)
-    max_pixels = getattr(getattr(image_processor, "size", None), "longest_edge", None)
-    if patch and merge and max_pixels:  # a patchifier: its own limit, in tokens
-        own = max_pixels // (patch * merge) ** 2
-        return own if own > IMAGE_BUDGET_STEP else None
-    return MAX_IMAGE_BUDGET
+def _hide_what_the_backend_decides(served: Served, settings: dict) -> None:
+    """Another backend has no built-in draft settings; a server with no drafters to choose decides
+    its own decoding, so it gets no mode or drafter either, and a note says so."""
+    hidden = () if served.engine is not None else ("draft_tokens", "adaptive", "draft_tree", "tree_branching", "top_k")
+    if served.server_decides:
+        hidden += ("mode", "drafter")
+        gr.Markdown(f"*{SERVER_SETTINGS_NOTE}*", elem_id="settings-note")
+    for name in hidden:
+        settings[name].visible = False  # before the page is built: Gradio reads it when it launches
 
 
 def _message_box(elem_id: str) -> gr.MultimodalTextbox:
@@ -505,13 +526,13 @@ def _start(session: Session, turn: Turn) -> None:
     session.pending = turn
 
 
-def _respond(engine: Engine, session: Session, options: Options, demo_model: bool = False):
+def _respond(engine: Engine | Served, session: Session, options: Options, demo_model: bool = False):
     """Prepare the pending turn's images, then stream its answer into the chat panels (and,
     last, the message box), throttled; plots less often. A refused turn (an unreadable image, a
     prompt too long for the context) goes back into the message box, less a refused file, with
     the reason in a notice; the conversation is unchanged. A turn stopped before it started, or
     that failed, is shown with the reason. A chat cleared meanwhile gets empty panels."""
-    turn, history = session.pending, session.turns
+    turn, history, engine = session.pending, session.turns, served_of(engine)
     if turn is None:
         return
     text_tick, plot_tick = views.Throttle(views.UPDATES_PER_SECOND), views.Throttle(views.PLOT_UPDATES_PER_SECOND)
@@ -548,7 +569,7 @@ def _respond(engine: Engine, session: Session, options: Options, demo_model: boo
         yield _panels(messages, side, plain_tok_s, points) + (returned,)
 
 
-def _prepare_images(engine: Engine, session: Session, turn: Turn) -> None:
+def _prepare_images(engine: Served, session: Session, turn: Turn) -> None:
     """Open and shrink the turn's images (a turn shown at once has its files only)."""
     if turn.files and not turn.images:
         prepared = new_turn(turn.message, engine, session)
@@ -571,7 +592,7 @@ def _panels(messages: list[dict], side=None, plain_tok_s: float | None = None,
             gr.Column(visible=bool(side and side.text)))
 
 
-def _api_chat(engine: Engine, message_value, session: Session, options: Options, arrived: float,
+def _api_chat(engine: Served, message_value, session: Session, options: Options, arrived: float,
               visitors: Visitors, session_id: str | None = None):
     """/chat: (answer text, statistics dict), streamed; the turn joins the session's history. A
     request stopped while it waited in the queue answers "" with finish_reason "stopped"."""
@@ -589,25 +610,30 @@ def _api_chat(engine: Engine, message_value, session: Session, options: Options,
     yield side.text, _public_stats(engine, side.stats, session.dropped)
 
 
-def _public_stats(engine: Engine, stats, dropped: int) -> dict:
+def _public_stats(engine: Served, stats, dropped: int) -> dict:
     """views.stats_dict, the drafter named by its key (e.g. "text"), never by the folder it was loaded from."""
     values = views.stats_dict(stats, dropped)
-    keys = {drafter.name: key for key, drafter in engine.drafters.items()}
+    keys = {getattr(drafter, "name", key): key for key, drafter in engine.drafters.items()}
     values["drafter"] = keys.get(values["drafter"], values["drafter"] and os.path.basename(str(values["drafter"])))
     return values
 
 
-def _ab_events(engine: Engine, message_value, session: Session, options: Options, arrived: float):
+def _ab_events(engine: Served, message_value, session: Session, options: Options, arrived: float,
+               ab_backend: Backend | None):
     """run_ab on one message (no chat history), with a stop flag that Stop sets (also while the
-    request waits in the queue)."""
+    request waits in the queue); against `ab_backend` when there is one."""
     options = checked(options, engine)
+    if engine.server_decides and ab_backend is None:
+        raise RequestError(f"the server at {engine.name} decides its own decoding, so there is no plain and "
+                           "speculative run to compare; start the app with --ab-backend URL to compare it with "
+                           "another backend")
     turn = new_turn(message_value, engine)
     messages = messages_for(Session(), turn, options.system_prompt)
     drafter = drafter_for(options, engine) if engine.drafters else None  # run_ab says why None cannot do
     stop, session.running = session.begin(arrived), True
     try:
-        for event in run_ab(BuiltIn(engine), messages, drafter, options.sampling(), options.decode(), stop,
-                            options.max_image_tokens):
+        for event in run_ab(engine.backend, messages, drafter, options.sampling(), options.decode(), stop,
+                            options.max_image_tokens, against=ab_backend):
             if not isinstance(event, ABProgress) and not event.stopped:
                 session.plain_tok_s, session.plain_question = event.plain.stats.decode_tok_s, question_of(turn)
             yield event
@@ -615,23 +641,26 @@ def _ab_events(engine: Engine, message_value, session: Session, options: Options
         session.running = False
 
 
-def _ab_live(engine: Engine, message_value, session: Session, options: Options, arrived: float):
-    tick = views.Throttle(views.UPDATES_PER_SECOND)
+def _ab_live(engine: Served, message_value, session: Session, options: Options, arrived: float,
+             ab_backend: Backend | None):
+    tick, names = views.Throttle(views.UPDATES_PER_SECOND), ab_names(engine, ab_backend)
     with _user_errors():
-        for event in _ab_events(engine, message_value, session, options, arrived):
+        for event in _ab_events(engine, message_value, session, options, arrived, ab_backend):
             done = not isinstance(event, ABProgress)
             if done or tick.ready():
-                verdict = views.ab_markdown(event if done else None, None if done else event.running)
-                yield (verdict, views.plain_html(event.plain.text),
-                       views.highlight_html(event.speculative, "Speculative"),
-                       views.ab_table(event.plain.stats, event.speculative.stats))
+                verdict = views.ab_markdown(event if done else None, None if done else event.running, names)
+                first = (views.plain_html(event.plain.text) if ab_backend is None
+                         else views.highlight_html(event.plain, names[0]))
+                yield (verdict, first, views.highlight_html(event.speculative, "Speculative" if ab_backend is None else names[1]),
+                       views.ab_table(event.plain.stats, event.speculative.stats, names))
 
 
-def _api_ab(engine: Engine, message_value, session: Session, options: Options, arrived: float):
+def _api_ab(engine: Served, message_value, session: Session, options: Options, arrived: float,
+            ab_backend: Backend | None):
     """/ab: plain answer, speculative answer, speedup, identical, first difference (or None);
     stopped: speedup, identical and first difference are None."""
     with _user_errors():
-        *_, result = _ab_events(engine, message_value, session, options, arrived)
+        *_, result = _ab_events(engine, message_value, session, options, arrived, ab_backend)
     difference = result.as_dict()["first_difference"]
     identical = None if result.identical is None else json.dumps(result.identical)  # gr.JSON reads "true"
     return result.plain.text, result.speculative.text, result.decode_speedup, identical, difference

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
+from app_ui.served import Served, served_of
 from engine.ab import Side
-from engine.backend import BuiltIn, Request
+from engine.backend import Request
 from engine.engine import AUTO, ContextError, Engine, RequestError, check_ceilings, check_text
-from engine.images import load_image
 from engine.prompt import Prompt
 from engine.settings import Settings
 from engine.stats import Stats
@@ -158,7 +158,7 @@ class Session:
 Options = Settings  # a request's settings: the one schema (engine/settings.py), its defaults the API's
 
 
-def checked(options: Settings, engine: Engine) -> Settings:
+def checked(options: Settings, engine: Engine | Served) -> Settings:
     """The options converted to their types and checked against the schema's ranges and the
     engine's drafters; RequestError names the first setting that is wrong."""
     auto = [AUTO] if engine.drafters else []  # engine/auto.py picks one per request
@@ -167,7 +167,7 @@ def checked(options: Settings, engine: Engine) -> Settings:
     return options
 
 
-def drafter_for(options: Settings, engine: Engine) -> str | None:
+def drafter_for(options: Settings, engine: Engine | Served) -> str | None:
     """The drafter to decode with; None decodes plainly."""
     if options.mode == "plain":
         return None
@@ -179,18 +179,17 @@ def drafter_for(options: Settings, engine: Engine) -> str | None:
     return drafter
 
 
-def new_turn(message: dict | str | None, engine: Engine, session: Session | None = None) -> Turn:
+def new_turn(message: dict | str | None, engine: Engine | Served, session: Session | None = None) -> Turn:
     """A MultimodalTextbox value ({"text": ..., "files": [...]}) made into a turn whose images
     are validated and shrunk to the processor's size; RequestError / ImageError name the file,
     the field or the limit. Checks the text before opening any image."""
-    arrived = time.perf_counter()
+    arrived, engine = time.perf_counter(), served_of(engine)
     text, files = read_message(message, engine, session)
-    images = [load_image(path, name=os.path.basename(path), fit=engine.target.processor, family=engine.target.family)
-              for path in files]
+    images = [engine.load_image(path, os.path.basename(path)) for path in files]
     return Turn(text, files, images, arrived=arrived, load_s=time.perf_counter() - arrived)
 
 
-def read_message(message: dict | str | None, engine: Engine, session: Session | None = None) -> tuple[str, list[str]]:
+def read_message(message: dict | str | None, engine: Served, session: Session | None = None) -> tuple[str, list[str]]:
     """The message's (text, file paths), checked without opening any file: RequestError names
     the field or the limit."""
     if isinstance(message, str):
@@ -236,7 +235,7 @@ def messages_for(session: Session, turn: Turn, system_prompt: str = "", dropped:
     return messages
 
 
-def fit_to_context(engine: Engine, session: Session, turn: Turn, options: Options) -> tuple[Prompt, int]:
+def fit_to_context(engine: Served, session: Session, turn: Turn, options: Options) -> tuple[Prompt, int]:
     """The prompt for `turn`, and how many of the oldest answered turns it leaves out: as few as
     leave room for the answer (max_new_tokens, at most ANSWER_ROOM). Leaving them out is
     kept (later turns never bring them back) and frees their images. A turn that does not fit
@@ -270,7 +269,7 @@ def fit_to_context(engine: Engine, session: Session, turn: Turn, options: Option
     return prompts[low], low
 
 
-def answer(engine: Engine, session: Session, turn: Turn, options: Options, started: float | None = None
+def answer(engine: Engine | Served, session: Session, turn: Turn, options: Options, started: float | None = None
            ) -> Iterator[Side]:
     """Stream the answer to `turn` (the live Side after every chunk) and keep the turn in the
     session's history when it ends: finished, stopped by `session.stop`, or closed by the
@@ -279,14 +278,14 @@ def answer(engine: Engine, session: Session, turn: Turn, options: Options, start
     be sent again. A chat cleared meanwhile (`session.turns` replaced) does not get the turn.
     `started` (time.perf_counter()): when the request started (default: now, less the time its
     images took to load when the turn was accepted)."""
-    started = time.perf_counter() - turn.load_s if started is None else started
+    started, engine = time.perf_counter() - turn.load_s if started is None else started, served_of(engine)
     history, stop = session.turns, session.begin(turn.arrived)
     side, failed = Side(options.mode), False
     session.running = True
     try:
-        drafter = drafter_for(options, engine)
-        prompt = None if stop.is_set() else fit_to_context(engine, session, turn, options)[0]
-        events = BuiltIn(engine).stream(Request(
+        drafter = None if engine.server_decides else drafter_for(options, engine)
+        prompt = None if stop.is_set() or engine.engine is None else fit_to_context(engine, session, turn, options)[0]
+        events = engine.backend.stream(Request(
             prompt or messages_for(session, turn, options.system_prompt), drafter, options.sampling(),
             options.decode(), stop, started, options.max_image_tokens))
         with closing(events):

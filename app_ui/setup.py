@@ -20,6 +20,10 @@ a flag wins over its variable:
     --max-images  VLM_MAX_IMAGES     images per conversation (default 8, at most 64)
     --trust-remote-code  VLM_TRUST_REMOTE_CODE=1   run a checkpoint's own Python code (off: such a
                              model is refused with a message naming this flag)
+    --backend  VLM_BACKEND   an OpenAI-compatible server's URL (vLLM, SGLang, llama-server) that
+                             answers instead of a loaded model; its API key from VLM_BACKEND_API_KEY
+    --ab-backend  VLM_AB_BACKEND   the A/B tab compares the app's backend with this server's URL
+                             (default: plain vs speculative decoding of the app's own backend)
 
 A bad value, of a flag or a variable, raises SetupError naming it (app.py prints one line).
 """
@@ -49,6 +53,8 @@ class Config:
     share: bool = False
     open_browser: bool = True
     behind_proxy: bool = False  # on a Space: a client's address is the first of X-Forwarded-For
+    backend: str | None = None  # a server's URL that answers instead of the loaded model (docs/backends.md)
+    ab_backend: str | None = None  # a server's URL that the A/B tab compares with the app's backend
 
     @property
     def model(self) -> str:
@@ -92,6 +98,11 @@ def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
                         help="do not open a browser (never opened on a Space)")
     parser.add_argument("--max-images", type=_whole("--max-images", 1, MAX_IMAGES),
                         help=f"images per conversation, 1 to {MAX_IMAGES} (default: 8)")
+    parser.add_argument("--backend", default=env("BACKEND"), metavar="URL",
+                        help="answer with this OpenAI-compatible server instead of loading a model "
+                             "(API key: VLM_BACKEND_API_KEY)")
+    parser.add_argument("--ab-backend", default=env("AB_BACKEND"), metavar="URL",
+                        help="the A/B tab compares the app's backend with this server")
     args = parser.parse_args(argv)
     _check_variables(args)
 
@@ -106,7 +117,8 @@ def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
         raise SetupError(str(error)) from None
     if spec.drafters and "ngram" not in spec.drafters:
         spec = replace(spec, drafters=spec.drafters + ("ngram",))  # the app always offers n-gram: it costs nothing
-    return Config(spec, args.host, port, args.share, not args.no_browser, behind_proxy=on_space)
+    return Config(spec, args.host, port, args.share, not args.no_browser, behind_proxy=on_space,
+                  backend=args.backend, ab_backend=args.ab_backend)
 
 
 MAX_IMAGES = 64
@@ -114,6 +126,8 @@ ENVIRONMENT = """environment variables (a flag wins over its variable):
   VLM_PRESET, VLM_MODEL, VLM_DTYPE, VLM_DRAFTER_DTYPE, VLM_DEVICE, VLM_QUANTIZATION,
   VLM_MAX_IMAGE_TOKENS, VLM_HOST, VLM_PORT, VLM_MAX_IMAGES   the flag of the same name
   VLM_DRAFTER                                                 --drafter; several separated by commas
+  VLM_BACKEND, VLM_AB_BACKEND                                 --backend URL, --ab-backend URL
+  VLM_BACKEND_API_KEY                                         the servers' API key (sent to them only)
   VLM_TRUST_REMOTE_CODE=1, VLM_SHARE=1, VLM_NO_BROWSER=1      the switches
   GRADIO_SERVER_NAME, GRADIO_SERVER_PORT                      host and port, after VLM_HOST and VLM_PORT
   SPACE_ID (set on a Hugging Face Space)                      serve on 0.0.0.0, open no browser"""
@@ -158,6 +172,16 @@ def load_engine(config: Config):
     try:
         return build_engine(config.spec)
     except LoadError as error:
+        raise SetupError(str(error)) from None
+
+
+def open_backends(config: Config):
+    """The servers of --backend and --ab-backend (None where not set); a bad URL is SetupError."""
+    from engine.backends.openai import OpenAIServer
+
+    try:
+        return tuple(OpenAIServer(url) if url else None for url in (config.backend, config.ab_backend))
+    except ValueError as error:
         raise SetupError(str(error)) from None
 
 

@@ -24,8 +24,12 @@ DRAFTER_LABELS = {"vlm": "Small VLM: sees the images", "text_lm": "Text-only LM:
                   "shared_cache": "Assistant: shares the target's cache"}
 HIGHLIGHT_LEGEND = ('<p class="legend"><strong>{title}</strong>: <mark class="draft">green</mark> tokens the '
                     'drafter guessed and the target accepted; the rest the target wrote itself.</p>')
+NO_ORIGINS_LEGEND = ('<p class="legend"><strong>{title}</strong>: which tokens were drafted is not reported by '
+                     'this server.</p>')
 NO_PICTURE_HINT = ("The demo model only learned to answer about pictures like the examples (coloured shapes, bar "
                    "charts, text cards); without one, its answer is a guess.")
+NOT_REPORTED = "not reported by this server"  # a statistic the backend cannot measure (Stats.unknown)
+AB_SIDES = ("plain", "speculative")  # the A/B tab's sides, unless it compares two backends
 FINISH_REASONS = {"stop_token": "end of answer", "max_new_tokens": "max new tokens reached", "stopped": "stopped",
                   "context": "the model's context is full"}
 
@@ -64,18 +68,42 @@ def stats_markdown(stats: Stats | None, plain_tok_s: float | None = None) -> str
     return _table(["Statistic", "This answer"], [row for row in rows if row[1] is not None])
 
 
-def ab_table(plain: Stats | None, speculative: Stats | None) -> str:
-    """Both sides of an A/B run, row by row."""
+def ab_table(plain: Stats | None, speculative: Stats | None, names: tuple[str, str] = AB_SIDES) -> str:
+    """Both sides of an A/B run, row by row (`names`: the sides' headings)."""
     if plain is None:
         return ""
     rows = _stat_rows(plain)
     other = _stat_rows(speculative) if speculative else [(name, "") for name, _ in rows]
-    return _table(["Statistic", "Plain", "Speculative"], [(name, a or "—", b or "—") for (name, a), (_, b)
+    return _table(["Statistic", *(("Plain", "Speculative") if names == AB_SIDES else names)], [(name, a or "—", b or "—") for (name, a), (_, b)
                                                           in zip(rows, other) if a is not None or b is not None])
 
 
 def _stat_rows(stats: Stats) -> list[tuple[str, str | None]]:
-    """(name, value) rows; None: nothing to say for this answer (the panel leaves the row out)."""
+    """(name, value) rows; None: nothing to say for this answer (the panel leaves the row out).
+    What the backend did not report (Stats.unknown) says so, never a made-up figure."""
+    rows = _measured_rows(stats)
+    unknown = set(stats.unknown)
+    if not unknown:
+        return rows
+    marked = {"Prompt": _prompt_row(stats, unknown), "Decoding": NOT_REPORTED if "mode" in unknown else None}
+    for row, fields in UNKNOWN_ROWS.items():
+        if fields <= unknown:
+            marked[row] = NOT_REPORTED
+    return [(name, marked.get(name) or value) for name, value in rows]
+
+
+# Rows that say "not reported" when the backend reports none of their fields.
+UNKNOWN_ROWS = {"Accepted / drafted": {"accepted", "drafted"}, "Acceptance": {"acceptance"},
+                "Tokens per target pass": {"tokens_per_forward"}}
+
+
+def _prompt_row(stats: Stats, unknown: set[str]) -> str:
+    tokens = NOT_REPORTED if "prefill_tokens" in unknown else plural(stats.prefill_tokens, "token")
+    read = f"{NOT_REPORTED}" if "prefill_s" in unknown else f"{stats.prefill_s * 1000:.0f} ms"
+    return f"{tokens}; read in: {read}"
+
+
+def _measured_rows(stats: Stats) -> list[tuple[str, str | None]]:
     speculative = stats.mode == "speculative"
     drafter = drafter_name(stats.drafter_kind) if stats.drafter_kind else "—"
     budget = f", at most {stats.max_image_tokens} per image" if stats.max_image_tokens else ""
@@ -162,7 +190,9 @@ def highlight_html(side: Side | None, title: str = "Latest answer") -> str:
         return ""
     runs = "".join(f'<mark class="draft">{html.escape(text)}</mark>' if label else html.escape(text)
                    for text, label in highlighted(side))
-    return f'{HIGHLIGHT_LEGEND.format(title=title)}<div class="answer-text">{runs}</div>'
+    origins_known = any(origin != "unknown" for _, origin in side.spans) or not side.spans
+    legend = HIGHLIGHT_LEGEND if origins_known else NO_ORIGINS_LEGEND
+    return f'{legend.format(title=title)}<div class="answer-text">{runs}</div>'
 
 
 def plain_html(text: str) -> str:
@@ -229,14 +259,20 @@ def _note(title: str, status: str = "done", content: str = "") -> dict:
     return {"role": "assistant", "content": content, "metadata": {"title": title, "status": status}}
 
 
-def ab_markdown(result: ABResult | None, running: str | None = None) -> str:
-    """The A/B verdict: speedup and identity, or which side is running."""
+def ab_markdown(result: ABResult | None, running: str | None = None, names: tuple[str, str] = AB_SIDES) -> str:
+    """The A/B verdict: speedup and identity, or which side is running (`running`: "plain" or
+    "speculative", the first or second side; `names`: the sides' names when two backends)."""
+    backends = names != AB_SIDES
     if result is None:
-        return f"*Running the {running} side…*" if running else "*Run a turn to compare plain and speculative decoding.*"
+        if running:
+            return f"*Running the {names[AB_SIDES.index(running)]} side…*"
+        return f"*Run a turn to compare {names[0]} and {names[1]}{'' if backends else ' decoding'}.*"
     if result.stopped:
         return "**Stopped** before both sides finished; no speedup or comparison to report."
     parts = []
-    if result.decode_speedup is not None:
+    if result.decode_speedup is not None and backends:
+        parts.append(f"**{names[1]}: {result.decode_speedup:.2f}×** the decode tokens/s of {names[0]}")
+    elif result.decode_speedup is not None:
         parts.append(f"**Speedup {result.decode_speedup:.2f}×** in decode tokens/s")
         if result.decode_speedup < 1:
             parts.append(_slowdown(result.speculative.stats))
@@ -246,8 +282,10 @@ def ab_markdown(result: ABResult | None, running: str | None = None) -> str:
         parts.append("answers **identical** ✓")
     else:
         d = result.first_difference
-        parts.append(f"answers **differ** from token {d.index} (character {d.char_index}): "
-                     f"plain “`{_code(d.plain)}`” vs speculative “`{_code(d.speculative)}`”")
+        unit = "character" if d.index == d.char_index and result.plain.token_ids == [] else "token"
+        where = f"{unit} {d.index}" if unit == "character" else f"token {d.index} (character {d.char_index})"
+        parts.append(f"answers **differ** from {where}: "
+                     f"{names[0]} “`{_code(d.plain)}`” vs {names[1]} “`{_code(d.speculative)}`”")
     return " · ".join(parts)
 
 

@@ -108,22 +108,32 @@ def run_ab(
     decode: DecodeSettings = DecodeSettings(),
     stop: threading.Event | None = None,
     max_image_tokens: int | None = None,
+    against: Backend | None = None,
 ) -> Iterator[ABProgress | ABResult]:
     """Answer the conversation's last user turn plainly, then with `drafter` (default: the
     backend's default drafter), each image at most `max_image_tokens` tokens (engine.prepare);
-    an ABProgress after every chunk, then one ABResult."""
-    drafter = drafter or backend.capabilities.default_drafter
-    if drafter is None:
-        raise RequestError("A/B needs a drafter and none is loaded")
+    an ABProgress after every chunk, then one ABResult.
+
+    `against`: another backend instead. The first side ("plain" in the result) is `backend` with
+    `drafter` (None: as it decodes by default), the second ("speculative") is `against`, as it
+    decodes by default; the answers are compared as text unless both are the same backend."""
+    if against is None:
+        drafter = drafter or backend.capabilities.default_drafter
+        if drafter is None:
+            raise RequestError("A/B needs a drafter and none is loaded")
     plain, speculative = Side("plain"), Side("speculative")
-    for side, side_drafter in ((plain, None), (speculative, drafter)):
+    runs = ((plain, backend, None), (speculative, backend, drafter)) if against is None else \
+        ((plain, backend, drafter), (speculative, against, None))
+    for side, side_backend, side_drafter in runs:
         if stop is not None and stop.is_set():
             break
-        for event in backend.stream(Request(messages, side_drafter, sampling, decode, stop,
-                                            max_image_tokens=max_image_tokens)):
+        for event in side_backend.stream(Request(messages, side_drafter, sampling, decode, stop,
+                                                 max_image_tokens=max_image_tokens)):
             side.update(event)
             yield ABProgress(side.mode, plain, speculative)
-    yield compare(backend.engine.target.tokenizer if isinstance(backend, BuiltIn) else None, plain, speculative)
+    same = against is None or against is backend
+    yield compare(backend.engine.target.tokenizer if same and isinstance(backend, BuiltIn) else None, plain,
+                  speculative)
 
 
 def compare(tokenizer, plain: Side, speculative: Side) -> ABResult:

@@ -129,6 +129,7 @@ class Stats:
         parts = [f"{self.decode_tok_s:.1f} tok/s", f"TTFT {self.ttft_s * 1000:.0f} ms"]
         if self.acceptance is not None:
             parts.append(f"acceptance {self.acceptance:.0%}")
+        if self.tokens_per_forward is not None and self.acceptance is not None:  # another backend may not say
             parts.append(f"{self.tokens_per_forward:.2f} tok/forward")
         if self.draft_shape == "tree":
             parts.append(f"tree: {self.nodes_per_forward:.1f} nodes/forward, accepted depth {self.accepted_depth:.2f}")

@@ -17,6 +17,7 @@ import json
 import socket
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
@@ -101,7 +102,8 @@ def free_port() -> int:
 def launch_app(zoo, *argv: str, **main_options) -> SimpleNamespace:
     """`python app.py --model M --drafter D --no-browser` with the tiny Qwen2-VL target and its text
     drafter (n-gram comes too), as a user starts it: no --host, no --share, none of their
-    environment variables. `url`, `demo`, and the `engine` it built (for gates and faults)."""
+    environment variables. `url`, `demo`, and the `engine` it built (for gates and faults; None
+    with --backend URL, which loads no model)."""
     built = {}
     load_engine = setup.load_engine
 
@@ -115,7 +117,7 @@ def launch_app(zoo, *argv: str, **main_options) -> SimpleNamespace:
         patch.setattr(setup, "load_engine", keep)
         demo = app.main(["--model", str(zoo.dir("qwen2_vl")), "--drafter", str(zoo.dir("qwen2_vl", "text_drafter")),
                          "--port", str(free_port()), "--no-browser", *argv], block=False, **main_options)
-    return SimpleNamespace(url=demo.local_url, demo=demo, engine=built["engine"])
+    return SimpleNamespace(url=demo.local_url, demo=demo, engine=built.get("engine"))  # no engine: --backend
 
 
 def reference_engine(zoo) -> Engine:
@@ -163,3 +165,70 @@ def cli_json(capsys, argv: list[str]) -> dict:
     """What `python -m engine ARGV --json` prints, parsed; the exit status must be 0."""
     assert cli_main(argv + ["--json"]) == 0
     return json.loads(capsys.readouterr().out)
+
+
+# A fake OpenAI-compatible server: chat-completion chunks in llama-server's format (llama.cpp
+# tools/server/server-task.cpp: a role delta, one content delta a token, a last chunk with
+# finish_reason, a usage chunk carrying `timings`, then `data: [DONE]`).
+PIECES = ["The", " red", " square", " is", " larger."]
+TIMINGS = {"prompt_n": 9, "prompt_ms": 12.5, "predicted_n": 5, "predicted_ms": 40.0, "draft_n": 6,
+           "draft_n_accepted": 4}
+
+
+def chunk(delta: dict | None = None, finish: str | None = None, **extra) -> bytes:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "tiny", "choices": choices, **extra}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def llama_server_answer(timings: dict | None = TIMINGS, pieces: list[str] = PIECES) -> list[bytes]:
+    usage = {"completion_tokens": len(pieces), "prompt_tokens": 9, "total_tokens": 9 + len(pieces)}
+    final = {"usage": usage, **({"timings": timings} if timings else {})}
+    return ([chunk({"role": "assistant", "content": None})] + [chunk({"content": p}) for p in pieces]
+            + [chunk({}, "stop"), chunk(None, **final), b"data: [DONE]\n\n"])
+
+
+class FakeServer:
+    """Answers /v1/models and /v1/chat/completions with `self.reply` (status, body lines); holds
+    before line `hold_at` until `release` is set; records what it received (headers, body)."""
+
+    def __init__(self):
+        self.reply: tuple[int, list[bytes]] = (200, llama_server_answer())
+        self.hold_at, self.held, self.release = None, threading.Event(), threading.Event()
+        self.requests, self.disconnected = [], threading.Event()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self._send(200, [json.dumps({"object": "list", "data": [{"id": "tiny-vlm"}]}).encode()])
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append((dict(self.headers), body))
+                self._send(*server.reply)
+
+            def _send(self, status, lines):
+                self.send_response(status)
+                self.send_header("Content-Type", "text/event-stream" if status == 200 else "application/json")
+                self.end_headers()
+                try:
+                    for i, line in enumerate(lines):
+                        if i == server.hold_at:
+                            server.held.set()
+                            server.release.wait(WAIT_S)
+                        self.wfile.write(line)
+                        self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    server.disconnected.set()
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.http.shutdown()
+        self.http.server_close()

@@ -1,5 +1,5 @@
 """The remote OpenAI-compatible backend (engine/backends/openai.py) against a small HTTP server
-written here that streams chat-completion chunks in llama-server's format (llama.cpp
+(tests/helpers.py, FakeServer) that streams chat-completion chunks in llama-server's format (llama.cpp
 tools/server/server-task.cpp: a role delta, one content delta a token, a last chunk with
 finish_reason, a usage chunk carrying `timings`, then `data: [DONE]`)."""
 
@@ -10,7 +10,6 @@ import io
 import json
 import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from PIL import Image
@@ -20,73 +19,14 @@ from engine.backends.openai import OpenAIServer
 from engine.engine import RequestError
 from engine.loop import Chunk, DecodeSettings, Done
 from engine.sampling import SamplingSettings
-
-WAIT_S = 60
-PIECES = ["The", " red", " square", " is", " larger."]
-TIMINGS = {"prompt_n": 9, "prompt_ms": 12.5, "predicted_n": 5, "predicted_ms": 40.0, "draft_n": 6,
-           "draft_n_accepted": 4}
-
-
-def chunk(delta: dict | None = None, finish: str | None = None, **extra) -> bytes:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
-    body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "tiny", "choices": choices, **extra}
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-
-def llama_server_answer(timings: dict | None = TIMINGS) -> list[bytes]:
-    usage = {"completion_tokens": len(PIECES), "prompt_tokens": 9, "total_tokens": 9 + len(PIECES)}
-    final = {"usage": usage, **({"timings": timings} if timings else {})}
-    return ([chunk({"role": "assistant", "content": None})] + [chunk({"content": p}) for p in PIECES]
-            + [chunk({}, "stop"), chunk(None, **final), b"data: [DONE]\n\n"])
-
-
-class Server:
-    """Answers /v1/models and /v1/chat/completions with `self.reply` (status, body lines); holds
-    before line `hold_at` until `release` is set; records what it received."""
-
-    def __init__(self):
-        self.reply: tuple[int, list[bytes]] = (200, llama_server_answer())
-        self.hold_at, self.held, self.release = None, threading.Event(), threading.Event()
-        self.requests, self.disconnected = [], threading.Event()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                self._send(200, [json.dumps({"object": "list", "data": [{"id": "tiny-vlm"}]}).encode()])
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.requests.append((dict(self.headers), body))
-                self._send(*server.reply)
-
-            def _send(self, status, lines):
-                self.send_response(status)
-                self.send_header("Content-Type", "text/event-stream" if status == 200 else "application/json")
-                self.end_headers()
-                try:
-                    for i, line in enumerate(lines):
-                        if i == server.hold_at:
-                            server.held.set()
-                            server.release.wait(WAIT_S)
-                        self.wfile.write(line)
-                        self.wfile.flush()
-                except (BrokenPipeError, ConnectionResetError):
-                    server.disconnected.set()
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+from tests.helpers import PIECES, WAIT_S, FakeServer, chunk, llama_server_answer
 
 
 @pytest.fixture
 def server():
-    server = Server()
+    server = FakeServer()
     yield server
-    server.release.set()
-    server.http.shutdown()
+    server.close()
 
 
 def ask(text="Which is larger?", images=()) -> list[dict]:
