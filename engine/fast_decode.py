@@ -10,7 +10,9 @@ fewer operations, over a StaticKVCache (engine/static_cache.py):
   (docs/performance.md). The model's own Linear weights become views of these buffers (same
   values, no second copy), so transformers' forward (prefill) reads the same memory;
 - rotary cos / sin come from a table indexed by position, applied to q and k in one go, with
-  rotate_half(x) * sin written as roll(x) * signed_sin (the same products, exactly);
+  rotate_half(x) * sin written as flip(halves of x) * signed_sin (the same products, exactly);
+- RMSNorm is torch's fused `rms_norm` (bitwise equal to transformers' float32 arithmetic; for
+  16-bit weights the scale is applied after the cast back, as transformers does);
 - a pass writes its K/V into the cache's slots; attention reads slots 0 .. length - 1.
 
 Covered: text stacks of full-attention layers with default RoPE, SiLU MLP and plain float
@@ -129,7 +131,8 @@ class FastDecoder:
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin (n, 1, D) at `positions` (n,), as transformers computes them: in float32,
-        then cast. signed_sin = sin with its first half negated (roll(x) * it == rotate_half(x) * sin)."""
+        then cast. signed_sin = sin with its first half negated: with x's halves swapped,
+        swapped(x) * signed_sin == rotate_half(x) * sin."""
         end = int(positions.max()) + 1
         if end > len(self.cos):  # extend the table (doubling) to cover `end`
             table_len = max(end, 2 * len(self.cos), 1024)
@@ -143,9 +146,9 @@ class FastDecoder:
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """transformers' RMSNorm: in float32, cast back, then scaled."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * h.to(x.dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, self.eps)
+        return weight * F.rms_norm(x.float(), weight.shape, None, self.eps).to(x.dtype)
 
     def forward(self, cache: StaticKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
                 attention_mask: torch.Tensor | None, num_logits: int,
@@ -175,7 +178,8 @@ class FastDecoder:
         for index, layer in enumerate(self.layers):
             qkv = F.linear(self._norm(x, layer.input_norm), layer.qkv_weight, layer.qkv_bias)  # (n, q + 2 kv)
             qk = qkv[:, :q_width + kv_width].view(n, self.heads + self.kv_heads, self.head_dim)
-            qk = qk * cos + qk.roll(self.head_dim // 2, -1) * signed_sin
+            swapped = qk.view(n, -1, 2, self.head_dim // 2).flip(-2).view(qk.shape)  # halves swapped
+            qk = qk * cos + swapped * signed_sin
             queries = qk[:, :self.heads].transpose(0, 1)[None]  # (1, heads, n, D)
             keys, values = cache.keys[index], cache.values[index]
             keys[0, :, start:end] = qk[:, self.heads:].transpose(0, 1)
