@@ -108,7 +108,8 @@ def gemv_bandwidth(dtype: torch.dtype, size: int = 8192, repeats: int = 20) -> f
 
 
 def shape_target(name: str, layers: int | None, dtype: str):
-    """(model, family) of a measure/shapes.py architecture, random weights, built in memory."""
+    """(model, family) of a measure/shapes.py architecture, random weights, built in memory; its
+    vision tower keeps one layer (a decode pass never runs it)."""
     from transformers import AutoModelForImageTextToText
 
     from measure import shapes
@@ -116,6 +117,8 @@ def shape_target(name: str, layers: int | None, dtype: str):
     from tests import tiny
 
     shape = shapes.SHAPES[name]
+    shape = dict(shape, vision=dict(shape["vision"], **({"depth": 1, "fullatt_block_indexes": [0]}
+                                                         if "depth" in shape["vision"] else {"num_hidden_layers": 1})))
     text = dict(shape["text"], **({"num_hidden_layers": layers} if layers else {}))
     config = shapes._vlm_config(shape, text, tiny._tokenizer(tiny._TOKENS[shape["family"]]), quick=False)
     torch.manual_seed(0)
