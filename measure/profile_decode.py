@@ -3,6 +3,7 @@
     python -m measure.profile_decode [--dtype bfloat16] [--drafter-dtype auto] [--steps 200] [--wrapped]
     python -m measure.profile_decode --compare [--shape smolvlm-256m [--layers N]] [--dtype bfloat16]
                                      [--verify 1] [--rounds 5] [--steps 50]
+    python -m measure.profile_decode --layouts
 
 Default: loads the bundled demo pair as the benchmark does, prefills one benchmark request,
 then profiles `steps` single-token steps of the target (a plain decode step) and of each model
@@ -19,6 +20,10 @@ bytes of weights a pass reads, the bandwidth that implies, a matrix-vector produ
 measured here, and the bound (bytes / that bandwidth). `--shape` builds a measure/shapes.py
 architecture with random weights in memory (`--layers N` keeps N decoder layers: a layer-scaled
 view of a model too large to hold; the per-layer figures scale).
+
+`--layouts`: one product y = x W^T at SmolVLM-256M's and Qwen2.5-VL-3B's shapes, x of 1 and 5
+rows, float32 and bfloat16, with W stored (out, in) (nn.Linear's layout) and (in, out): the best
+of 3 x 30 runs each, interleaved. This is what chose engine/fast_decode.py's layouts.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import time
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from engine import fast_decode
@@ -107,6 +113,33 @@ def gemv_bandwidth(dtype: torch.dtype, size: int = 8192, repeats: int = 20) -> f
     return weight.numel() * weight.element_size() / best / 1e9
 
 
+LAYOUT_SHAPES = {"qkv 576->960": (960, 576), "gate/up 576->3072": (3072, 576), "down 1536->576": (576, 1536),
+                 "head 576->49280": (49280, 576), "3B gate/up 2048->22016": (22016, 2048),
+                 "3B down 11008->2048": (2048, 11008)}
+
+
+def layouts() -> None:
+    """Microseconds of one product in each weight layout: (out, in) / (in, out)."""
+    def best(fn, runs: int = 30) -> float:
+        fastest = float("inf")
+        for _ in range(runs):
+            started = time.perf_counter()
+            fn()
+            fastest = min(fastest, time.perf_counter() - started)
+        return 1e6 * fastest
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; us per product, (out, in) / (in, out)")
+    for rows in (1, 5):
+        for dtype in (torch.float32, torch.bfloat16):
+            cells = []
+            for name, (out, inp) in LAYOUT_SHAPES.items():
+                weight = torch.randn(out, inp).to(dtype)
+                input_major, x = weight.t().contiguous().t(), torch.randn(rows, inp).to(dtype)
+                pairs = [(best(lambda: F.linear(x, weight)), best(lambda: F.linear(x, input_major))) for _ in range(3)]
+                cells.append(f"{name} {min(p[0] for p in pairs):.0f}/{min(p[1] for p in pairs):.0f}")
+            print(f"  {rows} row(s), {str(dtype).removeprefix('torch.')}: " + "; ".join(cells))
+
+
 def shape_target(name: str, layers: int | None, dtype: str):
     """(model, family) of a measure/shapes.py architecture, random weights, built in memory; its
     vision tower keeps one layer (a decode pass never runs it)."""
@@ -172,7 +205,12 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--input-major", choices=("auto", "on", "off"), default="auto",
                         help="with --compare: the fast path's weight layout (auto: (in, out) for 16-bit weights)")
+    parser.add_argument("--layouts", action="store_true", help="one product in each weight layout")
     args = parser.parse_args(argv)
+    if args.layouts:
+        with torch.inference_mode():
+            layouts()
+        return 0
     if args.compare:
         if args.shape:
             model, family = shape_target(args.shape, args.layers, args.dtype if args.dtype != "fit" else "float32")
