@@ -5,6 +5,7 @@ decode, verify, rollback, draft trees and hidden-state reads; uncovered families
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +104,20 @@ def test_static_cache_grows_past_its_capacity_and_moves_entries():
     assert cache.length == 2 and cache.values[0][0, 0, :2].tolist() == [[0, 1], [4, 5]]
     with pytest.raises(ValueError):
         cache.crop(1)
+
+
+def test_demo_model_greedy_decode_and_verify_match_transformers(one_thread):
+    """The bundled model (Qwen2-VL, trained): 30 greedy steps and a verify pass, per request."""
+    from engine.target import load_target
+    from measure.bench import demo_requests, messages_of
+
+    target = load_target(str(Path(__file__).parents[1] / "assets" / "demo" / "target"))
+    engine = Engine(target)
+    for request in demo_requests(2):
+        prompt = engine.prepare(messages_of(request))
+        runners = Runner(target.model, target.family, fast=False), Runner(target.model, target.family)
+        (logits, old), (_, new) = (runner.prefill(prompt.target_inputs) for runner in runners)
+        answer = [int(logits.argmax())]
+        for _ in range(30):
+            answer.append(int(both(runners, (old, new), "extend", [answer[-1]])[-1].argmax()))
+        both(runners, (old, new), "extend", answer[-6:])
