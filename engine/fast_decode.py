@@ -5,7 +5,7 @@ wrapper's mask and cache bookkeeping), not to arithmetic: docs/performance.md. T
 the same arithmetic as transformers' (RMSNorm in float32, rotary embedding, SDPA, SiLU MLP) in
 fewer operations, over a StaticKVCache (engine/static_cache.py):
 - q, k, v are one matrix product (and gate, up another) on weights concatenated at load;
-- in bfloat16 / float16 every product's weight is stored input-major, (in, out) contiguous: a
+- in bfloat16 / float16 on a CPU every product's weight is stored input-major, (in, out) contiguous: a
   one-row product then streams it about 1.4-2.9x faster on this CPU than the (out, in) layout
   (docs/performance.md). The model's own Linear weights become views of these buffers (same
   values, no second copy), so transformers' forward (prefill) reads the same memory;
@@ -103,7 +103,7 @@ class FastDecoder:
 
     @torch.no_grad()
     def __init__(self, model, input_major: bool | None = None):
-        """input_major: store weights (in, out) (default: for 16-bit weights, where it pays)."""
+        """input_major: store weights (in, out) (default: for 16-bit weights on a CPU, where it pays)."""
         config = model.config.get_text_config()
         stack = text_stack(model)
         self.embed = model.get_input_embeddings()
@@ -115,7 +115,9 @@ class FastDecoder:
         self.scaling = attn.scaling
         self.inv_freq = stack.rotary_emb.inv_freq.float()
         self.dtype = self.final_norm.dtype
-        self.input_major = self.dtype != torch.float32 if input_major is None else input_major
+        if input_major is None:
+            input_major = self.dtype != torch.float32 and self.final_norm.device.type == "cpu"
+        self.input_major = input_major
         self.layers = [self._layer(layer, self.input_major) for layer in stack.layers]
         share([self.lm_head], self.input_major)
         self.cos = self.signed_sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.final_norm.device)

@@ -121,3 +121,19 @@ def test_demo_model_greedy_decode_and_verify_match_transformers(one_thread):
         for _ in range(30):
             answer.append(int(both(runners, (old, new), "extend", [answer[-1]])[-1].argmax()))
         both(runners, (old, new), "extend", answer[-6:])
+
+
+def test_bfloat16_weights_become_views_of_input_major_buffers(zoo):
+    """Same values, one copy: the model's Linear weights view the fast path's (in, out) buffers."""
+    import copy
+
+    from engine import fast_decode
+
+    model = copy.deepcopy(zoo.target("idefics3").model).to(torch.bfloat16)
+    attn = fast_decode.text_stack(model).layers[0].self_attn
+    before = attn.k_proj.weight.clone()
+    decoder = fast_decode.FastDecoder(model)
+    fused = decoder.layers[0].qkv_weight
+    assert decoder.input_major and fused.t().is_contiguous()
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert torch.equal(attn.k_proj.weight, before)
