@@ -3,6 +3,11 @@
 Used for the target and for every drafter that is itself a language model. The cache is
 indexed by KV slot; the rotary position is tracked separately because after an image on an
 M-RoPE model the two differ by `rope_delta`. Rolling back a rejected draft is one `crop`.
+
+Decode and verify passes of models whose text stack engine/fast_decode.py covers run its
+hand-written forward over a preallocated cache (engine/static_cache.py): prefill runs
+transformers' forward, and its cache is copied into the static one. Other models keep
+transformers' forward and its DynamicCache; `Runner.fast_fallback` says why.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
+from engine import fast_decode
+from engine.static_cache import StaticKVCache
 from engine.tree import ancestor_mask, tree_depths
 from models.families import Family
 
@@ -56,7 +63,7 @@ class CacheState:
                into this list, -1 for a child of the committed sequence (engine/tree.py).
     """
 
-    cache: DynamicCache
+    cache: DynamicCache | StaticKVCache
     cache_len: int
     rope_pos: int
     prompt_positions: torch.Tensor | None = None
@@ -76,11 +83,13 @@ class Runner:
 
     state_type = CacheState  # what `prefill` returns
 
-    def __init__(self, model, family: Family, vocab_size: int | None = None):
+    def __init__(self, model, family: Family, vocab_size: int | None = None, fast: bool = True):
         self.model = model
         self.family = family
         self.vocab_size = vocab_size
         self.device = model.device
+        self.fast_fallback = fast_decode.unsupported(model) if fast else "turned off"  # None: fast path
+        self.fast = fast_decode.FastDecoder(model) if self.fast_fallback is None else None
 
     @torch.inference_mode()
     def prefill(self, inputs: dict[str, torch.Tensor], reads: TargetReads = NO_READS) -> tuple[torch.Tensor, CacheState]:
@@ -99,6 +108,8 @@ class Runner:
         out = self.model(**inputs, position_ids=position_ids, cache=cache,
                          use_cache=True, logits_to_keep=1, **self._hidden_request(state))
         self._keep_hidden(state, out, seq_len)
+        if self.fast is not None:
+            state.cache = StaticKVCache.from_dynamic(cache)
         self.rollback(state, 0)  # trims sliding-window layers back to their window
         return self._vocab(out.logits[0, -1]), state
 
@@ -145,7 +156,9 @@ class Runner:
         start, num_tree = state.cache_len, len(state.tree_parents)
         if path != list(range(len(path))):  # else the path's entries are already in place
             source = torch.tensor(path, device=self.device) + start
-            for layer in (layer for layer in state.cache.layers if layer.is_initialized):
+            if isinstance(state.cache, StaticKVCache):
+                state.cache.move(start, source)
+            for layer in (layer for layer in getattr(state.cache, "layers", ()) if layer.is_initialized):
                 layer.keys[..., start:start + len(path), :] = layer.keys[..., source, :]
                 layer.values[..., start:start + len(path), :] = layer.values[..., source, :]
         state.cache.crop(-(num_tree - len(path)))
@@ -159,7 +172,7 @@ class Runner:
         layers keep one branch of a pass and drop the others by compaction."""
         kinds = sorted({"sliding-window" if getattr(layer, "is_sliding", False) else "linear-attention"
                         if isinstance(layer, LinearAttentionCacheLayerMixin) else type(layer).__name__
-                        for layer in state.cache.layers if type(layer) is not DynamicLayer})
+                        for layer in getattr(state.cache, "layers", ()) if type(layer) is not DynamicLayer})
         if kinds:
             return (f"the cache has {' and '.join(kinds)} layers, whose state a tree pass would mix across "
                     "branches; chains are drafted")
@@ -169,6 +182,8 @@ class Runner:
                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run token_ids (n,) at position_ids over the cache; float32 logits (n, V)."""
         num_tokens = len(token_ids)
+        if self.fast is not None:
+            return self._fast_forward(state, token_ids, position_ids, attention_mask)
         input_ids = torch.tensor([token_ids], device=self.device)
         if self.family.direct_text_steps and not state.reads:
             logits = self.family.text_step(self.model, input_ids, position_ids, state.cache, num_tokens,
@@ -180,6 +195,21 @@ class Runner:
             self._keep_hidden(state, out, num_tokens)
             logits = out.logits
         return self._vocab(logits[0, -num_tokens:])
+
+    def _fast_forward(self, state: CacheState, token_ids: list[int], position_ids: torch.Tensor,
+                      attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """_forward through engine/fast_decode.py: text tokens move every M-RoPE row together, so
+        the first row of position_ids, (n,), is their 1-D rotary position."""
+        if state.reads.shared_kv:
+            raise ValueError("the fast forward computes no shared K/V; build the Runner with fast=False")
+        num_tokens = len(token_ids)
+        logits, hidden = self.fast.forward(state.cache, torch.tensor(token_ids, device=self.device),
+                                           position_ids.reshape(-1, num_tokens)[0],
+                                           None if attention_mask is None else attention_mask[0, 0], num_tokens,
+                                           state.reads.hidden_layers)
+        if state.reads.hidden_layers:
+            state.hidden = hidden
+        return self._vocab(logits)
 
     def checkpoint(self, state: CacheState) -> None:
         """The cache holds committed tokens only, and a rollback to here may follow. Nothing to

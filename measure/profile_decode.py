@@ -1,48 +1,74 @@
-"""Where a decode step's time goes: torch.profiler over the target's and each drafter's steps.
+"""Where a decode step's time goes, and the fast path against transformers' forward.
 
     python -m measure.profile_decode [--dtype bfloat16] [--drafter-dtype auto] [--steps 200] [--wrapped]
+    python -m measure.profile_decode --compare [--shape smolvlm-256m [--layers N]] [--dtype bfloat16]
+                                     [--verify 1] [--rounds 5] [--steps 50]
+    python -m measure.profile_decode --layouts
 
-Loads the bundled demo pair as the benchmark does, prefills one benchmark request, then
-profiles `steps` single-token steps of the target (a plain decode step) and of each model
+Default: loads the bundled demo pair as the benchmark does, prefills one benchmark request,
+then profiles `steps` single-token steps of the target (a plain decode step) and of each model
 drafter (a draft step), each followed by its rollback, and prints per model: milliseconds per
 step, the share spent in `aten::linear` (matrix products) and the five most expensive
-operators. This is how the benchmark's drafter cost was traced to bfloat16 matmuls on a CPU
-(docs/benchmarks.md). `--wrapped` runs every step through the multimodal wrapper's forward, as
-the engine did before it called Qwen-VL language models directly.
+operators. `--wrapped` runs every step through the multimodal wrapper's forward.
+
+`--compare`: today's path (transformers' forward, `Runner(fast=False)`) against the fast path
+(engine/fast_decode.py) on one target, in one process, interleaved: `rounds` rounds of `steps`
+passes over `--verify` tokens each (then rolled back), old then new then old...; prints each
+path's median ms per pass, the median of the per-round ratios, the profile of a pass (time in
+matrix products, attention, other operators, and outside operators: Python and dispatch), the
+bytes of weights a pass reads, the bandwidth that implies, a matrix-vector product's bandwidth
+measured here, and the bound (bytes / that bandwidth). `--shape` builds a measure/shapes.py
+architecture with random weights in memory (`--layers N` keeps N decoder layers: a layer-scaled
+view of a model too large to hold; the per-layer figures scale).
+
+`--layouts`: one product y = x W^T at SmolVLM-256M's and Qwen2.5-VL-3B's shapes, x of 1 and 5
+rows, float32 and bfloat16, with W stored (out, in) (nn.Linear's layout) and (in, out): the best
+of 3 x 30 runs each, interleaved. This is what chose engine/fast_decode.py's layouts.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import statistics
 import sys
 import time
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from engine import fast_decode
 from engine.build import add_model_flags, build_engine, spec_from_args
+from engine.runner import Runner
 from models.loading import dtype_name
 from measure.bench import demo_requests, messages_of
 
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::mv")
 
-def profile_steps(runner, state, token: int, steps: int) -> tuple[float, list]:
-    """(ms per step without the profiler, profiler's per-operator averages)."""
+
+def profile_steps(runner, state, token: int, steps: int, num_tokens: int = 1) -> tuple[float, list]:
+    """(ms per pass without the profiler, profiler's per-operator averages)."""
+    ms = timed(runner, state, token, steps, num_tokens, warmup=20)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        timed(runner, state, token, steps, num_tokens, warmup=0)
+    return ms, prof.key_averages()
+
+
+def timed(runner, state, token: int, steps: int, num_tokens: int = 1, warmup: int = 3) -> float:
+    """ms per pass over `steps` passes over `num_tokens` tokens, each rolled back, after `warmup`."""
     def step():
         runner.checkpoint(state)  # a hybrid model (Qwen3.5) rolls back to here
-        runner.extend(state, [token])
-        runner.rollback(state, 1)
+        runner.extend(state, [token] * num_tokens)
+        runner.rollback(state, num_tokens)
 
-    for _ in range(20):
+    for _ in range(warmup):
         step()
     started = time.perf_counter()
     for _ in range(steps):
         step()
-    ms = 1000 * (time.perf_counter() - started) / steps
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
-    return ms, prof.key_averages()
+    return 1000 * (time.perf_counter() - started) / steps
 
 
 def report(name: str, ms: float, averages, steps: int) -> None:
@@ -54,12 +80,147 @@ def report(name: str, ms: float, averages, steps: int) -> None:
         print(f"    {e.key:<40} {e.self_cpu_time_total / steps / 1000:.3f} ms/step ({e.count // steps} calls)")
 
 
+def split(averages, steps: int, ms: float) -> str:
+    """A pass's time by kind: matrix products, attention, other operators, outside operators."""
+    def ms_of(keys=None, exclude=()):
+        return sum(e.self_cpu_time_total for e in averages
+                   if (keys is None or e.key in keys) and e.key not in exclude) / steps / 1000
+
+    matmul, attention = ms_of(MATMULS), ms_of({"aten::_scaled_dot_product_flash_attention_for_cpu"})
+    ops = ms_of()
+    calls = sum(e.count for e in averages if e.key.startswith("aten::")) // steps
+    return (f"products {matmul:.3f} ms, attention {attention:.3f}, other ops {ops - matmul - attention:.3f}, "
+            f"outside ops (Python, dispatch) {max(ms - ops, 0):.3f}; {calls} aten calls")
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode pass reads: the text stack's and the output layer's (the
+    input embedding table is read one row a token)."""
+    stack = fast_decode.text_stack(model)
+    head = model.get_output_embeddings().weight
+    stack_bytes = sum(p.numel() * p.element_size() for name, p in stack.named_parameters() if "embed" not in name)
+    return stack_bytes + head.numel() * head.element_size()
+
+
+def gemv_bandwidth(dtype: torch.dtype, size: int = 8192, repeats: int = 20) -> float:
+    """GB/s of a (1, size) x (size, size) product, the best of `repeats` (the bound's bandwidth)."""
+    weight, x = torch.randn(size, size).to(dtype), torch.randn(1, size).to(dtype)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.nn.functional.linear(x, weight)
+        best = min(best, time.perf_counter() - started)
+    return weight.numel() * weight.element_size() / best / 1e9
+
+
+LAYOUT_SHAPES = {"qkv 576->960": (960, 576), "gate/up 576->3072": (3072, 576), "down 1536->576": (576, 1536),
+                 "head 576->49280": (49280, 576), "3B gate/up 2048->22016": (22016, 2048),
+                 "3B down 11008->2048": (2048, 11008)}
+
+
+def layouts() -> None:
+    """Microseconds of one product in each weight layout: (out, in) / (in, out)."""
+    def best(fn, runs: int = 30) -> float:
+        fastest = float("inf")
+        for _ in range(runs):
+            started = time.perf_counter()
+            fn()
+            fastest = min(fastest, time.perf_counter() - started)
+        return 1e6 * fastest
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; us per product, (out, in) / (in, out)")
+    for rows in (1, 5):
+        for dtype in (torch.float32, torch.bfloat16):
+            cells = []
+            for name, (out, inp) in LAYOUT_SHAPES.items():
+                weight = torch.randn(out, inp).to(dtype)
+                input_major, x = weight.t().contiguous().t(), torch.randn(rows, inp).to(dtype)
+                pairs = [(best(lambda: F.linear(x, weight)), best(lambda: F.linear(x, input_major))) for _ in range(3)]
+                cells.append(f"{name} {min(p[0] for p in pairs):.0f}/{min(p[1] for p in pairs):.0f}")
+            print(f"  {rows} row(s), {str(dtype).removeprefix('torch.')}: " + "; ".join(cells))
+
+
+def shape_target(name: str, layers: int | None, dtype: str):
+    """(model, family) of a measure/shapes.py architecture, random weights, built in memory; its
+    vision tower keeps one layer (a decode pass never runs it)."""
+    from transformers import AutoModelForImageTextToText
+
+    from measure import shapes
+    from models.families import family_for_config
+    from tests import tiny
+
+    shape = shapes.SHAPES[name]
+    shape = dict(shape, vision=dict(shape["vision"], **({"depth": 1, "fullatt_block_indexes": [0]}
+                                                         if "depth" in shape["vision"] else {"num_hidden_layers": 1})))
+    text = dict(shape["text"], **({"num_hidden_layers": layers} if layers else {}))
+    config = shapes._vlm_config(shape, text, tiny._tokenizer(tiny._TOKENS[shape["family"]]), quick=False)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, dtype)).eval()
+    return model, family_for_config(config)
+
+
+def compare(model, family, rounds: int, steps: int, num_tokens: int, input_major: bool | None = None,
+            prompt_len: int = 64) -> None:
+    """Today's Runner against the fast one (on a copy of the model: the fast path lays its weights
+    out anew), interleaved round by round, then profiled."""
+    dtype = next(model.parameters()).dtype
+    input_ids = torch.randint(16, model.config.get_text_config().vocab_size, (1, prompt_len))
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    if fast_decode.unsupported(model):
+        raise SystemExit(f"no fast path for this model: {fast_decode.unsupported(model)}")
+    fast = Runner(copy.deepcopy(model), family, fast=False)
+    fast.fast = fast_decode.FastDecoder(fast.model, input_major)
+    runners = {"today": Runner(model, family, fast=False), "fast": fast}
+    states = {name: runner.prefill(inputs)[1] for name, runner in runners.items()}
+    times = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, runner in runners.items():
+            times[name].append(timed(runner, states[name], 7, steps, num_tokens))
+    ratios = [old / new for old, new in zip(times["today"], times["fast"])]
+    weights = weight_bytes(model)
+    bandwidth = gemv_bandwidth(dtype)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {str(dtype).removeprefix('torch.')}, "
+          f"fast path weights {'(in, out)' if fast.fast.input_major else '(out, in)'}, "
+          f"passes over {num_tokens} token(s) after a {prompt_len}-token prompt, {rounds} rounds x {steps} passes")
+    print(f"weights read per pass {weights / 1e6:.1f} MB; GEMV 8192^2 here {bandwidth:.1f} GB/s; "
+          f"bound {1000 * weights / bandwidth / 1e9:.2f} ms/pass")
+    for name, runner in runners.items():
+        ms = statistics.median(times[name])
+        _, averages = profile_steps(runner, states[name], 7, steps, num_tokens)
+        print(f"  {name:>5}: {ms:.3f} ms/pass ({weights / ms / 1e6:.1f} GB/s of weights); "
+              f"{split(averages, steps, ms)}")
+    print(f"  fast / today speed ratio: median {statistics.median(ratios):.2f} "
+          f"(rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m measure.profile_decode", description=__doc__.split("\n\n")[0])
     add_model_flags(parser)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--wrapped", action="store_true", help="full multimodal forward for every step")
+    parser.add_argument("--compare", action="store_true", help="today's forward against the fast path")
+    parser.add_argument("--shape", help="with --compare: a measure/shapes.py architecture (random weights)")
+    parser.add_argument("--layers", type=int, help="with --shape: keep this many decoder layers")
+    parser.add_argument("--verify", type=int, default=1, help="with --compare: tokens per pass")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--input-major", choices=("auto", "on", "off"), default="auto",
+                        help="with --compare: the fast path's weight layout (auto: (in, out) for 16-bit weights)")
+    parser.add_argument("--layouts", action="store_true", help="one product in each weight layout")
     args = parser.parse_args(argv)
+    if args.layouts:
+        with torch.inference_mode():
+            layouts()
+        return 0
+    if args.compare:
+        if args.shape:
+            model, family = shape_target(args.shape, args.layers, args.dtype if args.dtype != "fit" else "float32")
+        else:
+            target = build_engine(replace(spec_from_args(args), drafters=())).target
+            model, family = target.model, target.family
+        with torch.inference_mode():
+            compare(model, family, args.rounds, args.steps, args.verify,
+                    {"auto": None, "on": True, "off": False}[args.input_major])
+        return 0
     spec = spec_from_args(args)
     engine = build_engine(replace(spec, drafters=tuple(d for d in spec.drafters if d != "ngram")))
     if args.wrapped:
