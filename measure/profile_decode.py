@@ -147,7 +147,7 @@ def shape_target(name: str, layers: int | None, dtype: str):
 
     from measure import shapes
     from models.families import family_for_config
-    from tests import tiny
+    from models import tiny
 
     shape = shapes.SHAPES[name]
     shape = dict(shape, vision=dict(shape["vision"], **({"depth": 1, "fullatt_block_indexes": [0]}

@@ -13,7 +13,7 @@ import torch
 from engine.engine import Engine
 from engine.runner import Runner, TargetReads
 from engine.static_cache import StaticKVCache
-from tests import tiny
+from models import tiny
 
 COVERED = ("qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm", "llava")
 ATOL = 1e-5
