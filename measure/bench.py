@@ -4,7 +4,7 @@ transformers' own `generate()`.
 
     python -m measure.bench [--preset demo | --model ID --drafter ID ...] [--dtype bfloat16]
                             [--drafter-dtype auto] [--draft-tokens K] [--fixed-k K] [--quick]
-                            [--tree [--tree-nodes N]] [--json FILE] [--plot FILE]
+                            [--tree [--tree-nodes N]] [--load N] [--json FILE] [--plot FILE]
 
 Rows (all on the same requests, greedy, streamed): this engine plain; this engine with each
 drafter; transformers `generate()` plain; `generate(assistant_model=...)` with each drafter
@@ -19,6 +19,10 @@ measured here). The draft length is chosen from cost unless `--draft-tokens K` f
 an `auto` row lets the engine pick one per request (engine/auto.py); like every request on
 the engine it learns from what the other rows' requests measured.
 
+`--load N` keeps the machine busy while the rows run: N background processes each spin a core
+(as other tenants of a shared machine or a free CPU Space do), stopped when the rows are done;
+the table's header gives the load average seen before and after.
+
 `--tree` adds, for each drafter, a row drafting trees (engine/tree.py) of `--tree-nodes` nodes
 (default: --draft-tokens, else 4, so the tree's verify pass covers as many tokens as a chain of
 4) and k deep; the chain rows then draft chains explicitly. A tree row's `limit` counts a whole
@@ -28,7 +32,9 @@ the engine it learns from what the other rows' requests measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -167,6 +173,10 @@ def print_table(rows: list[dict], info: dict) -> None:
           f"{info['device']}; dtype {info['dtype']}"
           + "".join(f", {name} {dtype}" for name, dtype in info.get("drafter_dtypes", {}).items())
           + f"; torch {info['torch']}, transformers {info['transformers']}")
+    load = info.get("load")
+    if load and load["processes"]:
+        print(f"busy machine: {load['processes']} background processes spinning a core; load average "
+              f"{load['before']:.1f} before, {load['after']:.1f} after")
     print("| engine | first token | whole answer | decode tok/s | mean k | tokens per target forward | acceptance "
           "| identical to plain | speedup vs plain (min-median-max) | limit |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -218,6 +228,28 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def busy(processes: int):
+    """`processes` background processes that each spin a core until the block ends; yields the
+    load averages seen (1 minute): {"before": ..., "after": ...} ("after" filled at the end)."""
+    seen = {"processes": processes, "before": os.getloadavg()[0]}
+    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(processes)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        yield seen
+    finally:
+        seen["after"] = os.getloadavg()[0]
+        for spinner in spinners:
+            spinner.terminate()
+            spinner.join()
+
+
 def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
@@ -238,6 +270,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tree-nodes", type=int, help="nodes per tree (default: --draft-tokens)")
     parser.add_argument("--tree-branching", type=int, default=2, help="a tree node's most children (default 2)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' rows")
+    parser.add_argument("--load", type=int, default=0, metavar="N",
+                        help="N background processes spinning a core while the rows run (a busy machine)")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--plot", metavar="FILE", default="bench.png", help="PNG plot (default bench.png)")
     args = parser.parse_args(argv)
@@ -269,22 +303,12 @@ def main(argv=None) -> int:
         rows += [Row("transformers", "speculative", key, labels[key]) for key, drafter in engine.drafters.items()
                  if drafter.kind in ("text_lm", "vlm")]
         rows += [Row("transformers", "speculative", "prompt_lookup", "prompt_lookup")]
-    started = time.perf_counter()
-    for index, request in enumerate([requests[0]] + requests):  # the first pass is the warm-up
-        order = rows[index % len(rows):] + rows[:index % len(rows)]
-        for row in order:
-            runner = run_this if row.engine == "this" else run_transformers
-            row_decode = replace(decode, tree_nodes=row.tree_nodes)
-            if row.draft_tokens:
-                row_decode = replace(row_decode, draft_tokens=row.draft_tokens)
-            measurement = runner(engine, row.drafter, messages_of(request), row_decode, request_id=index)
-            if index > 0:
-                row.runs.append(measurement)
-        print(f"request {index}/{len(requests)} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    with busy(args.load) as load:
+        run_rows(engine, rows, requests, decode)
     costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens or 4, tree_nodes=tree_nodes,
                        branching=args.tree_branching)
     dtype = dtype_name(engine.target.model)  # --dtype fit resolved
-    info = machine_info(dtype, engine)
+    info = machine_info(dtype, engine) | {"load": load}
     table = [summarize(row, rows[0], costs) for row in rows]
     print_table(table, info)
     for r in table:
@@ -303,6 +327,23 @@ def main(argv=None) -> int:
         with open(args.json, "w") as file:
             json.dump({"machine": info, "dtype": dtype, "costs": costs, "rows": table}, file, indent=1)
     return 0
+
+def run_rows(engine, rows: list[Row], requests: list[dict], decode: DecodeSettings) -> None:
+    """Every row on every request, interleaved request by request (the order rotates); the first
+    pass is the warm-up, left out of the figures."""
+    started = time.perf_counter()
+    for index, request in enumerate([requests[0]] + requests):
+        order = rows[index % len(rows):] + rows[:index % len(rows)]
+        for row in order:
+            runner = run_this if row.engine == "this" else run_transformers
+            row_decode = replace(decode, tree_nodes=row.tree_nodes)
+            if row.draft_tokens:
+                row_decode = replace(row_decode, draft_tokens=row.draft_tokens)
+            measurement = runner(engine, row.drafter, messages_of(request), row_decode, request_id=index)
+            if index > 0:
+                row.runs.append(measurement)
+        print(f"request {index}/{len(requests)} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+
 
 if __name__ == "__main__":
     sys.exit(main())
