@@ -162,8 +162,6 @@ def ab_markdown(result: ABResult | None, running: str | None = None) -> str:
     parts = []
     if result.decode_speedup is not None:
         parts.append(f"**Speedup {result.decode_speedup:.2f}×** in decode tokens/s")
-        if result.decode_speedup < 1:
-            parts.append(_slowdown(result.speculative.stats))
     if result.time_ratio is not None:
         parts.append(f"whole answer {result.time_ratio:.2f}× as fast")
     if result.identical:
@@ -172,15 +170,7 @@ def ab_markdown(result: ABResult | None, running: str | None = None) -> str:
         d = result.first_difference
         parts.append(f"answers **differ** from token {d.index} (character {d.char_index}): "
                      f"plain `{_code(d.plain)}` vs speculative `{_code(d.speculative)}`")
-    return " · ".join(parts)
-
-
-def _slowdown(stats: Stats | None) -> str:
-    """Why speculative decoding came out slower than plain, in one line."""
-    acceptance = f"{stats.acceptance:.0%}" if stats and stats.acceptance is not None else "too few"
-    return (f"slower than plain: the target kept {acceptance} of the drafted tokens, too few to pay for drafting "
-            "them (sampling at temperature > 0 accepts fewer than greedy decoding; the small VLM drafter is accepted "
-            "most often)")
+    return " · ".join(parts) + (f"\n\n{result.verdict.text}" if result.verdict else "")
 
 
 def _code(text: str) -> str:
