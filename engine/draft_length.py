@@ -13,8 +13,8 @@ that the ones before it were. The cost rule drafts the k of 0..max_draft_tokens 
 
 k = 0 is a plain step (rate 1 / (t(1) + o)): chosen when no draft pays for itself ("drafting
 paused"), with one token drafted every PROBE_EVERY plain steps so that acceptance is still
-measured. A fixed k is kept while it pays and paused by the same rule when it does not (a
-drafter whose drafts are rejected costs at most the probes, whatever k was asked).
+measured. A fixed k is kept while it pays and paused by the same rule when it does not: once a draft token has been rejected, a drafter
+whose drafts are rejected costs at most the probes, whatever k was asked.
 
 Worked example (a Qwen2.5-VL-3B-shaped target in bfloat16 on a 2-core CPU, measured: t(n)/t(1)
 = 1.07, 1.18, 1.39, 1.76 for n = 2, 3, 5, 9, so t(4) = 1.285 interpolated; a 0.5B drafter's
@@ -287,6 +287,9 @@ class DraftLength:
             self.costs.record_request(self.drafter, self.request_accepted, self.request_judged)
 
     def _choose(self) -> None:
+        if self.fixed and self.request_accepted == self.request_judged:  # nothing rejected yet: as asked
+            self.k, self.reason = self.fixed, f"draft length {self.fixed} (fixed)"
+            return
         choice = best_k(self.costs, self.drafter, self.acceptance, self.max_k, self.tree, self.fixed)
         if choice is None:  # a cost never measured: draft, and measure it (and a plain step to price it by)
             self.k = self.fixed or FIRST_K

@@ -227,8 +227,10 @@ def test_a_busier_machine_does_not_stop_a_good_drafter(monkeypatch):
 
 
 def test_a_plain_step_now_and_then_while_drafting(monkeypatch):
-    """A drafting answer times a plain step about once in REFERENCE_EVERY rounds (its unit of cost)."""
-    stats, _ = timed_answer(monkeypatch, 1.0, draft_tokens=4)
+    """A drafting answer times a plain step about once in REFERENCE_EVERY rounds (its unit of cost);
+    a fixed k that nothing has been rejected from drafts exactly as asked."""
+    assert set(timed_answer(monkeypatch, 1.0, draft_tokens=4)[0].draft_lengths[:-1]) == {4}
+    stats, _ = timed_answer(monkeypatch, 1.0)
     plain = [i for i, k in enumerate(stats.draft_lengths[:-1]) if k == 0]  # the last: cut at max_new_tokens
     assert plain and all(b - a == REFERENCE_EVERY for a, b in zip(plain, plain[1:]))
     assert len(plain) <= len(stats.draft_lengths) // REFERENCE_EVERY + 1
