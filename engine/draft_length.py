@@ -13,8 +13,10 @@ that the ones before it were. The cost rule drafts the k of 0..max_draft_tokens 
 
 k = 0 is a plain step (rate 1 / (t(1) + o)): chosen when no draft pays for itself ("drafting
 paused"), with one token drafted every PROBE_EVERY plain steps so that acceptance is still
-measured. A fixed k is kept while it pays and paused by the same rule when it does not: once a draft token has been rejected, a drafter
-whose drafts are rejected costs at most the probes, whatever k was asked.
+measured. A fixed k is kept as asked unless its drafts are nearly all rejected (acceptance
+estimate under FIXED_FLOOR after THIN_EVIDENCE tokens judged): then it is paused the same way.
+That decision reads the answer's tokens only, never timings, so a seeded sampled answer at a
+fixed k is reproducible.
 
 Worked example (a Qwen2.5-VL-3B-shaped target in bfloat16 on a 2-core CPU, measured: t(n)/t(1)
 = 1.07, 1.18, 1.39, 1.76 for n = 2, 3, 5, 9, so t(4) = 1.285 interpolated; a 0.5B drafter's
@@ -26,8 +28,9 @@ tests/test_draft_length.py asserts this example.
 Costs measured close together. On a shared machine the time of everything rises and falls with
 the load, so seconds measured minutes apart do not compare (a plain step timed while the machine
 was quiet made every later draft look like a loss). `PassCosts` therefore keeps every cost as a
-multiple of a plain step measured close by: the median of the last REFERENCE_SAMPLES plain steps,
-and while an answer drafts, one round in REFERENCE_EVERY is a plain step that keeps it current.
+multiple of a plain step measured close by: the median of the last REFERENCE_SAMPLES plain steps;
+while an answer drafts, one round in REFERENCE_EVERY is a plain step that keeps it current, and
+a request after IDLE_S without any round takes one of its own (its second round).
 Costs are keyed by what was done: d by tokens drafted, t by rows verified; draft trees
 (engine/tree.py) have tables of their own (their pass masks attention differently), so a tree
 verifying 6 nodes 4 deep never prices a chain. Each table holds, per size, the median of the
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -67,7 +71,9 @@ THIN_EVIDENCE = 16
 OPTIMISM = 1.0  # standard errors added to the acceptance estimate before choosing k
 HISTORY_PRIOR = 8  # pseudo-tokens at acceptance 0.5 in a drafter's history
 REFERENCE_SAMPLES = 3  # plain steps whose median is the unit of every cost
-REFERENCE_EVERY = 24  # while drafting, one round in this many is a plain step (when no other was)
+REFERENCE_EVERY = 32  # while drafting, one round in this many is a plain step (when no other was)
+FIXED_FLOOR = 0.1  # a fixed k pauses below this acceptance estimate (after THIN_EVIDENCE tokens judged)
+IDLE_S = 5.0  # an engine idle this long may have a different load: the next request times a plain step
 
 
 class Curve:
@@ -119,6 +125,7 @@ class PassCosts:
         self.plain_s: deque = deque(maxlen=REFERENCE_SAMPLES)  # seconds of the latest plain steps
         self.rounds = 0  # rounds recorded on this engine
         self.last_plain = None  # the round of the latest plain step
+        self.last_round_at = float("-inf")  # time.monotonic() of the latest round recorded
         self.pending: deque = deque(maxlen=WINDOW)  # rounds before any plain step: priced by the first one
         self.verify = Curve(_prior)  # chain passes, by rows
         self.tree_verify = Curve(_prior)  # tree passes, by rows
@@ -130,6 +137,7 @@ class PassCosts:
 
     def record_round(self, done: Round) -> None:
         self.rounds += 1
+        self.last_round_at = time.monotonic()
         if done.rows == 1:
             self.plain_s.append(done.verify_s)
             self.last_plain = self.rounds
@@ -152,10 +160,11 @@ class PassCosts:
             self.draft.setdefault(done.drafter, Curve()).add(done.rows - 1, done.draft_s / unit)
 
     def begin_request(self) -> None:
-        """A request starts: the machine's load may have changed since the last one, so its rounds
-        wait for a plain step of its own before they are priced."""
-        self.plain_s.clear()
-        self.last_plain = None
+        """A request starts. After IDLE_S without a round the machine's load may have changed, so
+        the request's rounds wait for a plain step of its own before they are priced."""
+        if time.monotonic() - self.last_round_at > IDLE_S:
+            self.plain_s.clear()
+            self.last_plain = None
 
     def needs_reference(self) -> bool:
         """No plain step among the last REFERENCE_EVERY rounds: the next drafting round should be one."""
@@ -287,8 +296,11 @@ class DraftLength:
             self.costs.record_request(self.drafter, self.request_accepted, self.request_judged)
 
     def _choose(self) -> None:
-        if self.fixed and self.request_accepted == self.request_judged:  # nothing rejected yet: as asked
-            self.k, self.reason = self.fixed, f"draft length {self.fixed} (fixed)"
+        if self.fixed:  # decided on the answer's tokens alone, so a seeded answer stays reproducible
+            if self.request_judged >= THIN_EVIDENCE and self.acceptance < FIXED_FLOOR:
+                self._paused(None)
+            else:
+                self.k, self.reason, self.plain_rounds = self.fixed, f"draft length {self.fixed} (fixed)", 0
             return
         choice = best_k(self.costs, self.drafter, self.acceptance, self.max_k, self.tree, self.fixed)
         if choice is None:  # a cost never measured: draft, and measure it (and a plain step to price it by)
@@ -318,14 +330,15 @@ class DraftLength:
         self.reason = f"draft length {self.k} (fixed)" if self.fixed else \
             f"draft length {self.k}: the fastest at the measured costs and acceptance ({choice.gain:.2f}× plain expected)"
 
-    def _paused(self, choice: Choice) -> None:
+    def _paused(self, choice: Choice | None) -> None:
+        """Plain steps, and 1 token every PROBE_EVERY; `choice`: the cost rule's (None: a fixed k rejected)."""
         self.plain_rounds += 1
         probe = self.plain_rounds % PROBE_EVERY == 0
         self.k = 1 if probe else 0
-        tried = f"draft length {self.fixed}" if self.fixed else "the best draft length"
+        why = (f"draft length {self.fixed}: almost every drafted token was rejected" if choice is None else
+               f"the best draft length was {choice.gain:.2f}× plain expected")
         self.reason = (f"{PAUSED}; " + ("drafting 1 token to see whether it pays again" if probe else
-                                        f"{tried} was {choice.gain:.2f}× plain expected; 1 token is tried "
-                                        f"again every {PROBE_EVERY} steps"))
+                                        f"{why}; 1 token is tried again every {PROBE_EVERY} steps"))
 
 
 def _adaptive(k: int) -> str:

@@ -38,7 +38,7 @@ def test_json_answer_speculative_equals_plain(zoo, image_files, capsys):
     assert speculative["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) > 0
     assert speculative["text"] == plain["text"]
     assert plain["stats"]["mode"] == "plain" and speculative["stats"]["mode"] == "speculative"
-    assert speculative["stats"]["draft_length_reason"] == "draft length 3 (fixed)"
+    assert "draft length 3" in speculative["stats"]["draft_length_reason"]  # (fixed), or paused when rejected
     auto = cli_json(capsys, common + ["--drafter", f"auto,{drafter},ngram"])  # k from cost, drafter picked
     assert auto["token_ids"] == plain["token_ids"]
     assert auto["stats"]["auto_choice"].startswith("auto: ") and "(fixed)" not in auto["stats"]["draft_length_reason"]
