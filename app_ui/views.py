@@ -274,8 +274,6 @@ def ab_markdown(result: ABResult | None, running: str | None = None, names: tupl
         parts.append(f"**{names[1]}: {result.decode_speedup:.2f}×** the decode tokens/s of {names[0]}")
     elif result.decode_speedup is not None:
         parts.append(f"**Speedup {result.decode_speedup:.2f}×** in decode tokens/s")
-        if result.decode_speedup < 1:
-            parts.append(_slowdown(result.speculative.stats))
     if result.time_ratio is not None:
         parts.append(f"whole answer {result.time_ratio:.2f}× as fast")
     if result.identical:
@@ -286,15 +284,7 @@ def ab_markdown(result: ABResult | None, running: str | None = None, names: tupl
         where = f"{unit} {d.index}" if unit == "character" else f"token {d.index} (character {d.char_index})"
         parts.append(f"answers **differ** from {where}: "
                      f"{names[0]} “`{_code(d.plain)}`” vs {names[1]} “`{_code(d.speculative)}`”")
-    return " · ".join(parts)
-
-
-def _slowdown(stats: Stats | None) -> str:
-    """Why speculative decoding came out slower than plain, in one line."""
-    acceptance = f"{stats.acceptance:.0%}" if stats and stats.acceptance is not None else "too few"
-    return (f"slower than plain: the target kept {acceptance} of the drafted tokens, too few to pay for drafting "
-            "them (sampling at temperature > 0 accepts fewer than greedy decoding; the small VLM drafter is accepted "
-            "most often)")
+    return " · ".join(parts) + (f"\n\n{result.verdict.text}" if result.verdict else "")
 
 
 def _code(text: str) -> str:

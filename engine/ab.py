@@ -18,6 +18,11 @@ Conventions:
   above 1 means the speculative answer finished sooner.
 - identical compares token ids (the texts when the backend gives no ids). With greedy sampling it must be True (the engine's exactness
   guarantee); with temperature > 0 the two sides draw differently and usually differ.
+- verdict: the conclusion in words (`Verdict.text`), derived from the measured figures only, so
+  that it cannot contradict them: decode_speedup = tokens per target forward / the time of a
+  speculative round in plain steps (both sides' decode_s / target_forwards), an identity of the
+  two sides' statistics; acceptance as Stats.acceptance; the drafter's cost per drafted token
+  from the engine's measured costs; the machine's load average per core over the A/B.
 - A stop (the `stop` event) ends the A/B early: the result has stopped=True, no speedup, no
   comparison (identical and first_difference are None: the answers were not both finished),
   and the speculative side may not have run (its `done` is False).
@@ -25,6 +30,7 @@ Conventions:
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -33,10 +39,12 @@ from engine.backend import Backend, BuiltIn, Request
 from engine.engine import RequestError
 from engine.loop import Chunk, DecodeSettings, Done
 from engine.sampling import SamplingSettings
-from engine.stats import Stats
+from engine.stats import PAUSED, Stats
 
 DIFFERENCE_TOKENS = 8  # how much of each side `Difference` shows from the first differing token
 DIFFERENCE_CHARS = 32  # the same, when the sides are compared as text
+ABOUT_THE_SAME = 0.05  # a speedup within this of 1 is "about as fast"
+BUSY = 1.0  # load average per core above which timings are called noisy
 
 
 @dataclass
@@ -82,6 +90,21 @@ class Difference:
 
 
 @dataclass
+class Verdict:
+    """The A/B's conclusion: a headline and reasons, each naming a measured figure."""
+
+    headline: str
+    reasons: list[str] = field(default_factory=list)
+    round_cost: float | None = None  # a speculative round's time in plain steps (decode_s / target_forwards)
+    draft_cost: float | None = None  # drafting one token, in plain steps (the engine's measured costs)
+    load_per_core: float | None = None  # the machine's 1-minute load average per core during the A/B
+
+    @property
+    def text(self) -> str:
+        return " ".join([self.headline + ("." if self.reasons else "")] + [r[0].upper() + r[1:] + "." for r in self.reasons])
+
+
+@dataclass
 class ABResult:
     plain: Side
     speculative: Side
@@ -90,14 +113,17 @@ class ABResult:
     identical: bool | None  # None when stopped
     first_difference: Difference | None  # None when identical or stopped
     stopped: bool = False
+    verdict: Verdict | None = None
 
     def as_dict(self) -> dict:
         """Plain data (answers, statistics, comparison) for JSON."""
         sides = {side.mode: {"text": side.text, "stats": side.stats.as_dict() if side.stats else None}
                  for side in (self.plain, self.speculative)}
         first_difference = asdict(self.first_difference) if self.first_difference else None
+        verdict = {**asdict(self.verdict), "text": self.verdict.text} if self.verdict else None
         return {**sides, "decode_speedup": self.decode_speedup, "time_ratio": self.time_ratio,
-                "identical": self.identical, "first_difference": first_difference, "stopped": self.stopped}
+                "identical": self.identical, "first_difference": first_difference, "stopped": self.stopped,
+                "verdict": verdict}
 
 
 def run_ab(
@@ -124,6 +150,7 @@ def run_ab(
     plain, speculative = Side("plain"), Side("speculative")
     runs = ((plain, backend, None), (speculative, backend, drafter)) if against is None else \
         ((plain, backend, drafter), (speculative, against, None))
+    load_before = os.getloadavg()[0]
     for side, side_backend, side_drafter in runs:
         if stop is not None and stop.is_set():
             break
@@ -131,18 +158,22 @@ def run_ab(
                                                  max_image_tokens=max_image_tokens)):
             side.update(event)
             yield ABProgress(side.mode, plain, speculative)
-    same = against is None or against is backend
-    yield compare(backend.engine.target.tokenizer if same and isinstance(backend, BuiltIn) else None, plain,
-                  speculative)
+    load = (load_before + os.getloadavg()[0]) / 2 / (os.cpu_count() or 1)
+    built_in = backend.engine if isinstance(backend, BuiltIn) and (against is None or against is backend) else None
+    yield compare(built_in.target.tokenizer if built_in else None, plain, speculative, sampling.temperature, load,
+                  _draft_cost(built_in, speculative.stats) if built_in else None, verdict_of=against is None)
 
 
-def compare(tokenizer, plain: Side, speculative: Side) -> ABResult:
-    """Speedup and identity of two finished sides (see the module's conventions); with no
-    `tokenizer` the texts are compared, character by character."""
+def compare(tokenizer, plain: Side, speculative: Side, temperature: float = 0.0, load_per_core: float | None = None,
+            draft_cost: float | None = None, verdict_of: bool = True) -> ABResult:
+    """Speedup, identity and (`verdict_of`: plain against speculative decoding of one engine) the
+    verdict of two finished sides (see the module's conventions); with no `tokenizer` the texts
+    are compared, character by character."""
     stopped = not (plain.done and speculative.done) or "stopped" in (
         plain.stats.finish_reason, speculative.stats.finish_reason)
     if stopped:
-        return ABResult(plain, speculative, None, None, identical=None, first_difference=None, stopped=True)
+        return ABResult(plain, speculative, None, None, identical=None, first_difference=None, stopped=True,
+                        verdict=Verdict("Stopped before both sides finished: no speedup or comparison to report"))
     if tokenizer is None:
         index = first_difference_index(plain.text, speculative.text)
         difference = None if index is None else Difference(
@@ -159,8 +190,60 @@ def compare(tokenizer, plain: Side, speculative: Side) -> ABResult:
         )
     decode_speedup = _ratio(speculative.stats.decode_tok_s, plain.stats.decode_tok_s)
     time_ratio = _ratio(plain.stats.total_s, speculative.stats.total_s)
-    return ABResult(plain, speculative, decode_speedup, time_ratio, identical=index is None,
-                    first_difference=difference)
+    result = ABResult(plain, speculative, decode_speedup, time_ratio, identical=index is None,
+                      first_difference=difference)
+    if verdict_of:
+        result.verdict = verdict(result, temperature, load_per_core, draft_cost)
+    return result
+
+
+def verdict(result: ABResult, temperature: float, load_per_core: float | None, draft_cost: float | None) -> Verdict:
+    """The conclusion of a finished A/B, from its figures (see the module's conventions)."""
+    plain, spec = result.plain.stats, result.speculative.stats
+    found = Verdict("", load_per_core=load_per_core, draft_cost=draft_cost)
+    speedup = result.decode_speedup
+    if speedup is None or not spec.target_forwards or not plain.target_forwards:
+        found.headline = "Too short to compare: an answer of one token has no decoding steps to time"
+        return _identity(found, result, temperature)
+    found.round_cost = (spec.decode_s / spec.target_forwards) / (plain.decode_s / plain.target_forwards)
+    pace = ("faster than" if speedup >= 1 + ABOUT_THE_SAME else
+            "slower than" if speedup <= 1 - ABOUT_THE_SAME else "about as fast as")
+    found.headline = f"Speculative decoding was {pace} plain decoding: {speedup:.2f}× the decode speed"
+    tokens = spec.tokens_per_forward
+    accepted = "" if spec.acceptance is None else f" (acceptance {spec.acceptance:.0%}: {spec.accepted} of {spec.drafted} drafted tokens kept)"
+    found.reasons.append(f"each target pass yielded {tokens:.2f} tokens{accepted}, and each round took "
+                         f"{found.round_cost:.2f}× a plain step: {tokens:.2f} / {found.round_cost:.2f} = {speedup:.2f}×")
+    if spec.drafting_paused or spec.drafted == 0:
+        found.reasons.append(f"{PAUSED} by the end of the answer, so most steps were plain ones")
+    elif draft_cost is not None:
+        found.reasons.append(f"drafting one token cost {draft_cost:.2f} of a plain step")
+    if result.time_ratio is not None and (result.time_ratio >= 1) != (speedup >= 1):
+        found.reasons.append(f"the whole answer, prefill and the drafter's own start included, was "
+                             f"{result.time_ratio:.2f}× as fast")
+    if load_per_core is not None and load_per_core > BUSY:
+        found.reasons.append(f"the machine was busy (load {load_per_core:.1f} per core): timings vary from run to run")
+    return _identity(found, result, temperature)
+
+
+def _identity(found: Verdict, result: ABResult, temperature: float) -> Verdict:
+    if result.identical:
+        found.reasons.append("the answers are identical")
+    elif temperature > 0:
+        found.reasons.append(f"the answers differ: at temperature {temperature:g} each side samples its own tokens")
+    else:
+        found.reasons.append("the answers differ although decoding was greedy: that is a bug, please report it")
+    return found
+
+
+def _draft_cost(engine, stats: Stats | None) -> float | None:
+    """Drafting one token at the answer's mean draft length, in plain steps (engine/draft_length.py)."""
+    lengths = [k for k in (stats.draft_lengths if stats else []) if k > 0]
+    curve = engine.costs.draft.get(stats.drafter) if stats and stats.drafter else None
+    if not lengths or curve is None:
+        return None
+    k = sum(lengths) / len(lengths)
+    cost = curve.at(k)
+    return None if cost is None else cost / k
 
 
 def first_difference_index(a: list[int] | str, b: list[int] | str) -> int | None:

@@ -122,7 +122,8 @@ def generate(
         stats.record_round(*_counted(len(draft.token_ids), len(path), len(new_tokens), depth))
         now = clock.now()
         stats.record_time(started, first_token_at, now)
-        length.update(depth, len(path), drafted_at - round_started, verified_at - drafted_at, now - round_started)
+        length.update(len(draft.token_ids) + 1, depth, len(path), draft.parents is not None,
+                      drafted_at - round_started, verified_at - drafted_at, now - round_started)
         yield _chunk(text, new_tokens, min(len(path), len(new_tokens)), stats)
     length.finish()
     stats.record_time(started, first_token_at, clock.now())

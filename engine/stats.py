@@ -10,7 +10,12 @@ Conventions:
   does): plain decoding gives exactly 1.0.
 - `decode_tokens` are the tokens after the first; `decode_tok_s` = decode_tokens / decode_s,
   where decode_s runs from the first token to the last.
-- `acceptance` = accepted / drafted (None when nothing was drafted).
+- `acceptance` = accepted / drafted over the answer (None when nothing was drafted): the one
+  acceptance figure shown anywhere (panels, notes, A/B verdict, benchmark).
+- `draft_length_reason` says in words why the latest round drafted the k it did; when the cost
+  rule stopped drafting it starts with PAUSED (`drafting_paused`). The plain steps the cost rule
+  takes now and then to time plain decoding (REFERENCE) show in `draft_lengths` as 0 but leave
+  the reason and `draft_length_changes` alone.
 - `accepted_by_position[i]`: rounds whose draft token i was accepted; `drafted_by_position[i]`:
   rounds that drafted a token i.
 - Draft trees (engine/tree.py): `drafted` counts the nodes verified, `accepted` the nodes of
@@ -28,6 +33,10 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
+
+
+PAUSED = "drafting paused: it cost more than it saved"  # a draft-length reason's start (engine/draft_length.py)
+REFERENCE = "a plain step, to time plain decoding at the same moment as drafting"  # not shown as a reason
 
 
 class Clock:
@@ -80,6 +89,11 @@ class Stats:
     tok_s_curve: list[float] = field(default_factory=list)  # running decode tok/s after each round
     unknown: tuple[str, ...] = ()  # fields the backend cannot measure (engine/backend.py): None in as_dict
 
+    @property
+    def drafting_paused(self) -> bool:
+        """The cost rule had stopped drafting when the latest round began (it may resume)."""
+        return (self.draft_length_reason or "").startswith(PAUSED)
+
     def record_round(self, num_drafted: int, num_accepted: int, num_emitted: int, depth: int | None = None) -> None:
         """One verify pass: `num_drafted` proposed (nodes), `num_accepted` kept, `num_emitted`
         output; `depth`: how deep a tree went (a chain: num_drafted)."""
@@ -102,6 +116,8 @@ class Stats:
 
     def record_draft_length(self, token: int, k: int, reason: str) -> None:
         """The k chosen before answer token `token` and why; a change is logged (up to 64)."""
+        if reason == REFERENCE:
+            return
         if (not self.draft_length_changes or self.draft_length_changes[-1]["k"] != k) \
                 and len(self.draft_length_changes) < 64:
             self.draft_length_changes.append({"token": token, "k": k, "reason": reason})
@@ -127,8 +143,10 @@ class Stats:
     def summary(self) -> str:
         """One line for a chat history or a log."""
         parts = [f"{self.decode_tok_s:.1f} tok/s", f"TTFT {self.ttft_s * 1000:.0f} ms"]
+        if self.drafting_paused:
+            parts.append(PAUSED)
         if self.acceptance is not None:
-            parts.append(f"acceptance {self.acceptance:.0%}")
+            parts.append(f"acceptance {self.acceptance:.0%} ({self.accepted} of {self.drafted} drafted)")
         if self.tokens_per_forward is not None and self.acceptance is not None:  # another backend may not say
             parts.append(f"{self.tokens_per_forward:.2f} tok/forward")
         if self.draft_shape == "tree":

@@ -4,7 +4,7 @@ transformers' own `generate()`.
 
     python -m measure.bench [--preset demo | --model ID --drafter ID ...] [--dtype bfloat16]
                             [--drafter-dtype auto] [--draft-tokens K] [--fixed-k K] [--quick]
-                            [--tree [--draft-tree N]] [--llamacpp [f32|bf16|q8_0]] [--json FILE] [--plot FILE]
+                            [--tree [--draft-tree N]] [--llamacpp [f32|bf16|q8_0]] [--load N] [--json FILE] [--plot FILE]
 
 Rows (all on the same requests, greedy, streamed): this engine plain; this engine with each
 drafter; transformers `generate()` plain; `generate(assistant_model=...)` with each drafter
@@ -25,6 +25,10 @@ measured bandwidth) printed; with a text drafter, llama.cpp plain and with that 
 requests' text (llama.cpp refuses to draft on images). `--llamacpp q8_0` runs llama.cpp on Q8_0 weights
 (its ids then need not equal this engine's).
 
+`--load N` keeps the machine busy while the rows run: N background processes each spin a core
+(as other tenants of a shared machine or a free CPU Space do), stopped when the rows are done;
+the table's header gives the load average seen before and after.
+
 `--tree` adds, for each drafter, a row drafting trees (engine/tree.py) of `--draft-tree` nodes
 (default: --draft-tokens, else 4, so the tree's verify pass covers as many tokens as a chain of
 4) and k deep; the chain rows then draft chains explicitly. A tree row's `limit` counts a whole
@@ -34,7 +38,9 @@ requests' text (llama.cpp refuses to draft on images). `--llamacpp q8_0` runs ll
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -178,6 +184,10 @@ def print_table(rows: list[dict], info: dict) -> None:
           f"{info['device']}; dtype {info['dtype']}"
           + "".join(f", {name} {dtype}" for name, dtype in info.get("drafter_dtypes", {}).items())
           + f"; torch {info['torch']}, transformers {info['transformers']}")
+    load = info.get("load")
+    if load and load["processes"]:
+        print(f"busy machine: {load['processes']} background processes spinning a core; load average "
+              f"{load['before']:.1f} before, {load['after']:.1f} after")
     print("| engine | first token | whole answer | decode tok/s | mean k | tokens per target forward | acceptance "
           "| identical to plain | speedup vs plain (min-median-max) | limit |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -229,6 +239,28 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def busy(processes: int):
+    """`processes` background processes that each spin a core until the block ends; yields the
+    load averages seen (1 minute): {"before": ..., "after": ...} ("after" filled at the end)."""
+    seen = {"processes": processes, "before": os.getloadavg()[0]}
+    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(processes)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        yield seen
+    finally:
+        seen["after"] = os.getloadavg()[0]
+        for spinner in spinners:
+            spinner.terminate()
+            spinner.join()
+
+
 def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
@@ -250,6 +282,8 @@ def main(argv=None) -> int:
                         help="also llama.cpp rows on the same weights converted to GGUF: the target's dtype "
                              "(default), or f32, bf16, q8_0")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' rows")
+    parser.add_argument("--load", type=int, default=0, metavar="N",
+                        help="N background processes spinning a core while the rows run (a busy machine)")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--plot", metavar="FILE", default="bench.png", help="PNG plot (default bench.png)")
     args = parser.parse_args(argv)
@@ -284,22 +318,12 @@ def main(argv=None) -> int:
     gguf_type = _gguf_type(engine) if args.llamacpp == "same" else args.llamacpp
     llamacpp = llamacpp_rows.bench_rows(engine, spec.target, gguf_type) if args.llamacpp else []
     rows += llamacpp
-    started = time.perf_counter()
-    for index, request in enumerate([requests[0]] + requests):  # the first pass is the warm-up
-        order = rows[index % len(rows):] + rows[:index % len(rows)]
-        for row in order:
-            runner = {"this": run_this, "transformers": run_transformers}.get(row.engine) or row.measure
-            row_decode = replace(decode, tree_nodes=row.tree_nodes)
-            if row.draft_tokens:
-                row_decode = replace(row_decode, draft_tokens=row.draft_tokens)
-            measurement = runner(engine, row.drafter, messages_of(request), row_decode, request_id=index)
-            if index > 0:
-                row.runs.append(measurement)
-        print(f"request {index}/{len(requests)} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    with busy(args.load) as load:
+        run_rows(engine, rows, requests, decode)
     costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens or 4, tree_nodes=tree_nodes,
                        branching=args.tree_branching)
     dtype = dtype_name(engine.target.model)  # --dtype fit resolved
-    info = machine_info(dtype, engine)
+    info = machine_info(dtype, engine) | {"load": load}
     table = [summarize(row, rows[0], costs) for row in rows]
     notes = llamacpp_rows.report(table, rows[0], llamacpp, engine) if llamacpp else []
     print_table(table, info)
@@ -320,6 +344,23 @@ def main(argv=None) -> int:
         with open(args.json, "w") as file:
             json.dump({"machine": info, "dtype": dtype, "costs": costs, "rows": table}, file, indent=1)
     return 0
+
+def run_rows(engine, rows: list[Row], requests: list[dict], decode: DecodeSettings) -> None:
+    """Every row on every request, interleaved request by request (the order rotates); the first
+    pass is the warm-up, left out of the figures."""
+    started = time.perf_counter()
+    for index, request in enumerate([requests[0]] + requests):
+        order = rows[index % len(rows):] + rows[:index % len(rows)]
+        for row in order:
+            runner = {"this": run_this, "transformers": run_transformers}.get(row.engine) or row.measure
+            row_decode = replace(decode, tree_nodes=row.tree_nodes)
+            if row.draft_tokens:
+                row_decode = replace(row_decode, draft_tokens=row.draft_tokens)
+            measurement = runner(engine, row.drafter, messages_of(request), row_decode, request_id=index)
+            if index > 0:
+                row.runs.append(measurement)
+        print(f"request {index}/{len(requests)} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,10 +34,10 @@ def test_json_answer_speculative_equals_plain(zoo, image_files, capsys):
     assert speculative["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) > 0
     assert speculative["text"] == plain["text"]
     assert plain["stats"]["mode"] == "plain" and speculative["stats"]["mode"] == "speculative"
-    assert speculative["stats"]["draft_length_reason"] == "fixed: draft_tokens 3"
+    assert "draft length 3" in speculative["stats"]["draft_length_reason"]  # (fixed), or paused when rejected
     auto = cli_json(capsys, common + ["--drafter", f"auto,{drafter},ngram"])  # k from cost, drafter picked
     assert auto["token_ids"] == plain["token_ids"]
-    assert auto["stats"]["auto_choice"].startswith("auto: ") and auto["stats"]["draft_length_reason"].startswith("cost")
+    assert auto["stats"]["auto_choice"].startswith("auto: ") and "(fixed)" not in auto["stats"]["draft_length_reason"]
     assert speculative["stats"]["drafter_kind"] == "text_lm"
     assert speculative["stats"]["prefill_image_tokens"] > 0
     for key in ("ttft_s", "decode_tok_s", "acceptance", "tokens_per_forward", "accepted_by_position"):

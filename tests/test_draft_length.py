@@ -10,41 +10,46 @@ from collections import deque
 import pytest
 import torch
 
+import engine.draft_length
 import engine.loop
-from engine.draft_length import PROBE_EVERY, PassCosts, best_k, expected_tokens
+from engine.draft_length import PROBE_EVERY, REFERENCE_EVERY, Curve, PassCosts, Round, best_k, expected_tokens
 from engine.loop import DecodeSettings, generate
 from engine.sampling import SamplingSettings
+from engine.stats import PAUSED
 from measure.replay import ReplayDrafter
-from tests.mocks import CharTokenizer, MarkovRunner, prompt_of
+from tests.mocks import CharTokenizer, MarkovRunner, ScriptedTreeDrafter, prompt_of
 
 V = 16
 T1, SLOPE, STEP = 1.0, 0.09, 0.21  # t(n) = T1 (1 + SLOPE (n-1)); a draft step costs STEP (the 3B shape's)
+CALL = 0.0  # what drafting costs once a round, whatever k (a drafter's own overhead)
 
 
 def measured(verify: dict[int, float], step: float) -> PassCosts:
+    """Costs in plain steps: target passes over n rows, and drafter "d" at `step` a token."""
     costs = PassCosts()
-    costs.verify = {n: deque([t]) for n, t in verify.items()}
-    costs.step["d"] = deque([step])
+    costs.verify.samples = {n: deque([t]) for n, t in verify.items()}
+    costs.draft["d"] = Curve()
+    costs.draft["d"].samples = {k: deque([step * k]) for k in range(1, 9)}
     return costs
 
 
 def test_worked_example_of_the_docstring():
     costs = measured({1: 1.0, 2: 1.07, 3: 1.18, 5: 1.39, 9: 1.76}, 0.21)
-    assert costs.t(4) == pytest.approx(1.285)
+    assert costs.verify.at(4) == pytest.approx(1.285)
     assert best_k(costs, "d", 0.7, 8).k == 2
     assert best_k(costs, "d", 0.9, 8).k == 5
     choice = best_k(costs, "d", 0.1, 8)
-    assert choice.k == 0 and "loss" in choice.reason
+    assert choice.k == 0 and choice.gain == pytest.approx(0.86, abs=0.01)
     assert expected_tokens(0.7, 2) == pytest.approx(1 + 0.7 + 0.49)
     assert expected_tokens(1.0, 4) == 5
 
 
 def test_unmeasured_costs_are_scaled_from_the_nearest_measurement():
     costs = measured({5: 1.4}, 0.1)
-    assert costs.t(1) == pytest.approx(1.4 / 1.4)  # prior 1 + 0.1 (n-1)
-    assert costs.t(9) == pytest.approx(1.4 * 1.8 / 1.4)
-    assert PassCosts().t(3) is None
-    assert best_k(PassCosts(), "d", 0.9, 8).reason.startswith("cost: nothing measured")
+    assert costs.verify.at(1) == pytest.approx(1.4 / 1.4)  # prior 1 + 0.1 (n-1)
+    assert costs.verify.at(9) == pytest.approx(1.4 * 1.8 / 1.4)
+    assert PassCosts().verify.at(3) is None
+    assert best_k(PassCosts(), "d", 0.9, 8) is None
 
 
 def test_a_flat_cost_curve_and_a_free_drafter_draft_long():
@@ -52,10 +57,12 @@ def test_a_flat_cost_curve_and_a_free_drafter_draft_long():
 
 
 class VirtualClock:
-    """Seconds advance only when a mock model runs: the test chooses every cost."""
+    """Seconds advance only when a mock model runs: the test chooses every cost; `load`
+    multiplies them all (a machine that got busier)."""
 
-    def __init__(self):
+    def __init__(self, load: float = 1.0):
         self.seconds = 0.0
+        self.load = load
 
     def now(self) -> float:
         return self.seconds
@@ -67,8 +74,12 @@ class TimedRunner(MarkovRunner):
         self.clock = clock
 
     def extend(self, state, token_ids):
-        self.clock.seconds += T1 * (1 + SLOPE * (len(token_ids) - 1))
+        self.clock.seconds += T1 * (1 + SLOPE * (len(token_ids) - 1)) * self.clock.load
         return super().extend(state, token_ids)
+
+    def extend_tree(self, state, token_ids, parents):
+        self.clock.seconds += T1 * (1 + SLOPE * (len(token_ids) - 1)) * self.clock.load
+        return super().extend_tree(state, token_ids, parents)
 
 
 class TimedReplay(ReplayDrafter):
@@ -79,7 +90,7 @@ class TimedReplay(ReplayDrafter):
         self.rounds: list[tuple[int, int]] = []  # (drafted, accepted) per round
 
     def propose(self, generated, k, sampler):
-        self.clock.seconds += STEP * k
+        self.clock.seconds += (CALL * (k > 0) + STEP * k) * self.clock.load
         draft = super().propose(generated, k, sampler)
         self.rounds.append((len(draft.token_ids), 0))
         return draft
@@ -95,10 +106,12 @@ def repetitive_table() -> torch.Tensor:
     return table
 
 
-def timed_answer(monkeypatch, acceptance: float | None, length: int = 300, wrong_at=(), seed=3, **decode):
-    """One answer of `length` tokens on the virtual clock; the drafter's proposals are corrupted
-    at its replay rate and also at the answer positions `wrong_at`."""
-    clock = VirtualClock()
+def timed_answer(monkeypatch, acceptance: float | None, length: int = 300, wrong_at=(), seed=3, costs=None,
+                 load=1.0, **decode):
+    """One answer of `length` tokens on the virtual clock (costs times `load`); the drafter's
+    proposals are corrupted at its replay rate and also at the answer positions `wrong_at`.
+    `costs`: the engine's PassCosts, shared with other answers (default: this answer's own)."""
+    clock = VirtualClock(load)
     monkeypatch.setattr(engine.loop, "Clock", lambda device: clock)
     runner = TimedRunner(repetitive_table(), clock)
     truth = [(3 + 1 + i) % V for i in range(length)]
@@ -106,7 +119,7 @@ def timed_answer(monkeypatch, acceptance: float | None, length: int = 300, wrong
     for position in wrong_at:
         drafter.proposals[position] = (truth[position] + 1) % V
     events = list(generate(runner, CharTokenizer(), prompt_of([1, 2, 3]), drafter, SamplingSettings(),
-                           DecodeSettings(max_new_tokens=length, **decode)))
+                           DecodeSettings(max_new_tokens=length, **decode), costs=costs))
     done = events[-1]
     assert done.token_ids == truth
     timed_answer.drafter = drafter
@@ -117,18 +130,19 @@ def test_a_weak_drafter_stops_drafting_and_costs_at_most_a_few_percent(monkeypat
     _, plain_s = timed_answer(monkeypatch, None)
     stats, cost_s = timed_answer(monkeypatch, 0.1)
     _, fixed_s = timed_answer(monkeypatch, 0.1, draft_tokens=4)
-    assert fixed_s > 1.3 * plain_s  # a fixed k = 4 with this drafter is a clear loss...
-    assert cost_s < 1.05 * plain_s  # ...that the cost-chosen k avoids
+    assert cost_s < 1.05 * plain_s  # a weak drafter costs at most a few per cent...
+    assert fixed_s < 1.2 * plain_s  # ...and a fixed k = 4 little more (issue 24: it cost 2x plain here)
     assert stats.draft_lengths.count(0) > 0.8 * len(stats.draft_lengths)  # plain steps, mostly
-    stop = next(c for c in stats.draft_length_changes if c["k"] == 0)
-    assert stop["token"] < 20 and "drafting is a loss" in stop["reason"]  # when and why
+    stop = next(c for c in stats.draft_length_changes if c["k"] == 0 and c["reason"].startswith(PAUSED))
+    assert stop["token"] < 20  # when and why
+    assert stats.drafting_paused and stats.summary().startswith(PAUSED) is False and PAUSED in stats.summary()
     # after a few one-token rounds while the evidence is thin, a probe every PROBE_EVERY rounds
     probes = [i for i, k in enumerate(stats.draft_lengths) if k == 1 and i > 2 * PROBE_EVERY]
     assert len(probes) >= 5 and all(b - a >= PROBE_EVERY - 1 for a, b in zip(probes, probes[1:]))
 
 
 @pytest.mark.parametrize("acceptance", [0.9, 0.8, 0.6])
-def test_the_cost_chosen_length_is_within_5_percent_of_the_best_fixed_one(monkeypatch, acceptance):
+def test_the_cost_chosen_length_is_within_7_percent_of_the_best_fixed_one(monkeypatch, acceptance):
     """Averaged over four replay seeds: which positions a drafter gets wrong decides which k
     happens to fit one answer, by a few per cent either way."""
     _, plain_s = timed_answer(monkeypatch, None)
@@ -136,10 +150,11 @@ def test_the_cost_chosen_length_is_within_5_percent_of_the_best_fixed_one(monkey
     for seed in range(4):
         stats, cost_s = timed_answer(monkeypatch, acceptance, seed=seed)
         fixed_s = {k: timed_answer(monkeypatch, acceptance, seed=seed, draft_tokens=k)[1] for k in range(1, 7)}
-        assert cost_s < plain_s and stats.draft_length_reason.startswith("cost: k =")
+        assert cost_s < plain_s and "the fastest at the measured costs" in stats.draft_length_reason
         ratios.append(cost_s / min(fixed_s.values()))
         fixed_4.append(cost_s / fixed_s[4])
-    assert sum(ratios) / len(ratios) <= 1.05 and max(ratios) <= 1.10
+    # the plain steps that time plain decoding close by (one in REFERENCE_EVERY rounds) cost ~2 %
+    assert sum(ratios) / len(ratios) <= 1.07 and max(ratios) <= 1.10
     if acceptance == 0.6:
         assert sum(fixed_4) / len(fixed_4) < 0.92  # where the habitual k = 4 drafts too long
 
@@ -158,11 +173,12 @@ def test_one_bad_round_does_not_stop_a_good_drafter_on_a_short_answer(monkeypatc
 
 
 def test_fixed_and_adaptive_lengths_are_kept(monkeypatch):
-    stats, _ = timed_answer(monkeypatch, 0.1, draft_tokens=3)
+    stats, _ = timed_answer(monkeypatch, 0.9, draft_tokens=3)
     assert {c["k"] for c in stats.draft_length_changes} == {3}
-    assert stats.draft_length_reason == "fixed: draft_tokens 3"
+    assert stats.draft_lengths.count(3) > 0.9 * len(stats.draft_lengths)  # and a plain step now and then
+    assert stats.draft_length_reason == "draft length 3 (fixed)"
     stats, _ = timed_answer(monkeypatch, 1.0, adaptive=True)
-    assert stats.draft_lengths[:3] == [4, 6, 8] and stats.draft_length_reason.startswith("adaptive")
+    assert stats.draft_lengths[:3] == [4, 6, 8] and stats.draft_length_reason.startswith("draft length 8 (adaptive")
 
 
 @pytest.mark.parametrize("acceptance", [1.0, 0.8, 0.6])
@@ -190,4 +206,72 @@ def test_a_few_early_tokens_do_not_fix_a_drafters_prior_at_zero():
     costs.record_request("drafter", accepted=900, judged=1000)
     assert costs.prior_acceptance("drafter") > 0.85
     costs.reset()
-    assert costs.prior_acceptance("drafter") == 0.5 and costs.t(1) is None
+    assert costs.prior_acceptance("drafter") == 0.5 and costs.verify.at(1) is None
+
+
+def test_a_busier_machine_does_not_stop_a_good_drafter(monkeypatch):
+    """Issue 25: plain steps timed while the machine was quiet, then the machine three times as
+    busy (every cost x3), with a drafter that costs 0.3 of a plain step once a round: the old rule
+    compared the busy draft steps with the quiet plain steps, judged drafting a loss, tried single
+    tokens (priced as if every token cost the whole round's overhead) and never drafted again.
+    Costs compared close together, and priced by the k drafted, keep it drafting, as fast against
+    plain decoding as on a quiet machine."""
+    monkeypatch.setattr(sys.modules[__name__], "CALL", 0.3)
+    monkeypatch.setattr(engine.draft_length, "IDLE_S", -1.0)  # the machine idle between the two answers
+    _, plain_s = timed_answer(monkeypatch, None)
+    _, drafting_s = timed_answer(monkeypatch, 0.8)
+    _, busy_plain_s = timed_answer(monkeypatch, None, load=3.0)
+    costs = PassCosts()  # one engine: a plain answer while quiet, then a drafting one while busy
+    timed_answer(monkeypatch, None, costs=costs)
+    stats, busy_drafting_s = timed_answer(monkeypatch, 0.8, costs=costs, load=3.0)
+    assert busy_drafting_s / busy_plain_s < 1.03 * drafting_s / plain_s < 0.85
+    assert [change["k"] for change in stats.draft_length_changes if change["k"] == 0] == []  # never paused
+    assert stats.draft_lengths.count(0) <= len(stats.draft_lengths) // REFERENCE_EVERY + 2  # plain steps: the timing ones
+
+
+def test_a_plain_step_now_and_then_while_drafting(monkeypatch):
+    """A drafting answer times a plain step about once in REFERENCE_EVERY rounds (its unit of cost);
+    a fixed k that nothing has been rejected from drafts exactly as asked."""
+    assert set(timed_answer(monkeypatch, 1.0, draft_tokens=4)[0].draft_lengths[:-1]) == {4}
+    stats, _ = timed_answer(monkeypatch, 1.0)
+    plain = [i for i, k in enumerate(stats.draft_lengths[:-1]) if k == 0]  # the last: cut at max_new_tokens
+    assert plain and all(b - a == REFERENCE_EVERY for a, b in zip(plain, plain[1:]))
+    assert len(plain) <= len(stats.draft_lengths) // REFERENCE_EVERY + 1
+
+
+def test_tree_passes_are_kept_apart_from_chain_costs():
+    """Issue 26: a tree verifying 6 nodes 4 deep was recorded as a chain's t(5). Costs are keyed
+    by the rows verified, and trees have their own table."""
+    costs = PassCosts()
+    costs.record_round(Round(None, 1, 0, False, 0.0, 1.0, 1.0))
+    costs.record_round(Round("d", 7, 4, True, 2.0, 3.0, 5.0))
+    costs.record_round(Round("d", 3, 2, False, 0.5, 1.2, 1.7))
+    assert set(costs.verify.samples) == {1, 3} and costs.verify.at(3) == pytest.approx(1.2)
+    assert set(costs.tree_verify.samples) == {7} and costs.tree_verify.at(7) == pytest.approx(3.0)
+    assert costs.round_cost("d", 2) == pytest.approx(0.5 + 1.2)
+    assert costs.round_cost("d", 4, tree=True) == pytest.approx(2.0 + 3.0)
+
+
+def test_tree_answers_leave_the_chain_table_alone(monkeypatch):
+    clock = VirtualClock()
+    monkeypatch.setattr(engine.loop, "Clock", lambda device: clock)
+    truth = [(3 + 1 + i) % V for i in range(60)]
+    costs = PassCosts()
+    table = torch.full((V + 2, V + 2), -5.0)  # room for the decoys' ids (a true token + 1 or + 2)
+    table[:V, :V] = repetitive_table()
+    events = list(generate(TimedRunner(table, clock), CharTokenizer(), prompt_of([1, 2, 3]),
+                           ScriptedTreeDrafter(truth), SamplingSettings(),
+                           DecodeSettings(max_new_tokens=60, tree_nodes=6, draft_tokens=4), costs=costs))
+    assert events[-1].token_ids == truth and events[-1].stats.draft_shape == "tree"
+    assert set(costs.verify.samples) == {1}  # only the plain steps
+    assert max(costs.tree_verify.samples) > 5  # trees wider than deep were verified
+
+
+def test_reasons_are_in_a_chat_users_words(monkeypatch):
+    """No model internals ("t(1)") or flag names ("--draft-tokens") in any reason shown."""
+    reasons = []
+    for acceptance, decode in ((0.1, {}), (0.9, {}), (0.1, {"draft_tokens": 4}), (1.0, {"adaptive": True})):
+        stats, _ = timed_answer(monkeypatch, acceptance, length=120, **decode)
+        reasons += [change["reason"] for change in stats.draft_length_changes]
+    assert any(r.startswith(PAUSED) and "draft length 4" in r for r in reasons)
+    assert not [r for r in reasons if "t(" in r or "--" in r or "cost:" in r]

@@ -501,5 +501,5 @@ def test_a_drafter_that_is_always_wrong_stops_drafting(server, monkeypatch):
     lengths = stats["draft_lengths"]
     assert stats["new_tokens"] == 160 and stats["accepted"] <= 0.1 * max(1, stats["drafted"])
     assert lengths.count(0) > 0.6 * len(lengths), lengths  # plain steps, mostly
-    assert any(change["k"] == 0 and "drafting is a loss" in change["reason"]
+    assert any(change["k"] == 0 and change["reason"].startswith("drafting paused: it cost more than it saved")
                for change in stats["draft_length_changes"]), stats["draft_length_changes"]
