@@ -17,11 +17,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from PIL import Image
-
 from engine.backend import Backend, BuiltIn
 from engine.engine import Engine
-from engine.images import load_image
 from engine.prompt import Prompt
 from models.presets import DEFAULT_MODEL
 
@@ -77,12 +74,12 @@ class Served:
     def context_limit(self) -> int | None:
         return self.engine.context_limit() if self.engine is not None else None
 
-    def load_image(self, path: str, name: str) -> Image.Image:
-        """The image at `path`, opened through the bounded decode (engine/images.py) and shrunk to
-        the size the model's processor uses (another backend's processor is its own)."""
+    def image_fit(self) -> dict:
+        """engine/images.py load_image's options that shrink an image, as it is decoded, to the
+        size the model's processor uses (none for another backend: its processor is its own)."""
         if self.engine is None:
-            return load_image(path, name=name)
-        return load_image(path, name=name, fit=self.engine.target.processor, family=self.engine.target.family)
+            return {}
+        return {"fit": self.engine.target.processor, "family": self.engine.target.family}
 
     def prepare(self, messages: list[dict], max_image_tokens: int | None = None) -> Prompt | None:
         """The prompt, made here for the built-in engine; None: the backend takes the messages."""

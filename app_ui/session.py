@@ -32,6 +32,7 @@ from app_ui.served import Served, served_of
 from engine.ab import Side
 from engine.backend import Request
 from engine.engine import AUTO, ContextError, Engine, RequestError, check_ceilings, check_text
+from engine.images import load_image
 from engine.prompt import Prompt
 from engine.settings import Settings
 from engine.stats import Stats
@@ -185,7 +186,7 @@ def new_turn(message: dict | str | None, engine: Engine | Served, session: Sessi
     the field or the limit. Checks the text before opening any image."""
     arrived, engine = time.perf_counter(), served_of(engine)
     text, files = read_message(message, engine, session)
-    images = [engine.load_image(path, os.path.basename(path)) for path in files]
+    images = [load_image(path, name=os.path.basename(path), **engine.image_fit()) for path in files]
     return Turn(text, files, images, arrived=arrived, load_s=time.perf_counter() - arrived)
 
 
