@@ -86,3 +86,14 @@ class BuiltIn:
         return self.engine.worker.submit(request.messages, drafter=request.drafter, sampling=request.sampling,
                                          decode=request.decode, stop=request.stop, started=request.started,
                                          max_image_tokens=request.max_image_tokens)
+
+
+def stream_timed(stats: Stats, started: float, first_at: float, now: float) -> None:
+    """A streamed answer's times, for a backend that sees only its stream: time to first token
+    from the request's start, decode speed over the tokens after the first (`stats.new_tokens`)."""
+    stats.ttft_s = first_at - started
+    stats.decode_tokens = stats.new_tokens - 1
+    stats.decode_s = now - first_at
+    stats.decode_tok_s = stats.decode_tokens / stats.decode_s if stats.decode_s > 0 else 0.0
+    stats.total_s = now - started
+    stats.tok_s_curve.append(round(stats.decode_tok_s, 2))

@@ -44,6 +44,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from engine.backend import Capabilities, stream_timed
 from engine.engine import RequestError
 from engine.prompt import Prompt, normalize
 from engine.loop import Chunk, Done
@@ -90,8 +91,6 @@ class LlamaCpp:
 
     @property
     def capabilities(self):
-        from engine.backend import Capabilities  # the worker branch's interface (engine/backend.py)
-
         drafters = (DRAFTER,) if self.paths["draft"] else ()
         return Capabilities(self.name, images=self.paths["mmproj"] is not None, speculative=bool(drafters),
                             token_ids=True, drafters=drafters, statistics=MEASURED)
@@ -191,7 +190,7 @@ class _Answer:
             first_at = now if first_at is None else first_at
             text, token_ids, ids_known = text + piece, token_ids + ids, ids_known and bool(ids)
             self.stats.new_tokens += max(1, len(ids))  # llama-server sends a chunk per token
-            _timed(self.stats, self.started, first_at, now)
+            stream_timed(self.stats, self.started, first_at, now)
             yield Chunk(piece, ids, ["unknown"] * len(ids), copy.deepcopy(self.stats), [(piece, "unknown")] if piece else [])
         chunks.close()
         if reason is None:
@@ -292,15 +291,6 @@ def _error(chunk: dict) -> str:
 def _prepend(first, rest: Iterator) -> Iterator:
     yield first
     yield from rest
-
-
-def _timed(stats: Stats, started: float, first_at: float, now: float) -> None:
-    stats.ttft_s = first_at - started
-    stats.decode_tokens = stats.new_tokens - 1
-    stats.decode_s = now - first_at
-    stats.decode_tok_s = stats.decode_tokens / stats.decode_s if stats.decode_s > 0 else 0.0
-    stats.total_s = now - started
-    stats.tok_s_curve.append(round(stats.decode_tok_s, 2))
 
 
 def _field_names() -> list[str]:

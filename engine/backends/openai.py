@@ -34,7 +34,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 
-from engine.backend import Capabilities, Request
+from engine.backend import Capabilities, Request, stream_timed
 from engine.engine import RequestError
 from engine.loop import Chunk, Done
 from engine.prompt import Prompt
@@ -92,7 +92,7 @@ class OpenAIServer:
                 first_at = now if first_at is None else first_at
                 text += piece
                 stats.new_tokens += 1
-                _timed(stats, started, first_at, now)
+                stream_timed(stats, started, first_at, now)
                 yield Chunk(piece, [], [], stats.snapshot(), [(piece, "unknown")])
         if reason is None:
             raise RequestError(f"the backend at {self.capabilities.name} ended the stream before the answer ended")
@@ -187,15 +187,6 @@ def _error_message(body: bytes) -> str:
     except (ValueError, KeyError, TypeError):
         message = body.decode("utf-8", errors="replace")
     return " ".join(str(message).split())[:200] or "(no message)"
-
-
-def _timed(stats: Stats, started: float, first_at: float, now: float) -> None:
-    stats.ttft_s = first_at - started
-    stats.decode_tokens = stats.new_tokens - 1
-    stats.decode_s = now - first_at
-    stats.decode_tok_s = stats.decode_tokens / stats.decode_s if stats.decode_s > 0 else 0.0
-    stats.total_s = now - started
-    stats.tok_s_curve.append(round(stats.decode_tok_s, 2))
 
 
 def _server_counts(stats: Stats, usage: dict | None, timings: dict | None) -> None:
