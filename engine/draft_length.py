@@ -73,6 +73,7 @@ HISTORY_PRIOR = 8  # pseudo-tokens at acceptance 0.5 in a drafter's history
 REFERENCE_SAMPLES = 3  # plain steps whose median is the unit of every cost
 REFERENCE_EVERY = 32  # while drafting, one round in this many is a plain step (when no other was)
 FIXED_FLOOR = 0.1  # a fixed k pauses below this acceptance estimate (after THIN_EVIDENCE tokens judged)
+THIN_COSTS = 3  # drafting rounds of a drafter measured before its cost alone may pause it
 IDLE_S = 5.0  # an engine idle this long may have a different load: the next request times a plain step
 
 
@@ -182,6 +183,11 @@ class PassCosts:
             draft, verify = self.draft.get(drafter), self.verify.at(k + 1)
         draft_cost = draft.at(k) if draft else None
         return None if draft_cost is None or verify is None else draft_cost + verify
+
+    def draft_rounds(self, drafter: str, tree: bool = False) -> int:
+        """How many of `drafter`'s drafting rounds the cost tables hold (at most WINDOW a size)."""
+        curve = (self.tree_draft if tree else self.draft).get(drafter)
+        return sum(len(samples) for samples in curve.samples.values()) if curve else 0
 
     def overhead_cost(self) -> float:
         return statistics.median(self.overhead) if self.overhead else 0.0
@@ -318,6 +324,9 @@ class DraftLength:
                 self.reason = f"draft length {self.k}: too few tokens judged yet to tell whether drafting pays"
         elif choice.k:
             self._drafting(choice)
+        elif self.costs.draft_rounds(self.drafter, self.tree) < THIN_COSTS:  # one slow round (a first call,
+            self.k = FIRST_K  # a busy moment) cannot pause a drafter: measure a few more
+            self.reason = f"draft length {self.k}: too few rounds measured yet to tell whether drafting pays"
         else:
             self._paused(choice)
             return

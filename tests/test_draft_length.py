@@ -5,6 +5,7 @@ machine's timings)."""
 from __future__ import annotations
 
 import sys
+import time
 from collections import deque
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 
 import engine.draft_length
 import engine.loop
-from engine.draft_length import PROBE_EVERY, REFERENCE_EVERY, Curve, PassCosts, Round, best_k, expected_tokens
+from engine.draft_length import (FIRST_K, PROBE_EVERY, REFERENCE_EVERY, THIN_COSTS, Curve, DraftLength, PassCosts, Round,
+                                 best_k, expected_tokens)
 from engine.loop import DecodeSettings, generate
 from engine.sampling import SamplingSettings
 from engine.stats import PAUSED
@@ -275,3 +277,16 @@ def test_reasons_are_in_a_chat_users_words(monkeypatch):
         reasons += [change["reason"] for change in stats.draft_length_changes]
     assert any(r.startswith(PAUSED) and "draft length 4" in r for r in reasons)
     assert not [r for r in reasons if "t(" in r or "--" in r or "cost:" in r]
+
+
+def test_one_slow_drafting_round_does_not_pause_a_drafter():
+    """The first drafting round after a start measured slow (a first call, a busy moment: the
+    app's first answer once paused at acceptance 100 % on its one measured round): drafting goes
+    on until THIN_COSTS rounds are measured, and only then may the cost pause it."""
+    costs = measured({n: 1 + SLOPE * (n - 1) for n in range(1, 10)}, STEP)
+    costs.draft["d"].samples = {4: deque([50.0])}  # one round, 50 plain steps of drafting
+    costs.last_plain, costs.last_round_at = costs.rounds, time.monotonic()  # a plain step was just timed
+    length = DraftLength(None, False, 8, costs, "d")
+    assert length.k == FIRST_K and "too few rounds" in length.reason
+    costs.draft["d"].samples[4].extend([50.0] * (THIN_COSTS - 1))
+    assert DraftLength(None, False, 8, costs, "d").reason.startswith(PAUSED)
