@@ -22,7 +22,6 @@ import json
 import os
 import re
 import threading
-import time
 
 import httpx
 import numpy as np
@@ -34,7 +33,7 @@ from PIL import Image, TiffImagePlugin
 from app_ui.visitors import MB, Limits, Visitors
 from engine import images
 from engine.settings import Settings
-from tests.helpers import launch_app, message, wait_for_output
+from tests.helpers import launch_app, message, wait_for_output, wait_until_queued
 
 LIMITS = Limits(idle_s=30.0, unsent_upload_s=30.0, upload_bytes_per_client=20 * MB, upload_files_per_client=40,
                 upload_bytes_total=200 * MB, sessions_per_client=6, sessions=24, time_budget_s=60.0, sweep_s=0.5)
@@ -323,9 +322,7 @@ def test_a_stopped_request_leaves_the_queue_at_once(server, held):
     long_job = running.submit(message("HOLD this one."), mode="plain", max_new_tokens=20, api_name="/chat")
     wait_for_output(long_job)
     queued = waiting.submit(message("Describe the image."), mode="plain", max_new_tokens=20, api_name="/chat")
-    deadline = time.monotonic() + 30
-    while queued.status().code.name not in ("IN_QUEUE", "QUEUE_FULL") and time.monotonic() < deadline:
-        time.sleep(0.02)  # until the server has it in the queue
+    wait_until_queued(queued)
     waiting.predict(api_name="/stop")
     answer, stats = queued.result(timeout=20)  # while the answer ahead of it is still held
     assert answer == "" and stats["finish_reason"] == "stopped" and not long_job.done()
