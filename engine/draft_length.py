@@ -36,7 +36,8 @@ Costs are keyed by what was done: d by tokens drafted, t by rows verified; draft
 verifying 6 nodes 4 deep never prices a chain. Each table holds, per size, the median of the
 last WINDOW samples; a size not measured yet is interpolated between measured neighbours, or
 scaled from the nearest one (t by PRIOR_SLOPE: t(n) ~ t(1) (1 + 0.1 (n-1)); d in proportion to
-k); choosing such a k measures it.
+k); choosing such a k measures it. A round is never priced below a plain step (it reads every
+weight one reads), so the expected gain of k drafted tokens is at most k + 1.
 
 a: this request's rounds (accepted tokens / tokens that met a verdict: the accepted ones and the
 first rejected one of each round), older rounds decaying by DECAY each round, plus PRIOR_WEIGHT
@@ -222,6 +223,10 @@ def rates(costs: PassCosts, drafter: str, a: float, max_k: int, tree: bool = Fal
         cost = costs.round_cost(drafter, k, tree)
         if cost is None:
             return None
+        if k == 0:
+            plain_cost = cost
+        else:  # a verify pass reads every weight a plain step reads: a round priced below one plain
+            cost = max(cost, plain_cost)  # step is noise (a slow first plain step pricing earlier rounds)
         out[k] = expected_tokens(a, k) / max(cost + overhead, 1e-9)
     return out
 

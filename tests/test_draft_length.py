@@ -290,3 +290,11 @@ def test_one_slow_drafting_round_does_not_pause_a_drafter():
     assert length.k == FIRST_K and "too few rounds" in length.reason
     costs.draft["d"].samples[4].extend([50.0] * (THIN_COSTS - 1))
     assert DraftLength(None, False, 8, costs, "d").reason.startswith(PAUSED)
+
+
+def test_a_round_is_never_priced_below_a_plain_step():
+    """Rounds priced by a slow first plain step look nearly free; the expected gain stays at most
+    k + 1 (the reason once showed "draft length 2 ... 6.73x plain expected")."""
+    costs = measured({1: 1.0, 3: 0.2}, 0.01)
+    choice = best_k(costs, "d", 1.0, 2)
+    assert choice.k == 2 and choice.gain <= 3.0 + 1e-9
