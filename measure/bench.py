@@ -114,7 +114,8 @@ def summarize(row: Row, plain: Row, costs: dict) -> dict:
         return out | {"decode_tok_s": None, "first_token_s": None, "answer_s": None, "tokens_per_forward": None,
                       "acceptance": None, "identical_to_plain": 0, "speedup_vs_plain": None, "limit": None}
     by_request = {r.request: r for r in runs}
-    speedups = [by_request[p.request].decode_tok_s / p.decode_tok_s for p in plain.runs if p.request in by_request]
+    speedups = [by_request[p.request].decode_tok_s / p.decode_tok_s for p in plain.runs  # one-token answers: no speed
+                if p.request in by_request and p.decode_tok_s and by_request[p.request].decode_tok_s]
     tpf = [r.tokens_per_forward for r in runs if r.tokens_per_forward is not None]
     drafted = sum(r.drafted for r in runs)
     out |= {

@@ -131,7 +131,8 @@ def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
         plain = {m.request: m for m in text_plain.runs if m.error is None}
         summary["identical_to_plain"] = sum(m.text == plain[m.request].text for m in runs if m.request in plain)
         summary["differing"] = [m.request for m in runs if m.request in plain and m.text != plain[m.request].text]
-        speedups = [m.decode_tok_s / plain[m.request].decode_tok_s for m in runs if m.request in plain]
+        speedups = [m.decode_tok_s / plain[m.request].decode_tok_s for m in runs  # an answer of one token has no decode speed
+                    if m.request in plain and m.decode_tok_s and plain[m.request].decode_tok_s]
         if speedups:
             summary["speedup_vs_plain"] = {"min": min(speedups), "median": statistics.median(speedups),
                                            "max": max(speedups)}
