@@ -200,7 +200,8 @@ def open_backends(config: Config):
             raise SetupError(f"{flag} {value}: {error.name or error} is not installed "
                              "(pip install -r requirements.txt)") from None
         except Exception as error:  # a bad PATH (ValueError), a failed conversion, the server's own failure
-            raise SetupError(f"{flag} {value}: {(str(error).strip().splitlines() or [type(error).__name__])[0]}") from None
+            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise SetupError(f"{flag} {value}: {first_line}") from None
 
     try:
         return open_one("--backend", config.backend), open_one("--ab-backend", config.ab_backend)

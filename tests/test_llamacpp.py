@@ -159,6 +159,7 @@ def test_capabilities_follow_the_backend_interface(backend):
     capabilities = backend.capabilities
     assert capabilities.images and capabilities.speculative and capabilities.drafters == (DRAFTER,)
     assert capabilities.default_drafter == DRAFTER and not capabilities.draft_origins  # drafts by default; origins unknown
+    assert capabilities.drafter_kinds == ("text_lm",)  # the app's label: "Text-only LM"
     assert "drafted" in capabilities.statistics and "tokens_per_forward" in capabilities.unknown()
 
 

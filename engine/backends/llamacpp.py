@@ -123,7 +123,8 @@ class LlamaCpp:
     def capabilities(self):
         drafters = (DRAFTER,) if self.paths["draft"] else ()
         return Capabilities(self.name, images=self.paths["mmproj"] is not None, speculative=bool(drafters),
-                            token_ids=True, drafters=drafters, default_drafter=drafters[0] if drafters else None,
+                            token_ids=True, drafters=drafters, drafter_kinds=(DRAFTER_KIND,) * len(drafters),
+                            default_drafter=drafters[0] if drafters else None,
                             statistics=MEASURED)
 
     def stream(self, request) -> Iterator[Chunk | Done]:
