@@ -65,7 +65,9 @@ def test_text_turn_drafts_and_image_turn_falls_back_by_name(served, llamacpp):
     assert first == own(llamacpp, [user(TEXT)])
     assert (stats["mode"], stats["drafter"], stats["fallback_reason"]) == ("speculative", DRAFTER, None)
     assert 0 < stats["drafted"] and 0 <= stats["accepted"] <= stats["drafted"]  # llama-server's timings.draft_n*
-    assert stats["target_forwards"] is None and {"target_forwards", "tokens_per_forward"} <= set(stats["unknown"])
+    assert stats["draft_shape"] == "chain" and stats["drafter_kind"] == "text_lm"
+    assert stats["target_forwards"] is None and stats["draft_lengths"] is None  # not reported: null, never made up
+    assert {"target_forwards", "tokens_per_forward", "accepted_by_position"} <= set(stats["unknown"])
 
     second, stats = client.predict(message(QUESTION, [IMAGE]), max_new_tokens=TOKENS, api_name="/chat")
     assert second == own(llamacpp, [user(TEXT), assistant(first), user(QUESTION, (IMAGE,))])

@@ -60,7 +60,8 @@ FALLBACK = ("llama.cpp cannot draft on a turn with images (failed to process spe
 FINISH_REASONS = {"stop": "stop_token", "length": "max_new_tokens"}
 MEASURED = frozenset({"mode", "drafter", "drafter_kind", "prefill_tokens", "prefill_s", "prepare_s",
                       "ttft_s", "decode_tokens", "decode_s", "decode_tok_s", "total_s", "new_tokens", "drafted",
-                      "accepted", "acceptance", "fallback_reason", "finish_reason", "tok_s_curve"})
+                      "accepted", "acceptance", "fallback_reason", "finish_reason", "tok_s_curve",
+                      "draft_shape"})  # "chain": draft-simple drafts one token a step (common/speculative.cpp)
 QWEN_LABEL = "add_vision_id is not defined or add_vision_id"  # the demo template: "Picture N: " by default
 _END = object()
 
