@@ -49,7 +49,9 @@ class Served:
         """Another backend: the drafters its capabilities name (none: it decides its own decoding,
         as an OpenAI-compatible server does), no image budget, no draft-length settings."""
         capabilities = backend.capabilities
-        return cls(backend, capabilities.name, drafters={name: Named(name) for name in capabilities.drafters},
+        kinds = dict(zip(capabilities.drafters, capabilities.drafter_kinds))
+        return cls(backend, capabilities.name, drafters={name: Named(kinds.get(name, name))
+                                                         for name in capabilities.drafters},
                    max_images=max_images)
 
     @property
@@ -88,7 +90,7 @@ class Served:
 
 @dataclass(frozen=True)
 class Named:
-    """Another backend's drafter, known by its name alone."""
+    """Another backend's drafter, known by its kind (its name where the backend does not say)."""
 
     kind: str
 

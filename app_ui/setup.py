@@ -21,9 +21,10 @@ a flag wins over its variable:
     --trust-remote-code  VLM_TRUST_REMOTE_CODE=1   run a checkpoint's own Python code (off: such a
                              model is refused with a message naming this flag)
     --backend  VLM_BACKEND   an OpenAI-compatible server's URL (vLLM, SGLang, llama-server) that
-                             answers instead of a loaded model; its API key from VLM_BACKEND_API_KEY
-    --ab-backend  VLM_AB_BACKEND   the A/B tab compares the app's backend with this server's URL
-                             (default: plain vs speculative decoding of the app's own backend)
+                             answers instead of a loaded model; its API key from VLM_BACKEND_API_KEY;
+                             or llamacpp[:PATH]: llama.cpp in this process (docs/llamacpp.md)
+    --ab-backend  VLM_AB_BACKEND   the A/B tab compares the app's backend with this URL or
+                             llamacpp[:PATH] (default: plain vs speculative decoding of the app's own backend)
 
 A bad value, of a flag or a variable, raises SetupError naming it (app.py prints one line).
 """
@@ -98,11 +99,13 @@ def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
                         help="do not open a browser (never opened on a Space)")
     parser.add_argument("--max-images", type=_whole("--max-images", 1, MAX_IMAGES),
                         help=f"images per conversation, 1 to {MAX_IMAGES} (default: 8)")
-    parser.add_argument("--backend", default=env("BACKEND"), metavar="URL",
+    parser.add_argument("--backend", default=env("BACKEND"), metavar="URL|llamacpp[:PATH]",
                         help="answer with this OpenAI-compatible server instead of loading a model "
-                             "(API key: VLM_BACKEND_API_KEY)")
-    parser.add_argument("--ab-backend", default=env("AB_BACKEND"), metavar="URL",
-                        help="the A/B tab compares the app's backend with this server")
+                             "(API key: VLM_BACKEND_API_KEY), or with llama.cpp in this process: the bundled "
+                             "demo model and its text drafter, or PATH (a checkpoint folder, converted to GGUF "
+                             "on first use; a .gguf file; a folder of GGUF files)")
+    parser.add_argument("--ab-backend", default=env("AB_BACKEND"), metavar="URL|llamacpp[:PATH]",
+                        help="the A/B tab compares the app's backend with this one (as --backend)")
     args = parser.parse_args(argv)
     _check_variables(args)
 
@@ -126,7 +129,7 @@ ENVIRONMENT = """environment variables (a flag wins over its variable):
   VLM_PRESET, VLM_MODEL, VLM_DTYPE, VLM_DRAFTER_DTYPE, VLM_DEVICE, VLM_QUANTIZATION,
   VLM_MAX_IMAGE_TOKENS, VLM_HOST, VLM_PORT, VLM_MAX_IMAGES   the flag of the same name
   VLM_DRAFTER                                                 --drafter; several separated by commas
-  VLM_BACKEND, VLM_AB_BACKEND                                 --backend URL, --ab-backend URL
+  VLM_BACKEND, VLM_AB_BACKEND                                 --backend, --ab-backend: a URL or llamacpp[:PATH]
   VLM_BACKEND_API_KEY                                         the servers' API key (sent to them only)
   VLM_TRUST_REMOTE_CODE=1, VLM_SHARE=1, VLM_NO_BROWSER=1      the switches
   GRADIO_SERVER_NAME, GRADIO_SERVER_PORT                      host and port, after VLM_HOST and VLM_PORT
@@ -176,11 +179,32 @@ def load_engine(config: Config):
 
 
 def open_backends(config: Config):
-    """The servers of --backend and --ab-backend (None where not set); a bad URL is SetupError."""
+    """The backends of --backend and --ab-backend (None where not set): "llamacpp[:PATH]" starts
+    llama.cpp in this process (engine/backends/llamacpp.py `LlamaCpp.open`: the bundled demo model
+    and its text drafter, or PATH, converted to GGUF on first use), anything else is an
+    OpenAI-compatible server's URL. A bad URL or PATH, a missing xllamacpp, a failed conversion or a
+    server that does not start is SetupError (one line)."""
     from engine.backends.openai import OpenAIServer
 
+    def open_one(flag: str, value: str | None):
+        if not value:
+            return None
+        kind, _, path = value.partition(":")
+        if kind != "llamacpp":
+            return OpenAIServer(value)
+        try:
+            from engine.backends.llamacpp import LlamaCpp
+
+            return LlamaCpp.open(path or None)
+        except ImportError as error:
+            raise SetupError(f"{flag} {value}: {error.name or error} is not installed "
+                             "(pip install -r requirements.txt)") from None
+        except Exception as error:  # a bad PATH (ValueError), a failed conversion, the server's own failure
+            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise SetupError(f"{flag} {value}: {first_line}") from None
+
     try:
-        return tuple(OpenAIServer(url) if url else None for url in (config.backend, config.ab_backend))
+        return open_one("--backend", config.backend), open_one("--ab-backend", config.ab_backend)
     except ValueError as error:
         raise SetupError(str(error)) from None
 

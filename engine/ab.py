@@ -142,14 +142,15 @@ def run_ab(
 
     `against`: another backend instead. The first side ("plain" in the result) is `backend` with
     `drafter` (None: as it decodes by default), the second ("speculative") is `against`, as it
-    decodes by default; the answers are compared as text unless both are the same backend."""
+    decodes by default (its default drafter: llama.cpp's draft model, none for a server that
+    decides); the answers are compared as text unless both are the same backend."""
     if against is None:
         drafter = drafter or backend.capabilities.default_drafter
         if drafter is None:
             raise RequestError("A/B needs a drafter and none is loaded")
     plain, speculative = Side("plain"), Side("speculative")
     runs = ((plain, backend, None), (speculative, backend, drafter)) if against is None else \
-        ((plain, backend, drafter), (speculative, against, None))
+        ((plain, backend, drafter), (speculative, against, against.capabilities.default_drafter))
     load_before = os.getloadavg()[0]
     for side, side_backend, side_drafter in runs:
         if stop is not None and stop.is_set():
@@ -202,15 +203,21 @@ def verdict(result: ABResult, temperature: float, load_per_core: float | None, d
     plain, spec = result.plain.stats, result.speculative.stats
     found = Verdict("", load_per_core=load_per_core, draft_cost=draft_cost)
     speedup = result.decode_speedup
-    if speedup is None or not spec.target_forwards or not plain.target_forwards:
+    passes_unknown = "target_forwards" in spec.unknown + plain.unknown  # e.g. llama.cpp: engine/backends/llamacpp.py
+    if speedup is None or not passes_unknown and not (spec.target_forwards and plain.target_forwards):
         found.headline = "Too short to compare: an answer of one token has no decoding steps to time"
         return _identity(found, result, temperature)
-    found.round_cost = (spec.decode_s / spec.target_forwards) / (plain.decode_s / plain.target_forwards)
     pace = ("faster than" if speedup >= 1 + ABOUT_THE_SAME else
             "slower than" if speedup <= 1 - ABOUT_THE_SAME else "about as fast as")
     found.headline = f"Speculative decoding was {pace} plain decoding: {speedup:.2f}× the decode speed"
-    tokens = spec.tokens_per_forward
     accepted = "" if spec.acceptance is None else f" (acceptance {spec.acceptance:.0%}: {spec.accepted} of {spec.drafted} drafted tokens kept)"
+    if passes_unknown:
+        found.reasons.append(f"the backend does not report its target passes{accepted}, so the speedup is not "
+                             "split into tokens per pass and the cost of a round")
+        found.reasons += [spec.fallback_reason] if spec.fallback_reason else []
+        return _busy_and_identity(found, result, temperature, load_per_core)
+    found.round_cost = (spec.decode_s / spec.target_forwards) / (plain.decode_s / plain.target_forwards)
+    tokens = spec.tokens_per_forward
     found.reasons.append(f"each target pass yielded {tokens:.2f} tokens{accepted}, and each round took "
                          f"{found.round_cost:.2f}× a plain step: {tokens:.2f} / {found.round_cost:.2f} = {speedup:.2f}×")
     if spec.drafting_paused or spec.drafted == 0:
@@ -220,6 +227,10 @@ def verdict(result: ABResult, temperature: float, load_per_core: float | None, d
     if result.time_ratio is not None and (result.time_ratio >= 1) != (speedup >= 1):
         found.reasons.append(f"the whole answer, prefill and the drafter's own start included, was "
                              f"{result.time_ratio:.2f}× as fast")
+    return _busy_and_identity(found, result, temperature, load_per_core)
+
+
+def _busy_and_identity(found: Verdict, result: ABResult, temperature: float, load_per_core: float | None) -> Verdict:
     if load_per_core is not None and load_per_core > BUSY:
         found.reasons.append(f"the machine was busy (load {load_per_core:.1f} per core): timings vary from run to run")
     return _identity(found, result, temperature)

@@ -54,6 +54,7 @@ class Capabilities:
     draft_origins: bool = False  # Chunk.origins says which tokens were accepted drafts
     token_ids: bool = False  # Chunk.token_ids and Done.token_ids are the model's ids
     drafters: tuple[str, ...] = ()  # the names Request.drafter may take
+    drafter_kinds: tuple[str, ...] = ()  # what each of them is, where known ("text_lm": app_ui/views.py DRAFTER_LABELS)
     default_drafter: str | None = None
     statistics: frozenset[str] = ALL_STATISTICS  # the Stats fields it measures; the others are unknown
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import socket
 import threading
 import time
@@ -31,7 +32,8 @@ from app_ui import setup
 from engine.__main__ import main as cli_main
 from engine.engine import Engine
 from engine.images import load_image
-from engine.loop import DecodeSettings, Done
+from engine.loop import Chunk, DecodeSettings, Done
+from tests.conftest import ROOT
 
 SHORT = 24  # max_new_tokens of a reference answer unless asked: enough to stream, quick on a shared CPU
 WAIT_S = 120  # the longest a test waits for the server to reach a point it must reach
@@ -74,6 +76,42 @@ class Gate:
         return self.extend(state, token_ids)
 
 
+class StreamGate:
+    """Holds a backend's stream (engine/backend.py) once it has handed its `at`-th Chunk to the app,
+    until the test releases it: the gate for backends whose decoding the test cannot reach (llama.cpp
+    in its own threads). `texts`: the chunks' texts handed over so far. A Stop sent while it is held
+    ends the answer at the backend's next chunk: the answer is `"".join(gate.texts)`."""
+
+    def __init__(self, backend, at: int = 1):
+        self.backend, self.at, self.texts = backend, at, []
+        self.held, self.opened = threading.Event(), threading.Event()
+
+    def __enter__(self) -> StreamGate:
+        stream = self.backend.stream
+
+        def gated(request):
+            for event in stream(request):
+                yield event
+                if isinstance(event, Chunk):
+                    self.texts.append(event.text)
+                    if len(self.texts) == self.at:
+                        self.held.set()
+                        self.opened.wait(WAIT_S)  # bounded: a failed test must not hang the server forever
+
+        self.backend.stream = gated  # on the instance: the class's method is untouched
+        return self
+
+    def __exit__(self, *error) -> None:
+        self.opened.set()
+        del self.backend.stream
+
+    def wait(self, timeout: float = WAIT_S) -> None:
+        assert self.held.wait(timeout), f"the answer never handed over chunk {self.at} ({len(self.texts)} chunks)"
+
+    def release(self) -> None:
+        self.opened.set()
+
+
 def wait_until(condition, what: str, timeout: float = WAIT_S) -> None:
     """Until `condition()` holds, polled (for what the server offers no event for: its queue, its
     sweeps of idle conversations); fails after `timeout` seconds saying `what` never happened."""
@@ -99,25 +137,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_app(zoo, *argv: str, **main_options) -> SimpleNamespace:
+def launch_app(zoo, *argv: str, models: list[str] | None = None, **main_options) -> SimpleNamespace:
     """`python app.py --model M --drafter D --no-browser` with the tiny Qwen2-VL target and its text
-    drafter (n-gram comes too), as a user starts it: no --host, no --share, none of their
-    environment variables. `url`, `demo`, and the `engine` it built (for gates and faults; None
-    with --backend URL, which loads no model)."""
+    drafter (n-gram comes too), or with the flags `models` instead (e.g. the bundled demo's: zoo may
+    then be None), as a user starts it: no --host, no --share, none of their environment variables.
+    `url`, `demo`, the `engine` it built (for gates and faults; None with --backend, which loads no
+    model) and the `backends` it opened (--backend, --ab-backend; None where not set)."""
     built = {}
-    load_engine = setup.load_engine
+    load_engine, open_backends = setup.load_engine, setup.open_backends
 
     def keep(config):
         built["engine"] = load_engine(config)
         return built["engine"]
 
+    def keep_backends(config):
+        built["backends"] = open_backends(config)
+        return built["backends"]
+
+    if models is None:
+        models = ["--model", str(zoo.dir("qwen2_vl")), "--drafter", str(zoo.dir("qwen2_vl", "text_drafter"))]
     with pytest.MonkeyPatch.context() as patch:
         for name in ("VLM_HOST", "GRADIO_SERVER_NAME", "SPACE_ID", "VLM_SHARE", "GRADIO_SHARE"):
             patch.delenv(name, raising=False)
         patch.setattr(setup, "load_engine", keep)
-        demo = app.main(["--model", str(zoo.dir("qwen2_vl")), "--drafter", str(zoo.dir("qwen2_vl", "text_drafter")),
-                         "--port", str(free_port()), "--no-browser", *argv], block=False, **main_options)
-    return SimpleNamespace(url=demo.local_url, demo=demo, engine=built.get("engine"))  # no engine: --backend
+        patch.setattr(setup, "open_backends", keep_backends)
+        demo = app.main([*models, "--port", str(free_port()), "--no-browser", *argv], block=False, **main_options)
+    return SimpleNamespace(url=demo.local_url, demo=demo, engine=built.get("engine"), backends=built["backends"])
 
 
 def reference_engine(zoo) -> Engine:
@@ -232,3 +277,32 @@ class FakeServer:
         self.release.set()
         self.http.shutdown()
         self.http.server_close()
+
+
+# The llama.cpp backend (engine/backends/llamacpp.py) on the bundled demo model, converted to GGUF
+# in float32 (models/gguf.py, cached in .gguf/), with its text drafter as llama.cpp's draft model.
+DEMO_TARGET = os.path.join(ROOT, "assets", "demo", "target")
+DEMO_TEXT_DRAFTER = os.path.join(ROOT, "assets", "demo", "text_drafter")
+
+
+@pytest.fixture(scope="module")
+def llamacpp():
+    """A llama-server in this process on the demo model (import the fixture into a test module)."""
+    from engine.backends.llamacpp import LlamaCpp
+
+    return LlamaCpp.from_checkpoint(DEMO_TARGET, draft=DEMO_TEXT_DRAFTER, threads=1)
+
+
+class GarbageServer:
+    """Stands in for llama.cpp's `xllamacpp.Server`: calls back with what a broken server might
+    send (`chunks`), or raises `error` as a server that is gone would."""
+
+    def __init__(self, chunks=(), error: Exception | None = None):
+        self.chunks, self.error = chunks, error
+
+    def handle_chat_completions(self, body, callback):
+        if self.error is not None:
+            raise self.error
+        for chunk in self.chunks:
+            if callback(chunk):
+                return

@@ -5,7 +5,6 @@ Greedy answers are compared token by token with the built-in engine's on the sam
 from __future__ import annotations
 
 import json
-import os
 import threading
 from dataclasses import dataclass, field
 
@@ -18,10 +17,9 @@ from engine.engine import RequestError  # noqa: E402
 from engine.loop import Chunk, DecodeSettings, Done  # noqa: E402
 from engine.sampling import SamplingSettings  # noqa: E402
 from models.demo.world import eval_questions  # noqa: E402
-from tests.conftest import ROOT  # noqa: E402
+from tests.helpers import DEMO_TARGET as TARGET, DEMO_TEXT_DRAFTER as TEXT_DRAFTER  # noqa: E402
+from tests.helpers import GarbageServer, llamacpp  # noqa: E402,F401  (llamacpp: a fixture)
 
-TARGET = os.path.join(ROOT, "assets", "demo", "target")
-TEXT_DRAFTER = os.path.join(ROOT, "assets", "demo", "text_drafter")
 DECODE = DecodeSettings(max_new_tokens=40)
 
 
@@ -40,8 +38,8 @@ class Request:
 
 
 @pytest.fixture(scope="module")
-def backend():
-    return LlamaCpp.from_checkpoint(TARGET, draft=TEXT_DRAFTER, threads=1)
+def backend(llamacpp):
+    return llamacpp
 
 
 @pytest.fixture(scope="module")
@@ -117,18 +115,6 @@ def test_stop_mid_stream(backend):
     assert again.stats.finish_reason in ("stop_token", "max_new_tokens")
 
 
-class GarbageServer:
-    """Calls back with what a broken server might send."""
-
-    def __init__(self, chunks):
-        self.chunks = chunks
-
-    def handle_chat_completions(self, body, callback):
-        for chunk in self.chunks:
-            if callback(chunk):
-                return
-
-
 @pytest.mark.parametrize("chunks, message", [
     ([{"error": {"code": 500, "message": "boom\nat line 2"}}], "llama.cpp failed: boom at line 2"),
     ([{"choices": [{"delta": {"content": "half"}}]}], "llama.cpp ended the answer without a finish reason"),
@@ -172,6 +158,8 @@ def test_openai_content_merges_text_and_labels_images():
 def test_capabilities_follow_the_backend_interface(backend):
     capabilities = backend.capabilities
     assert capabilities.images and capabilities.speculative and capabilities.drafters == (DRAFTER,)
+    assert capabilities.default_drafter == DRAFTER and not capabilities.draft_origins  # drafts by default; origins unknown
+    assert capabilities.drafter_kinds == ("text_lm",)  # the app's label: "Text-only LM"
     assert "drafted" in capabilities.statistics and "tokens_per_forward" in capabilities.unknown()
 
 

@@ -38,9 +38,11 @@ from __future__ import annotations
 import base64
 import copy
 import io
+import json
 import queue
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,13 +53,15 @@ from engine.loop import Chunk, Done
 from engine.stats import Stats
 
 DRAFTER = "text"  # the name Request.drafter takes for the draft model
+DRAFTER_KIND = "text_lm"  # what llama.cpp's draft model is: a language model that reads the tokens, not the images
 IMAGE_REFUSAL = "failed to process speculative batch"
 FALLBACK = ("llama.cpp cannot draft on a turn with images (failed to process speculative batch): "
             "decoded plainly")
 FINISH_REASONS = {"stop": "stop_token", "length": "max_new_tokens"}
-MEASURED = frozenset({"mode", "drafter", "prefill_tokens", "prefill_s", "prepare_s",
+MEASURED = frozenset({"mode", "drafter", "drafter_kind", "prefill_tokens", "prefill_s", "prepare_s",
                       "ttft_s", "decode_tokens", "decode_s", "decode_tok_s", "total_s", "new_tokens", "drafted",
-                      "accepted", "acceptance", "fallback_reason", "finish_reason", "tok_s_curve"})
+                      "accepted", "acceptance", "fallback_reason", "finish_reason", "tok_s_curve",
+                      "draft_shape"})  # "chain": draft-simple drafts one token a step (common/speculative.cpp)
 QWEN_LABEL = "add_vision_id is not defined or add_vision_id"  # the demo template: "Picture N: " by default
 _END = object()
 
@@ -72,7 +76,7 @@ class LlamaCpp:
         self.threads, self.context, self.cache_prompt = threads, context, cache_prompt
         self.server = self._start(draft=self.paths["draft"])
         self.plain_server = None if self.paths["draft"] else self.server  # for image turns, started on need
-        self.label_images = QWEN_LABEL in chat_template(self.paths["model"])
+        self.label_images = QWEN_LABEL in self._props().get("chat_template", "")
         self.name = "llama.cpp"
 
     @classmethod
@@ -84,6 +88,33 @@ class LlamaCpp:
         mmproj = converted(target, outtype, mmproj=True) if _has_vision(target) else None
         return cls(converted(target, outtype), mmproj, converted(draft, outtype) if draft else None, **options)
 
+    @classmethod
+    def open(cls, location: str | None = None, **options) -> LlamaCpp:
+        """The app's `--backend llamacpp[:LOCATION]`: None, the bundled demo model with its text
+        drafter as the draft model; a checkpoint folder (config.json), converted on first use; a
+        .gguf file (text only); or a folder of GGUF files: one model and, for images, one
+        `mmproj*.gguf`. ValueError (one line) when LOCATION is none of these."""
+        if location is None:
+            from models.presets import ASSETS, DEFAULT_MODEL
+
+            return cls.from_checkpoint(DEFAULT_MODEL, draft=Path(ASSETS) / "text_drafter", **options)
+        path = Path(location).expanduser()
+        if (path / "config.json").is_file():
+            return cls.from_checkpoint(path, **options)
+        if path.is_file():
+            if path.suffix != ".gguf":
+                raise ValueError("not a .gguf file, a checkpoint folder or a folder of GGUF files")
+            return cls(path, **options)
+        if not path.is_dir():
+            raise ValueError("no such file or folder")
+        files = sorted(path.glob("*.gguf"))
+        projectors = [f for f in files if f.name.startswith("mmproj")]
+        models = [f for f in files if f not in projectors]
+        if len(models) != 1 or len(projectors) > 1:
+            raise ValueError(f"a folder needs a config.json (a checkpoint), or one model .gguf and at "
+                             f"most one mmproj*.gguf; it has {', '.join(f.name for f in files) or 'neither'}")
+        return cls(models[0], projectors[0] if projectors else None, **options)
+
     @property
     def url(self) -> str:
         """The server's own HTTP address (llama-server's routes, /v1/chat/completions included)."""
@@ -93,7 +124,9 @@ class LlamaCpp:
     def capabilities(self):
         drafters = (DRAFTER,) if self.paths["draft"] else ()
         return Capabilities(self.name, images=self.paths["mmproj"] is not None, speculative=bool(drafters),
-                            token_ids=True, drafters=drafters, statistics=MEASURED)
+                            token_ids=True, drafters=drafters, drafter_kinds=(DRAFTER_KIND,) * len(drafters),
+                            default_drafter=drafters[0] if drafters else None,
+                            statistics=MEASURED)
 
     def stream(self, request) -> Iterator[Chunk | Done]:
         """Answer `request` (messages, drafter, sampling, decode, stop, started: engine/backend.py's Request)."""
@@ -138,6 +171,12 @@ class LlamaCpp:
             params.speculative.draft.cpuparams_batch.n_threads = self.threads
         return xlc.Server(params)
 
+    def _props(self) -> dict:
+        """llama-server's /props (its chat template among them): read in milliseconds, where
+        parsing the GGUF file's metadata in Python takes seconds."""
+        with urllib.request.urlopen(self.url + "/props", timeout=60) as response:
+            return json.load(response)
+
     def plain(self):
         """The server without the draft model (image turns when a draft model is set)."""
         if self.plain_server is None:
@@ -152,7 +191,8 @@ class _Answer:
     def __init__(self, backend: LlamaCpp, body: dict, request, started: float, speculative: bool):
         self.backend, self.body, self.request, self.started = backend, body, request, started
         self.speculative = speculative
-        self.stats = Stats(mode="speculative" if speculative else "plain", drafter=DRAFTER if speculative else None)
+        self.stats = Stats(mode="speculative" if speculative else "plain", drafter=DRAFTER if speculative else None,
+                           drafter_kind=DRAFTER_KIND if speculative else None)
         self.stats.unknown = tuple(name for name in _field_names() if name not in MEASURED | {"unknown"})
         self.closed = threading.Event()  # the consumer is gone or asked to stop
 
@@ -263,17 +303,7 @@ def data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def chat_template(gguf_path: Path) -> str:
-    """The chat template stored in a GGUF file ("" when it has none)."""
-    import gguf
-
-    field = gguf.GGUFReader(str(gguf_path)).fields.get("tokenizer.chat_template")
-    return bytes(field.parts[field.data[0]]).decode() if field else ""
-
-
 def _has_vision(checkpoint) -> bool:
-    import json
-
     with open(Path(checkpoint) / "config.json", encoding="utf-8") as file:
         return "vision_config" in json.load(file)
 
