@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -139,6 +140,28 @@ def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
         lines.append(f"{row.title}: text compared with, and speedup against, llama.cpp plain (text turns)"
                      + ("" if row.drafter else "; " + bound(gguf_weight_bytes(row.backend.paths["model"]), bandwidth)))
     return lines
+
+
+def realscale_figures(engine, target_dir, drafter_dir, outtype: str, messages, decode: DecodeSettings) -> dict:
+    """measure/realscale.py's llama.cpp figures for one preset, on its weights converted to GGUF
+    (`outtype`), threads as torch's: plain decoding of the image request with its bound beside the
+    built-in engine's, and on the request's text alone plain and with the preset's text drafter as
+    llama.cpp's draft model (it refuses to draft on images)."""
+    backend = start(str(target_dir), str(drafter_dir), outtype)
+    text_only = [{"role": m["role"], "content": [p for p in m["content"] if p["type"] == "text"]} for m in messages]
+    answer(backend, text_only, None, replace(decode, max_new_tokens=2))  # warm-up: pages the weights in
+    plain, text_plain, text_draft = (answer(backend, messages, None, decode), answer(backend, text_only, None, decode),
+                                     answer(backend, text_only, "text", decode))
+    bandwidth = measured_bandwidth()
+    ours = sum(p.numel() * p.element_size() for name, p in engine.target.model.named_parameters()
+               if "visual" not in name and "vision" not in name)
+    theirs = gguf_weight_bytes(backend.paths["model"])
+    return {"outtype": outtype, "bandwidth_gb_s": bandwidth, "threads": backend.threads,
+            "plain_tok_s": plain.stats.decode_tok_s, "plain_tokens": plain.stats.new_tokens,
+            "text_plain_tok_s": text_plain.stats.decode_tok_s, "text_draft_tok_s": text_draft.stats.decode_tok_s,
+            "text_drafted": text_draft.stats.drafted, "text_accepted": text_draft.stats.accepted,
+            "weights_bytes": theirs, "bound_tok_s": bandwidth * 1e9 / theirs,
+            "our_weights_bytes": ours, "our_bound_tok_s": bandwidth * 1e9 / ours}
 
 
 def bound(weights: int, bandwidth: float) -> str:

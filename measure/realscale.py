@@ -49,7 +49,7 @@ def photo(size: int):
 
 
 def measure(preset: str, quick: bool, dtype: str, device: str, max_new_tokens: int, image_size: int,
-            acceptances: tuple[float, ...] = ACCEPTANCES) -> dict:
+            acceptances: tuple[float, ...] = ACCEPTANCES, llamacpp: str | None = None) -> dict:
     from engine.drafters.registry import load_drafter
     from engine.engine import Engine
     from engine.loop import DecodeSettings
@@ -102,6 +102,14 @@ def measure(preset: str, quick: bool, dtype: str, device: str, max_new_tokens: i
                                   "mean_k": statistics.mean(rounds), "speedup": speedup, "bound": bound,
                                   "efficiency": speedup / bound, "measured_acceptance": _acceptance(m),
                                   "decode_tok_s": m.decode_tok_s})
+    text = run_this(engine, "text", messages, decode, 3)
+    out["text_drafter"] = {"decode_tok_s": text.decode_tok_s, "speedup": text.decode_tok_s / plain.decode_tok_s,
+                           "acceptance": _acceptance(text), "mean_k": statistics.mean(text.draft_lengths or [0])}
+    if llamacpp:
+        from measure.llamacpp_rows import realscale_figures
+
+        outtype = {"bfloat16": "bf16", "float32": "f32"}[dtype] if llamacpp == "same" else llamacpp
+        out["llamacpp"] = realscale_figures(engine, target_dir, drafter_dir, outtype, messages, decode)
     out["peak_memory_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     if torch.cuda.is_available() and device != "cpu":
         out["peak_cuda_memory_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
@@ -160,6 +168,26 @@ def print_table(results: list[dict]) -> None:
               f"| a = {rates}: {fmt(fixed)} | {fmt(cost)} (mean k {' / '.join(format(x['mean_k'], '.1f') for x in cost)}) "
               f"| {r['peak_memory_gb']:.1f} GB |")
     print("replay cells: decode speedup over plain (efficiency = speedup / cost-model bound)")
+    beside = [r for r in results if "llamacpp" in r]
+    if beside:
+        print("\n| preset | this engine plain (bound) | llama.cpp plain (bound) | this / llama.cpp "
+              "| replay a = 0.8, k from cost / llama.cpp plain | text drafter (acceptance) / llama.cpp plain "
+              "| llama.cpp, text turn: plain / with the text drafter (accepted of drafted) |")
+        print("|---|---|---|---|---|---|---|")
+    for r in beside:
+        ll, replay = r["llamacpp"], next((x for x in r["replay"] if x["k"] == "cost" and x["acceptance"] == 0.8), None)
+        drafted = r["text_drafter"]
+        acceptance = "-" if drafted["acceptance"] is None else f"{drafted['acceptance']:.2f}"
+        print(f"| {r['preset']} ({ll['outtype']}, {ll['threads']} threads) | {r['plain_tok_s']:.2f} tok/s "
+              f"({ll['our_bound_tok_s']:.1f}) | {ll['plain_tok_s']:.2f} tok/s ({ll['bound_tok_s']:.1f}) "
+              f"| {r['plain_tok_s'] / ll['plain_tok_s']:.2f}x "
+              f"| {'-' if replay is None else format(replay['decode_tok_s'] / ll['plain_tok_s'], '.2f') + 'x'} "
+              f"| {drafted['decode_tok_s'] / ll['plain_tok_s']:.2f}x ({acceptance}) "
+              f"| {ll['text_plain_tok_s']:.2f} / {ll['text_draft_tok_s']:.2f} tok/s "
+              f"({ll['text_accepted']} of {ll['text_drafted']}) |")
+    if beside:
+        print(f"bounds: weights read per token / {beside[0]['llamacpp']['bandwidth_gb_s']:.1f} GB/s "
+              "(a float32 matrix-vector product's bandwidth, measured in the run)")
 
 
 def main(argv=None) -> int:
@@ -175,6 +203,9 @@ def main(argv=None) -> int:
     parser.add_argument("--acceptances", default=",".join(map(str, ACCEPTANCES)),
                         help="replay acceptances, comma-separated (default 1.0,0.8,0.6,0.2)")
     parser.add_argument("--quick", action="store_true", help="shrunken shapes (2 layers, hidden 64): seconds")
+    parser.add_argument("--llamacpp", nargs="?", const="same", choices=["same", "f32", "bf16", "q8_0"],
+                        help="also llama.cpp on the same weights converted to GGUF (models/gguf.py): the "
+                             "target's dtype (default), or f32, bf16, q8_0")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child process: one preset
     args = parser.parse_args(argv)
@@ -186,7 +217,7 @@ def main(argv=None) -> int:
     for preset in presets:
         if args.quick or args.one:
             results.append(measure(preset, args.quick, args.dtype, args.device, args.max_new_tokens, args.image_size,
-                                   tuple(float(a) for a in args.acceptances.split(","))))
+                                   tuple(float(a) for a in args.acceptances.split(",")), args.llamacpp))
         else:
             results.append(_in_child(preset, args))
         print(f"{preset} measured", file=sys.stderr)
@@ -211,7 +242,8 @@ def _in_child(preset: str, args) -> dict:
     build_preset(preset)  # already built: returns the folders
     command = [sys.executable, "-m", "measure.realscale", "--one", "--preset", preset, "--dtype", args.dtype,
                "--device", args.device, "--max-new-tokens", str(args.max_new_tokens),
-               "--image-size", str(args.image_size), "--acceptances", args.acceptances]
+               "--image-size", str(args.image_size), "--acceptances", args.acceptances] + (
+                   ["--llamacpp", args.llamacpp] if args.llamacpp else [])
     with tempfile.TemporaryFile("w+") as out:
         subprocess.run(command, check=True, stdout=out)
         out.seek(0)

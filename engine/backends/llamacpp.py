@@ -153,6 +153,8 @@ class LlamaCpp:
                 "cache_prompt": self.cache_prompt, "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True}
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        if decode.stop_token_ids and all(t < 0 for t in decode.stop_token_ids):
+            body["ignore_eos"] = True  # stop tokens that no token is (measure/realscale.py): never stop early
         return body
 
     def _start(self, draft: Path | None):
