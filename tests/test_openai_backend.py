@@ -22,7 +22,7 @@ from engine.engine import RequestError
 from engine.images import load_image
 from engine.loop import Chunk, DecodeSettings, Done
 from engine.sampling import SamplingSettings
-from tests.helpers import PIECES, WAIT_S, FakeServer, chunk, llama_server_answer
+from tests.helpers import DEMO_TARGET, DEMO_TEXT_DRAFTER, PIECES, WAIT_S, FakeServer, chunk, llama_server_answer
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -278,3 +278,46 @@ def test_a_server_that_refuses_images_says_so_and_text_still_goes(server):
     assert "\n" not in str(error.value)
     with pytest.raises(RequestError, match="answered HTTP 500: image input"):  # a text turn: not about its images
         list(OpenAIServer(server.url).stream(Request(ask())))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """A real llama-server (xllamacpp, in this process) on the demo model in GGUF, with the text
+    drafter as its draft model; its plain twin (no draft model) answers the image turns."""
+    from engine.backends.llamacpp import LlamaCpp
+
+    return LlamaCpp.from_checkpoint(DEMO_TARGET, draft=DEMO_TEXT_DRAFTER, threads=1)
+
+
+def test_on_a_real_llama_server_the_answers_are_llama_cpps_own(llama):
+    """Through its HTTP route: the same text as the llama.cpp backend on the same server, on a
+    text turn (drafted by the draft model) and on turns with one and two images (labelled)."""
+    from engine.backends.llamacpp import DRAFTER
+    from models.demo.world import eval_questions
+
+    decode = DecodeSettings(max_new_tokens=24)
+    text_turn = ask("Describe a red circle in the top left corner.")
+    remote = OpenAIServer(llama.url)
+    done = list(remote.stream(Request(text_turn, decode=decode)))[-1]
+    own = list(llama.stream(Request(text_turn, drafter=DRAFTER, decode=decode)))[-1]
+    assert done.text and done.text == own.text and remote.server.kind == "llamacpp" and remote.server.label_images
+    assert done.stats.mode == "speculative" and 0 < done.stats.drafted and done.stats.drafted == own.stats.drafted
+
+    plain = OpenAIServer(llama.plain().listening_address)
+    questions = [q for q in eval_questions(0, 8) if q.images]
+    for question in (next(q for q in questions if len(q.images) == 1), next(q for q in questions if len(q.images) > 1)):
+        turn = ask(question.prompt, question.images)
+        done = list(plain.stream(Request(turn, decode=decode)))[-1]
+        assert done.text == list(llama.stream(Request(turn, decode=decode)))[-1].text, question.prompt
+        assert done.stats.mode == "plain" and done.stats.drafted == 0
+
+
+def test_a_real_text_only_llama_server_refuses_an_image_turn_in_one_line():
+    from engine.backends.llamacpp import LlamaCpp
+
+    text_only = LlamaCpp.from_checkpoint(DEMO_TEXT_DRAFTER, threads=1)  # kept: dropping it stops the server
+    remote = OpenAIServer(text_only.url)
+    with pytest.raises(RequestError, match="does not take images .*mmproj") as error:
+        list(remote.stream(Request(ask(images=[Image.new("RGB", (16, 16), (0, 0, 255))]))))
+    assert "\n" not in str(error.value)
+    assert list(remote.stream(Request(ask(), decode=DecodeSettings(max_new_tokens=4))))[-1].text  # text still goes
