@@ -162,8 +162,9 @@ class OpenAIServer:
         """The model and what the server is, asked once (not kept while the server cannot be reached)."""
         if self.server is not None:
             return self.server
+        models = self._get("/v1/models")  # RequestError (a ValueError) when the server cannot be reached
         try:
-            listed = [m for m in json.loads(self._get("/v1/models") or b"null")["data"]
+            listed = [m for m in json.loads(models or b"null")["data"]
                       if isinstance(m, dict) and isinstance(m.get("id"), str)]
         except (ValueError, KeyError, TypeError):
             listed = []
@@ -178,8 +179,9 @@ class OpenAIServer:
         kind = next((m.get("owned_by") for m in listed if m["id"] == model), None)
         server = Server(model, kind if kind in KINDS else None)
         if server.kind == "llamacpp":
+            props = self._get("/props")
             try:
-                server.label_images = labels_images(json.loads(self._get("/props") or b"{}").get("chat_template") or "")
+                server.label_images = labels_images(json.loads(props or b"{}").get("chat_template") or "")
             except (ValueError, AttributeError):
                 pass
         self.server = server
@@ -208,8 +210,8 @@ class OpenAIServer:
                 why = ("other requests ran on the server meanwhile" if counts and counts.approximate else
                        "other requests of this app ran meanwhile" if overlap["overlapped"] else None)
                 _record_drafts(stats, counts, why)
-        except MetricsError:
-            pass  # not in the documented format: unknown, as if not reported
+        except (MetricsError, RequestError):
+            pass  # not in the documented format, or /metrics unreachable after the answer: unknown
 
     @contextmanager
     def _counted(self):
