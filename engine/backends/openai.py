@@ -197,13 +197,12 @@ class OpenAIServer:
 
     def _draft_counts(self, stats: Stats, server: Server, last: dict, before: str | None, overlap: dict) -> None:
         """Drafted / accepted from vLLM or SGLang (llama-server's timings: _server_counts)."""
-        spec = (last.get("metrics") or {}).get("speculative_decoding") if isinstance(last.get("metrics"), dict) else None
-        details = (last.get("sglext") or {}).get("spec_tokens_details") if isinstance(last.get("sglext"), dict) else None
+        spec, details = _inner(last, "metrics", "speculative_decoding"), _inner(last, "sglext", "spec_tokens_details")
         try:
-            if isinstance(spec, dict):
+            if spec is not None:
                 server.per_request_drafts = True
                 _record_drafts(stats, vllm_response_counts(spec), None)
-            elif isinstance(details, dict):
+            elif details is not None:
                 _record_drafts(stats, sglang_request_counts(details), None)
             elif before is not None and (after := self._metrics(server)) is not None:
                 counts = vllm_request_counts(before, after)
@@ -328,6 +327,13 @@ def _server_counts(stats: Stats, usage: dict | None, timings: dict | None) -> No
         stats.mode = "speculative" if stats.drafted else "plain"
         known |= {"mode", "drafted", "accepted", "acceptance"}
     stats.unknown = tuple(name for name in stats.unknown if name not in known)
+
+
+def _inner(last: dict, outer: str, name: str) -> dict | None:
+    """`last[outer][name]` when both are objects (vLLM's metrics, SGLang's sglext), else None."""
+    value = last.get(outer)
+    value = value.get(name) if isinstance(value, dict) else None
+    return value if isinstance(value, dict) else None
 
 
 def _record_drafts(stats: Stats, counts: SpecCounts | None, approximate: str | None) -> None:
