@@ -116,7 +116,8 @@ def _measured_rows(stats: Stats) -> list[tuple[str, str | None]]:
         ("Prompt", f"{plural(stats.prefill_tokens, 'token')}{images} read in {stats.prefill_s * 1000:.0f} ms"),
         ("Answer", f"{plural(stats.new_tokens, 'token')} in {stats.total_s:.2f} s "
                    f"({plural(stats.decode_tokens, 'token')} decoded in {stats.decode_s:.2f} s)"),
-        ("Accepted / drafted", f"{stats.accepted} / {stats.drafted}" if speculative else None),
+        ("Accepted / drafted", f"{stats.accepted} / {stats.drafted}" + (
+            f" (approximate: {stats.drafts_approximate})" if stats.drafts_approximate else "") if speculative else None),
         ("Acceptance", None if stats.acceptance is None else f"{stats.acceptance:.0%}"),
         ("Tokens per target pass", None if stats.tokens_per_forward is None else f"{stats.tokens_per_forward:.2f}"),
         ("Draft shape", _draft_shape(stats) if speculative else None),

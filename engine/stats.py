@@ -11,7 +11,9 @@ Conventions:
 - `decode_tokens` are the tokens after the first; `decode_tok_s` = decode_tokens / decode_s,
   where decode_s runs from the first token to the last.
 - `acceptance` = accepted / drafted over the answer (None when nothing was drafted): the one
-  acceptance figure shown anywhere (panels, notes, A/B verdict, benchmark).
+  acceptance figure shown anywhere (panels, notes, A/B verdict, benchmark). A server that
+  only publishes server-wide counters (vLLM's /metrics) gives `drafts_approximate` (why) when
+  other requests may have drafted during this one (engine/backends/metrics.py).
 - `draft_length_reason` says in words why the latest round drafted the k it did; when the cost
   rule stopped drafting it starts with PAUSED (`drafting_paused`). The plain steps the cost rule
   takes now and then to time plain decoding (REFERENCE) show in `draft_lengths` as 0 but leave
@@ -73,6 +75,7 @@ class Stats:
     accepted: int = 0
     rejected_rounds: int = 0  # rounds that rejected a draft token
     acceptance: float | None = None
+    drafts_approximate: str | None = None  # why drafted / accepted may count other requests' drafts too
     tokens_per_forward: float | None = None
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
@@ -146,7 +149,8 @@ class Stats:
         if self.drafting_paused:
             parts.append(PAUSED)
         if self.acceptance is not None:
-            parts.append(f"acceptance {self.acceptance:.0%} ({self.accepted} of {self.drafted} drafted)")
+            parts.append(f"acceptance {self.acceptance:.0%} ({self.accepted} of {self.drafted} drafted"
+                         + (", approximate)" if self.drafts_approximate else ")"))
         if self.tokens_per_forward is not None and self.acceptance is not None:  # another backend may not say
             parts.append(f"{self.tokens_per_forward:.2f} tok/forward")
         if self.draft_shape == "tree":

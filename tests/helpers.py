@@ -214,10 +214,13 @@ def cli_json(capsys, argv: list[str]) -> dict:
 
 # A fake OpenAI-compatible server: chat-completion chunks in llama-server's format (llama.cpp
 # tools/server/server-task.cpp: a role delta, one content delta a token, a last chunk with
-# finish_reason, a usage chunk carrying `timings`, then `data: [DONE]`).
+# finish_reason, a usage chunk carrying `timings`, then `data: [DONE]`); vLLM's and SGLang's
+# additions from tests/fixtures (each names its source).
 PIECES = ["The", " red", " square", " is", " larger."]
 TIMINGS = {"prompt_n": 9, "prompt_ms": 12.5, "predicted_n": 5, "predicted_ms": 40.0, "draft_n": 6,
            "draft_n_accepted": 4}
+DEMO_TARGET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "demo", "target")
+DEMO_TEXT_DRAFTER = os.path.join(os.path.dirname(DEMO_TARGET), "text_drafter")
 
 
 def chunk(delta: dict | None = None, finish: str | None = None, **extra) -> bytes:
@@ -226,21 +229,29 @@ def chunk(delta: dict | None = None, finish: str | None = None, **extra) -> byte
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def llama_server_answer(timings: dict | None = TIMINGS, pieces: list[str] = PIECES) -> list[bytes]:
+def llama_server_answer(timings: dict | None = TIMINGS, pieces: list[str] = PIECES, final: dict | None = None,
+                        before_usage: tuple[dict, ...] = ()) -> list[bytes]:
+    """The stream's lines; `final`: more fields of the usage chunk (vLLM's `metrics`);
+    `before_usage`: chunks with empty choices before it (SGLang's `sglext`)."""
     usage = {"completion_tokens": len(pieces), "prompt_tokens": 9, "total_tokens": 9 + len(pieces)}
-    final = {"usage": usage, **({"timings": timings} if timings else {})}
+    final = {"usage": usage, **({"timings": timings} if timings else {}), **(final or {})}
     return ([chunk({"role": "assistant", "content": None})] + [chunk({"content": p}) for p in pieces]
-            + [chunk({}, "stop"), chunk(None, **final), b"data: [DONE]\n\n"])
+            + [chunk({}, "stop"), *(chunk(None, **extra) for extra in before_usage), chunk(None, **final),
+               b"data: [DONE]\n\n"])
 
 
 class FakeServer:
-    """Answers /v1/models and /v1/chat/completions with `self.reply` (status, body lines); holds
-    before line `hold_at` until `release` is set; records what it received (headers, body)."""
+    """Answers /v1/chat/completions with `self.reply` (status, body lines), /v1/models with
+    `self.models`, and any other GET path with `self.pages[path]` (replies (status, body) served
+    in turn, the last one again and again; 404 when none); holds before line `hold_at` until
+    `release` is set; records what it received (POSTs: headers, body; GETs: paths)."""
 
     def __init__(self):
         self.reply: tuple[int, list[bytes]] = (200, llama_server_answer())
+        self.models: list[dict] = [{"id": "tiny-vlm", "object": "model"}]
+        self.pages: dict[str, list[tuple[int, bytes]]] = {}
         self.hold_at, self.held, self.release = None, threading.Event(), threading.Event()
-        self.requests, self.disconnected = [], threading.Event()
+        self.requests, self.gets, self.disconnected = [], [], threading.Event()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -248,20 +259,25 @@ class FakeServer:
                 pass
 
             def do_GET(self):
-                self._send(200, [json.dumps({"object": "list", "data": [{"id": "tiny-vlm"}]}).encode()])
+                server.gets.append(self.path)
+                if self.path == "/v1/models":
+                    return self._send(200, [json.dumps({"object": "list", "data": server.models}).encode()])
+                replies = server.pages.get(self.path) or [(404, b'{"error": {"message": "Not Found"}}')]
+                status, body = replies.pop(0) if len(replies) > 1 else replies[0]
+                self._send(status, [body], hold=False)
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append((dict(self.headers), body))
                 self._send(*server.reply)
 
-            def _send(self, status, lines):
+            def _send(self, status, lines, hold=True):
                 self.send_response(status)
                 self.send_header("Content-Type", "text/event-stream" if status == 200 else "application/json")
                 self.end_headers()
                 try:
                     for i, line in enumerate(lines):
-                        if i == server.hold_at:
+                        if hold and i == server.hold_at:
                             server.held.set()
                             server.release.wait(WAIT_S)
                         self.wfile.write(line)

@@ -122,6 +122,20 @@ def test_garbage_from_the_server_is_one_line_and_the_conversation_is_kept(served
         ("user", "Which is larger?"), ("assistant", ANSWER), ("user", "Which is smaller?")]  # the failed turn left out
 
 
+def test_a_server_that_refuses_an_image_turn_names_it_and_the_conversation_is_kept(served, fresh):
+    client = Client(served.url, verbose=False)
+    assert client.predict(message("Which is larger?"), api_name="/chat")[0] == ANSWER
+    fresh.reply = (500, [b'{"error": {"code": 500, "message": "image input is not supported - hint: if this is '
+                         b'unexpected, you may need to provide the mmproj"}}'])  # llama-server without mmproj
+    with pytest.raises(AppError, match="does not take images .*send text only") as refused:
+        client.predict(message("And this chart?", [IMAGE]), api_name="/chat")
+    assert "\n" not in str(refused.value)
+    fresh.reply = (200, llama_server_answer())
+    assert client.predict(message("Which is smaller?"), api_name="/chat")[0] == ANSWER
+    assert sent_text(fresh.requests[-1][1]) == [
+        ("user", "Which is larger?"), ("assistant", ANSWER), ("user", "Which is smaller?")]
+
+
 def test_a_server_that_is_down_is_one_line_and_the_app_keeps_serving(zoo):
     down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     app = launch_app(zoo, "--backend", down)

@@ -8,18 +8,23 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import socket
 import threading
 
 import pytest
 from PIL import Image
 
+from app_ui import views
 from engine.backend import Request
 from engine.backends.openai import OpenAIServer
 from engine.engine import RequestError
+from engine.images import load_image
 from engine.loop import Chunk, DecodeSettings, Done
 from engine.sampling import SamplingSettings
-from tests.helpers import PIECES, WAIT_S, FakeServer, chunk, llama_server_answer
+from tests.helpers import DEMO_TARGET, DEMO_TEXT_DRAFTER, PIECES, WAIT_S, FakeServer, chunk, llama_server_answer
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 
 @pytest.fixture
@@ -144,3 +149,175 @@ def test_the_command_line_answers_through_a_server(server, capsys):
     assert printed["stats"]["target_forwards"] is None
     assert main(["--backend", "localhost:8080", "hi"]) == 2
     assert capsys.readouterr().err.startswith("error: the backend must be an http:// or https:// URL")
+
+
+def fixture(name: str):
+    with open(os.path.join(FIXTURES, name), encoding="utf-8") as file:
+        return file.read() if name.endswith(".txt") else json.load(file)
+
+
+def test_a_model_by_name_asked_once_and_an_unknown_one_in_one_line(server):
+    server.models = [{"id": "small", "owned_by": "vllm"}, {"id": "Qwen/Qwen2.5-VL-7B-Instruct", "owned_by": "vllm"}]
+    backend = OpenAIServer(server.url + "/v1#Qwen%2FQwen2.5-VL-7B-Instruct")
+    for _ in range(2):
+        list(backend.stream(Request(ask())))
+    assert [body["model"] for _, body in server.requests] == ["Qwen/Qwen2.5-VL-7B-Instruct"] * 2
+    assert server.gets.count("/v1/models") == 1 and backend.server.kind == "vllm"
+    with pytest.raises(RequestError, match=r"has no model 'big'; it serves: small, Qwen/Qwen2.5-VL-7B-Instruct$") as error:
+        list(OpenAIServer(server.url, model="big").stream(Request(ask())))
+    assert "\n" not in str(error.value) and len(server.requests) == 2  # nothing sent
+    assert OpenAIServer(server.url).stream(Request(ask())).__next__().text == "The"  # none named: the first
+
+
+def test_vllm_per_request_metrics_give_exact_drafts_and_stop_the_metrics_reads(server):
+    server.models = [{"id": "tiny-vlm", "owned_by": "vllm"}]
+    server.pages["/metrics"] = [(200, fixture("vllm_metrics_before.txt").encode())]
+    final = fixture("vllm_chat_stream_spec_metrics.json")["chunk"]
+    server.reply = (200, llama_server_answer(timings=None, final={"usage": final["usage"], "metrics": final["metrics"]}))
+    backend = OpenAIServer(server.url)
+    for _ in range(2):
+        stats = list(backend.stream(Request(ask())))[-1].stats
+        assert (stats.mode, stats.drafted, stats.accepted, stats.new_tokens) == ("speculative", 129, 10, 53)
+        assert stats.accepted_by_position == [4, 3, 3] and stats.drafted_by_position == [43, 43, 43]
+        assert stats.tokens_per_forward == 1 + 10 / 43 and stats.drafts_approximate is None
+        assert not {"drafted", "accepted_by_position", "tokens_per_forward"} & set(stats.unknown)
+        assert "target_forwards" in stats.unknown
+    assert server.gets.count("/metrics") == 1  # before the first answer only: then the answers say it
+
+
+def test_vllm_counters_read_around_the_request_and_approximate_when_others_ran(server):
+    server.models = [{"id": "tiny-vlm", "owned_by": "vllm"}]
+    server.reply = (200, llama_server_answer(timings=None))
+    before, after = fixture("vllm_metrics_before.txt").encode(), fixture("vllm_metrics_after.txt").encode()
+    server.pages["/metrics"] = [(200, before), (200, after)]
+    backend = OpenAIServer(server.url)
+    stats = list(backend.stream(Request(ask())))[-1].stats
+    assert (stats.mode, stats.drafted, stats.accepted, stats.drafts_approximate) == ("speculative", 60, 40, None)
+    assert stats.accepted_by_position == [17, 13, 10] and stats.drafted_by_position == [20, 20, 20]
+    assert stats.tokens_per_forward == 1 + 40 / 20
+    server.pages["/metrics"] = [(200, before), (200, fixture("vllm_metrics_after_overlapped.txt").encode())]
+    stats = list(backend.stream(Request(ask())))[-1].stats
+    assert stats.drafted == 90 and stats.drafts_approximate == "other requests ran on the server meanwhile"
+    assert "approximate" in stats.summary()
+    row = dict(views._stat_rows(stats))["Accepted / drafted"]
+    assert row == "60 / 90 (approximate: other requests ran on the server meanwhile)"
+    server.pages["/metrics"] = [(200, b'vllm:num_requests_running{engine="0"} 0.0\n')]  # no speculative config
+    stats = list(backend.stream(Request(ask())))[-1].stats
+    assert (stats.mode, stats.drafted, stats.acceptance) == ("plain", 0, None) and "drafted" not in stats.unknown
+    server.pages["/metrics"] = [(200, b"<html>proxy</html>\n")]  # not Prometheus: unknown, the answer kept
+    done = list(backend.stream(Request(ask())))[-1]
+    assert done.text == "The red square is larger." and "drafted" in done.stats.unknown
+
+
+def test_requests_of_this_app_that_overlap_make_the_counts_approximate(server):
+    server.models = [{"id": "tiny-vlm", "owned_by": "vllm"}]
+    server.reply = (200, llama_server_answer(timings=None))
+    server.pages["/metrics"] = [(200, fixture("vllm_metrics_before.txt").encode())]  # the server's gauges say idle
+    server.hold_at = 3
+    backend = OpenAIServer(server.url)
+    first = backend.stream(Request(ask()))
+    next(first)
+    assert server.held.wait(WAIT_S)
+    server.release.set()  # the second request runs while the first one is open
+    second = list(backend.stream(Request(ask())))[-1].stats
+    rest = list(first)[-1].stats
+    assert second.drafts_approximate == rest.drafts_approximate == "other requests of this app ran meanwhile"
+    assert (second.drafted, second.mode) == (0, "speculative")
+
+
+def test_sglang_spec_tokens_details_asked_for_and_read(server):
+    server.models = [{"id": "default", "owned_by": "sglang"}]
+    sglext = fixture("sglang_chat_stream_sglext.json")
+    server.reply = (200, llama_server_answer(timings=None, before_usage=({"sglext": sglext["chunk"]["sglext"]},)))
+    stats = list(OpenAIServer(server.url).stream(Request(ask())))[-1].stats
+    assert server.requests[0][1]["return_spec_tokens_details"] is True and server.gets == ["/v1/models"]
+    assert (stats.mode, stats.drafted, stats.accepted) == ("speculative", 215, 63)
+    assert stats.accepted_by_position == [32, 18, 7, 3, 3] and stats.drafted_by_position == [43] * 5
+    assert stats.tokens_per_forward == pytest.approx(sglext["chunk"]["sglext"]["spec_tokens_details"]["spec_accept_length"])
+    server.reply = (200, llama_server_answer(timings=None))  # no sglext (no speculation, or an older SGLang)
+    stats = list(OpenAIServer(server.url).stream(Request(ask())))[-1].stats
+    assert {"mode", "drafted", "accepted_by_position"} <= set(stats.unknown)
+
+
+def test_images_keep_their_place_are_shrunk_and_labelled_where_llama_server_needs_it(server):
+    photo = Image.effect_noise((3000, 2000), 60).convert("RGB")  # a photo's worth of detail
+    small = Image.new("RGB", (12, 7), (200, 10, 10))
+    parts = [{"type": "text", "text": "Compare "}, {"type": "image", "image": photo}, {"type": "text", "text": "with"},
+             {"type": "text", "text": " "}, {"type": "image", "image": small}, {"type": "text", "text": "?"}]
+    list(OpenAIServer(server.url).stream(Request([{"role": "user", "content": parts}])))
+    content = server.requests[0][1]["messages"][0]["content"]
+    assert [p.get("text", p["type"]) for p in content] == ["Compare ", "image_url", "with ", "image_url", "?"]
+    big, tiny = (Image.open(io.BytesIO(base64.b64decode(p["image_url"]["url"].split(",", 1)[1])))
+                 for p in content if p["type"] == "image_url")
+    assert content[1]["image_url"]["url"].startswith("data:image/jpeg") and big.size == (1536, 1024)
+    assert content[3]["image_url"]["url"].startswith("data:image/png") and tiny.getpixel((0, 0)) == (200, 10, 10)
+    assert len(content[1]["image_url"]["url"]) < 1_500_000
+
+    server.models = [{"id": "tiny-vlm", "owned_by": "llamacpp"}]  # llama-server flattens: the labels as text
+    server.pages["/props"] = [(200, json.dumps({"chat_template": "{% if add_vision_id is not defined or "
+                                                                 "add_vision_id %}Picture{% endif %}"}).encode())]
+    list(OpenAIServer(server.url, max_image_side=64).stream(Request([{"role": "user", "content": parts}])))
+    content = server.requests[1][1]["messages"][0]["content"]
+    assert [p.get("text", "IMG") for p in content] == ["Compare Picture 1: ", "IMG", "with Picture 2: ", "IMG", "?"]
+
+
+def test_the_app_decodes_images_no_larger_than_what_is_sent(tmp_path):
+    path = tmp_path / "photo.jpg"
+    Image.effect_noise((2400, 1800), 60).convert("RGB").save(path)
+    assert load_image(str(path), **OpenAIServer("http://127.0.0.1:9", max_image_side=800).image_fit()).size == (800, 600)
+
+
+def test_a_server_that_refuses_images_says_so_and_text_still_goes(server):
+    refusal = b'{"error": {"code": 500, "message": "image input is not supported - hint: if this is unexpected, ' \
+              b'you may need to provide the mmproj", "type": "server_error"}}'  # llama-server without mmproj
+    server.reply = (500, [refusal])
+    image = Image.new("RGB", (8, 8))
+    with pytest.raises(RequestError, match=r"does not take images \(model 'tiny-vlm'\): image input is not "
+                                           r"supported .* send text only$") as error:
+        list(OpenAIServer(server.url).stream(Request(ask(images=[image]))))
+    assert "\n" not in str(error.value)
+    with pytest.raises(RequestError, match="answered HTTP 500: image input"):  # a text turn: not about its images
+        list(OpenAIServer(server.url).stream(Request(ask())))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """A real llama-server (xllamacpp, in this process) on the demo model in GGUF, with the text
+    drafter as its draft model; its plain twin (no draft model) answers the image turns."""
+    from engine.backends.llamacpp import LlamaCpp
+
+    return LlamaCpp.from_checkpoint(DEMO_TARGET, draft=DEMO_TEXT_DRAFTER, threads=1)
+
+
+def test_on_a_real_llama_server_the_answers_are_llama_cpps_own(llama):
+    """Through its HTTP route: the same text as the llama.cpp backend on the same server, on a
+    text turn (drafted by the draft model) and on turns with one and two images (labelled)."""
+    from engine.backends.llamacpp import DRAFTER
+    from models.demo.world import eval_questions
+
+    decode = DecodeSettings(max_new_tokens=24)
+    text_turn = ask("Describe a red circle in the top left corner.")
+    remote = OpenAIServer(llama.url)
+    done = list(remote.stream(Request(text_turn, decode=decode)))[-1]
+    own = list(llama.stream(Request(text_turn, drafter=DRAFTER, decode=decode)))[-1]
+    assert done.text and done.text == own.text and remote.server.kind == "llamacpp" and remote.server.label_images
+    assert done.stats.mode == "speculative" and 0 < done.stats.drafted and done.stats.drafted == own.stats.drafted
+
+    plain = OpenAIServer(llama.plain().listening_address)
+    questions = [q for q in eval_questions(0, 8) if q.images]
+    for question in (next(q for q in questions if len(q.images) == 1), next(q for q in questions if len(q.images) > 1)):
+        turn = ask(question.prompt, question.images)
+        done = list(plain.stream(Request(turn, decode=decode)))[-1]
+        assert done.text == list(llama.stream(Request(turn, decode=decode)))[-1].text, question.prompt
+        assert done.stats.mode == "plain" and done.stats.drafted == 0
+
+
+def test_a_real_text_only_llama_server_refuses_an_image_turn_in_one_line():
+    from engine.backends.llamacpp import LlamaCpp
+
+    text_only = LlamaCpp.from_checkpoint(DEMO_TEXT_DRAFTER, threads=1)  # kept: dropping it stops the server
+    remote = OpenAIServer(text_only.url)
+    with pytest.raises(RequestError, match="does not take images .*mmproj") as error:
+        list(remote.stream(Request(ask(images=[Image.new("RGB", (16, 16), (0, 0, 255))]))))
+    assert "\n" not in str(error.value)
+    assert list(remote.stream(Request(ask(), decode=DecodeSettings(max_new_tokens=4))))[-1].text  # text still goes

@@ -1,20 +1,39 @@
 """Drafted and accepted tokens of one request, from what vLLM and SGLang publish.
 
-vLLM: Prometheus counters at `GET /metrics`, defined in vllm/v1/spec_decode/metrics.py
-(`SpecDecodingProm`): `vllm:spec_decode_num_drafts`, `vllm:spec_decode_num_draft_tokens`,
+vLLM, per request (exact): with `--per-request-spec-decode-metrics summary` (or `detailed`), the
+final usage chunk of a stream carries `metrics.speculative_decoding` (docs/features/
+speculative_decoding/acceptance_metrics.md, vLLM PR #48915): `num_spec_steps` (verify steps that
+drafted), `num_draft_tokens`, `num_accepted_draft_tokens` (no bonus token), `acceptance_histogram`
+(index j: steps that accepted exactly j drafts), `acceptance_histogram_by_draft_length` ({"k": a
+histogram of the steps that drafted k}), `num_spec_tokens`. `vllm_response_counts`.
+
+vLLM, server-wide (approximate when requests overlap): Prometheus counters at `GET /metrics`,
+defined in vllm/v1/spec_decode/metrics.py (`SpecDecodingProm`, registered only when the server
+has a speculative config): `vllm:spec_decode_num_drafts`, `vllm:spec_decode_num_draft_tokens`,
 `vllm:spec_decode_num_accepted_tokens` and `vllm:spec_decode_num_accepted_tokens_per_pos` (label
 `position`, 0-based), each labelled with `model_name` and `engine`; prometheus_client exposes a
-counter with the suffix `_total`. They are server-wide, so a request's counts are the difference
-of two readings taken around it, and they are `approximate` when other requests ran in between
-(`vllm:num_requests_running` above 1 at a reading, or more than one request finished between the
-readings: `vllm:request_success_total`).
+counter with the suffix `_total`. A request's counts are the difference of two readings taken
+before it is sent and after its stream ends (`vllm_request_counts`). They are `approximate` when
+another request may have drafted in between: `vllm:num_requests_running` or
+`vllm:num_requests_waiting` above 0 at either reading (the scheduler drops a finished request from
+`running` before it makes the step's statistics: vllm/v1/core/sched/scheduler.py
+`update_from_output`), or more than one request finished between them
+(`vllm:request_success_total`, vllm/v1/metrics/loggers.py).
 
-SGLang: per request, in the response's `meta_info` (python/sglang/srt/managers/
-tokenizer_manager_components/spec_decoding_meta.py `fill_spec_decoding_meta`):
-`spec_verify_ct` (verify passes), `spec_num_proposed_drafts` / `spec_num_correct_drafts` (older
-releases: `spec_proposed_drafts` / `spec_accepted_drafts`, kept there as aliases; older still:
-`spec_draft_token_num` / `spec_accept_token_num`), `spec_accept_rate` (correct / proposed, no
-bonus token) and `spec_accept_length` (completion_tokens / verify passes, the bonus token counted).
+SGLang, per request: `meta_info` (python/sglang/srt/managers/tokenizer_manager_components/
+spec_decoding_meta.py `fill_spec_decoding_meta`), which `/v1/chat/completions` returns as
+`sglext.spec_tokens_details` when the request says `"return_spec_tokens_details": true` (PR #33518:
+python/sglang/srt/entrypoints/openai/utils.py `spec_tokens_details_from_meta_info`; streaming: a
+chunk with empty `choices` before the usage chunk). Fields: `spec_verify_ct` (verify passes),
+`spec_num_proposed_drafts` / `spec_num_correct_drafts` (older releases: `spec_proposed_drafts` /
+`spec_accepted_drafts`, kept there as aliases; older still: `spec_draft_token_num` /
+`spec_accept_token_num`), `spec_correct_drafts_histogram` (index j: verify passes that accepted j
+drafts), `spec_accept_rate` (correct / proposed, no bonus token) and `spec_accept_length`
+(completion_tokens / verify passes, the bonus token counted).
+
+By position: `accepted_by_position[p]` = rounds whose draft token p was accepted (from a
+histogram: the rounds that accepted more than p). `drafted_by_position[p]` is given only when the
+counts show every round drafted the same k tokens (drafted == rounds x k), else left empty.
 """
 
 from __future__ import annotations
@@ -42,6 +61,7 @@ class SpecCounts:
     accepted: int = 0
     drafts: int | None = None  # rounds that drafted (vLLM) or verify passes (SGLang)
     accepted_by_position: list[int] = field(default_factory=list)
+    drafted_by_position: list[int] = field(default_factory=list)  # empty: not known
     approximate: bool = False  # other requests' drafts may be counted too
 
     @property
@@ -82,30 +102,71 @@ def vllm_reading(text: str) -> dict:
     return {"drafts": total(VLLM_PREFIX + "num_drafts"), "draft_tokens": total(VLLM_PREFIX + "num_draft_tokens"),
             "accepted_tokens": total(VLLM_PREFIX + "num_accepted_tokens"),
             "per_position": [total(VLLM_PREFIX + "num_accepted_tokens_per_pos", str(p)) for p in positions],
-            "running": total("vllm:num_requests_running"), "finished": total("vllm:request_success")}
+            "running": total("vllm:num_requests_running"), "waiting": total("vllm:num_requests_waiting"),
+            "finished": total("vllm:request_success"),
+            "speculative": any(sample.startswith(VLLM_PREFIX) for sample, _ in samples)}
 
 
-def vllm_request_counts(before: str, after: str) -> SpecCounts:
-    """One request's counts: the difference of `/metrics` read before and after it."""
+def vllm_request_counts(before: str, after: str) -> SpecCounts | None:
+    """One request's counts: the difference of `/metrics` read before and after it; None when
+    the server has no speculative-decoding counters (it does not speculate)."""
     first, last = vllm_reading(before), vllm_reading(after)
+    if not last["speculative"]:
+        return None
     if last["draft_tokens"] < first["draft_tokens"]:
         raise MetricsError("vLLM's draft-token counter went down between the readings: the server restarted")
     per_position = [int(b - (first["per_position"][i] if i < len(first["per_position"]) else 0))
                     for i, b in enumerate(last["per_position"])]
-    overlapped = first["running"] > 1 or last["running"] > 1 or last["finished"] - first["finished"] > 1
-    return SpecCounts(int(last["draft_tokens"] - first["draft_tokens"]),
-                      int(last["accepted_tokens"] - first["accepted_tokens"]),
-                      int(last["drafts"] - first["drafts"]), per_position, overlapped)
+    busy = any(reading["running"] + reading["waiting"] > 0 for reading in (first, last))
+    overlapped = busy or last["finished"] - first["finished"] > 1
+    drafted, rounds = int(last["draft_tokens"] - first["draft_tokens"]), int(last["drafts"] - first["drafts"])
+    return SpecCounts(drafted, int(last["accepted_tokens"] - first["accepted_tokens"]), rounds, per_position,
+                      _same_k(drafted, rounds, len(per_position)), overlapped)
+
+
+def vllm_response_counts(spec: dict) -> SpecCounts:
+    """One request's counts from vLLM's `metrics.speculative_decoding` (exact)."""
+    try:
+        histogram = [int(n) for n in spec["acceptance_histogram"]]
+        counts = SpecCounts(int(spec["num_draft_tokens"]), int(spec["num_accepted_draft_tokens"]),
+                            int(spec["num_spec_steps"]), accepted_by_position(histogram))
+        by_length = {int(k): [int(n) for n in rows] for k, rows in (spec.get("acceptance_histogram_by_draft_length")
+                                                                    or {}).items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise MetricsError(f"vLLM's metrics.speculative_decoding is not in the documented format: "
+                           f"{str(spec)[:80]!r}") from None
+    if by_length:  # the steps that drafted k tokens drafted positions 0..k-1
+        counts.drafted_by_position = [sum(sum(rows) for k, rows in by_length.items() if k > p)
+                                      for p in range(max(by_length))]
+    else:
+        counts.drafted_by_position = _same_k(counts.drafted, counts.drafts, len(counts.accepted_by_position))
+    return counts
 
 
 def sglang_request_counts(meta_info: dict) -> SpecCounts | None:
-    """One request's counts from SGLang's `meta_info`; None when it carries none (no speculation)."""
+    """One request's counts from SGLang's `meta_info` or `sglext.spec_tokens_details`; None when it
+    carries none (no speculation)."""
     for proposed, correct in SGLANG_PAIRS:
         if proposed in meta_info and correct in meta_info:
             try:
-                return SpecCounts(int(meta_info[proposed]), int(meta_info[correct]),
-                                  int(meta_info["spec_verify_ct"]) if "spec_verify_ct" in meta_info else None)
+                rounds = int(meta_info["spec_verify_ct"]) if "spec_verify_ct" in meta_info else None
+                histogram = [int(n) for n in meta_info.get("spec_correct_drafts_histogram")
+                             or meta_info.get("spec_accept_histogram") or []]
+                counts = SpecCounts(int(meta_info[proposed]), int(meta_info[correct]), rounds,
+                                    accepted_by_position(histogram))
             except (TypeError, ValueError):
                 raise MetricsError(f"SGLang's meta_info has {proposed}={meta_info[proposed]!r}, "
                                    f"{correct}={meta_info[correct]!r}: not whole numbers") from None
+            counts.drafted_by_position = _same_k(counts.drafted, rounds, len(counts.accepted_by_position))
+            return counts
     return None
+
+
+def accepted_by_position(histogram: list[int]) -> list[int]:
+    """histogram[j]: rounds that accepted exactly j drafts -> [rounds whose draft p was accepted]."""
+    return [sum(histogram[p + 1:]) for p in range(len(histogram) - 1)]
+
+
+def _same_k(drafted: int, rounds: int | None, k: int) -> list[int]:
+    """[rounds] * k when every round drafted k tokens (drafted == rounds x k), else [] (not known)."""
+    return [rounds] * k if rounds and k and drafted == rounds * k else []

@@ -1,7 +1,8 @@
 """A remote OpenAI-compatible server behind the backend interface (engine/backend.py):
 llama-server, vLLM, SGLang, or any server with `POST /v1/chat/completions` and `stream: true`.
 
-    backend = OpenAIServer("http://127.0.0.1:8080")   # the API key, if any, from VLM_BACKEND_API_KEY
+    backend = OpenAIServer("http://127.0.0.1:8080")          # the API key, if any, from VLM_BACKEND_API_KEY
+    backend = OpenAIServer("http://gpu:8000#Qwen/Qwen2.5-VL-7B-Instruct")   # a model by name (or model=...)
     for event in backend.stream(Request(messages)):
         ...
 
@@ -11,30 +12,42 @@ tools/server/server-task.cpp `to_json_oaicompat_chat_stream`): server-sent event
 `choices[0].finish_reason` "stop" or "length" on the last chunk, then `data: [DONE]`. With
 `stream_options.include_usage` a last chunk carries `usage` (completion_tokens, prompt_tokens).
 llama-server adds `timings` to the last chunk: `prompt_ms`, and `draft_n` / `draft_n_accepted`
-when it drafted (omitted when draft_n is 0). Images go as `image_url` parts with data URLs.
+when it drafted (omitted when draft_n is 0). Messages: engine/backends/messages.py (images shrunk
+to `max_image_side`, in their place among the text).
+
+The server, asked once on the first request: `GET /v1/models` gives the model (the one named, which
+must be listed, else the first) and the server's kind from its `owned_by` ("vllm", "sglang",
+"llamacpp"); llama-server's `GET /props` gives its chat template (does it label images?).
 
 What is measured here, from the stream (time.perf_counter() on this machine): `prepare_s` (the
-request's start to the request sent, images encoded), `ttft_s` (to the first text), `decode_s`
-and `decode_tok_s` (first text to the last), `total_s`. Token counts while streaming count
-text chunks (llama-server sends one per token; vLLM with speculative decoding may send several
-tokens in one); the final count is the server's `usage.completion_tokens`. From the server:
-`prefill_tokens` (usage), `prefill_s` (timings.prompt_ms), drafted / accepted (timings). What
-the server does not say is listed in `Stats.unknown`, never guessed.
+request's start to the request sent: images encoded, vLLM's /metrics read), `ttft_s` (to the first
+text), `decode_s` and `decode_tok_s` (first text to the last), `total_s`. Token counts while
+streaming count text chunks (llama-server sends one per token; vLLM and SGLang with speculative
+decoding may send several tokens in one); the final count is the server's `usage.completion_tokens`.
+From the server: `prefill_tokens` (usage), `prefill_s` (llama-server's timings.prompt_ms), and
+drafted / accepted tokens: llama-server's `timings`; vLLM's `metrics.speculative_decoding`, else its
+/metrics counters read around the request (`Stats.drafts_approximate` says why when other requests
+may be counted); SGLang's `sglext.spec_tokens_details` (engine/backends/metrics.py). What the
+server does not say is listed in `Stats.unknown`, never guessed.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from engine.backend import Capabilities, Request, stream_timed
+from engine.backends.messages import MAX_SIDE, LongestSide, labels_images, openai_content
+from engine.backends.metrics import (MetricsError, SpecCounts, sglang_request_counts, vllm_request_counts,
+                                     vllm_response_counts)
 from engine.engine import RequestError
 from engine.loop import Chunk, Done
 from engine.prompt import Prompt
@@ -43,27 +56,50 @@ from engine.stats import Stats
 API_KEY_VARIABLE = "VLM_BACKEND_API_KEY"
 TIMEOUT_S = 120.0  # the longest wait for the server to connect or to send the next line
 FINISH_REASONS = {"stop": "stop_token", "length": "max_new_tokens"}
+KINDS = ("vllm", "sglang", "llamacpp")  # the `owned_by` each writes into /v1/models (docs/backends.md)
+IMAGE_WORDS = ("image", "multimodal", "mmproj", "vision")  # in an error about a turn with images
 MEASURED = frozenset({"prepare_s", "ttft_s", "decode_tokens", "decode_s", "decode_tok_s", "total_s",
-                      "new_tokens", "finish_reason", "tok_s_curve"})
-FROM_SERVER = ("mode", "prefill_tokens", "prefill_s", "drafted", "accepted", "acceptance")  # known if it says
+                      "new_tokens", "finish_reason", "tok_s_curve", "drafts_approximate"})
+FROM_SERVER = ("mode", "prefill_tokens", "prefill_s", "drafted", "accepted", "acceptance", "tokens_per_forward",
+               "accepted_by_position", "drafted_by_position")  # known if it says
+
+
+@dataclass
+class Server:
+    """What the server said of itself, once."""
+
+    model: str | None  # None: no /v1/models to ask; the request then names none
+    kind: str | None = None  # one of KINDS, or None: another server
+    label_images: bool = False  # it flattens messages and its template labels images (llama-server)
+    per_request_drafts: bool = False  # vLLM sends metrics.speculative_decoding: /metrics is not read
+    metrics: bool = True  # vLLM's /metrics answered (or was not asked yet)
 
 
 class OpenAIServer:
     def __init__(self, url: str, model: str | None = None, api_key_variable: str = API_KEY_VARIABLE,
-                 timeout_s: float = TIMEOUT_S, environ=os.environ):
-        """`url`: the server's base, with or without `/v1`. `model`: the name sent in each request
-        (None: the first of the server's /v1/models, asked once)."""
+                 timeout_s: float = TIMEOUT_S, environ=os.environ, max_image_side: int = MAX_SIDE):
+        """`url`: the server's base, with or without `/v1`, optionally `#model` (the model's name);
+        `model`: the same, as an argument (None: the first of the server's /v1/models);
+        `max_image_side`: images are shrunk to this many pixels on their longest side."""
+        url, _, named = url.partition("#")
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"the backend must be an http:// or https:// URL, got {url!r}")
-        base = url.rstrip("/").removesuffix("/v1")
-        self.endpoint = base + "/v1"
-        self.model = model
+        self.base = url.rstrip("/").removesuffix("/v1")
+        self.endpoint = self.base + "/v1"
+        self.model = model or urllib.parse.unquote(named) or None
         self.api_key = environ.get(api_key_variable) or None  # sent to the server only, never shown
-        self.timeout_s = timeout_s
+        self.timeout_s, self.max_image_side = timeout_s, max_image_side
+        self.server: Server | None = None  # asked on the first request (the app starts while it is down)
+        self.requests = {"running": 0, "started": 0}  # this backend's requests, for overlap
+        self.lock = threading.Lock()
         shown = f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "") + parts.path
         self.capabilities = Capabilities(shown.rstrip("/"), images=True, speculative=True,
                                          statistics=MEASURED | set(FROM_SERVER))
+
+    def image_fit(self) -> dict:
+        """engine/images.py load_image's options: images shrunk as they are decoded, to what is sent."""
+        return {"fit": LongestSide(self.max_image_side)}
 
     def stream(self, request: Request) -> Iterator[Chunk | Done]:
         started = time.perf_counter() if request.started is None else request.started
@@ -74,15 +110,17 @@ class OpenAIServer:
         if request.drafter is not None:
             raise RequestError(f"drafter {request.drafter!r}: the server at {self.capabilities.name} decides its own "
                                "speculative decoding; send no drafter")
-        body = self._body(request)
+        server = self._server()
+        body = self._body(request, server)
+        before = self._metrics(server)
         stats.prepare_s = time.perf_counter() - started
-        text, first_at, usage, timings, reason = "", None, None, None, None
-        with self._open("/chat/completions", body) as response:
+        text, first_at, last, reason = "", None, {}, None
+        with self._counted() as overlap, self._send(body, server) as response:
             for chunk in _chunks(response, self.capabilities.name):
                 if request.stop is not None and request.stop.is_set():
                     reason = "stopped"
                     break
-                usage, timings = chunk.get("usage") or usage, chunk.get("timings") or timings
+                last.update({key: chunk[key] for key in ("usage", "timings", "metrics", "sglext") if chunk.get(key)})
                 choice = (chunk.get("choices") or [{}])[0]
                 reason = choice.get("finish_reason") or reason
                 piece = (choice.get("delta") or {}).get("content") or ""
@@ -96,45 +134,143 @@ class OpenAIServer:
                 yield Chunk(piece, [], [], stats.snapshot(), [(piece, "unknown")])
         if reason is None:
             raise RequestError(f"the backend at {self.capabilities.name} ended the stream before the answer ended")
-        _server_counts(stats, usage, timings)
+        _server_counts(stats, last.get("usage"), last.get("timings"))
+        self._draft_counts(stats, server, last, before, overlap)
         yield Done(text, [], _finished(stats, FINISH_REASONS.get(reason, reason), started, first_at))
 
-    def _body(self, request: Request) -> dict:
+    def _body(self, request: Request, server: Server) -> dict:
         if isinstance(request.messages, Prompt):
             raise RequestError("a remote backend takes messages, not a prepared Prompt")
         sampling, decode = request.sampling, request.decode
-        body = {"model": self.model or self._first_model(), "messages": [_message(m) for m in request.messages],
-                "stream": True, "stream_options": {"include_usage": True},
+        counter = iter(range(1, 10**6))  # images are numbered across the conversation, as templates do
+        messages = [{"role": m["role"], "content": openai_content(m["content"], server.label_images, counter,
+                                                                  self.max_image_side)}
+                    for m in request.messages]
+        body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True},
                 "max_tokens": decode.max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p}
+        if server.model is not None:
+            body["model"] = server.model
         if sampling.top_k:
             body["top_k"] = sampling.top_k  # not in OpenAI's API; llama-server, vLLM and SGLang read it
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        if server.kind == "sglang":
+            body["return_spec_tokens_details"] = True  # sglext.spec_tokens_details (SGLang PR #33518)
         return body
 
-    def _first_model(self) -> str:
-        with self._open("/models") as response:
+    def _server(self) -> Server:
+        """The model and what the server is, asked once (not kept while the server cannot be reached)."""
+        if self.server is not None:
+            return self.server
+        models = self._get("/v1/models")  # RequestError (a ValueError) when the server cannot be reached
+        try:
+            listed = [m for m in json.loads(models or b"null")["data"]
+                      if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        except (ValueError, KeyError, TypeError):
+            listed = []
+        names = [m["id"] for m in listed]
+        if self.model is None and not names:
+            raise RequestError(f"the backend at {self.capabilities.name} lists no model at /v1/models; name one: "
+                               "--backend URL#model")
+        if self.model is not None and names and self.model not in names:
+            raise RequestError(f"the backend at {self.capabilities.name} has no model {self.model!r}; it serves: "
+                               + ", ".join(names[:10]) + (", ..." if len(names) > 10 else ""))
+        model = self.model or names[0]
+        kind = next((m.get("owned_by") for m in listed if m["id"] == model), None)
+        server = Server(model, kind if kind in KINDS else None)
+        if server.kind == "llamacpp":
+            props = self._get("/props")
             try:
-                self.model = json.load(response)["data"][0]["id"]
-            except (ValueError, KeyError, IndexError, TypeError):
-                raise RequestError(f"the backend at {self.capabilities.name} lists no model at /v1/models; "
-                                   "name one") from None
-        return self.model
+                server.label_images = labels_images(json.loads(props or b"{}").get("chat_template") or "")
+            except (ValueError, AttributeError):
+                pass
+        self.server = server
+        return server
 
-    def _open(self, path: str, body: dict | None = None):
+    def _metrics(self, server: Server) -> str | None:
+        """vLLM's /metrics text, for counts read around a request; None when not to be read."""
+        if server.kind != "vllm" or server.per_request_drafts or not server.metrics:
+            return None
+        text = self._get("/metrics")
+        server.metrics = text is not None
+        return None if text is None else text.decode("utf-8", errors="replace")
+
+    def _draft_counts(self, stats: Stats, server: Server, last: dict, before: str | None, overlap: dict) -> None:
+        """Drafted / accepted from vLLM or SGLang (llama-server's timings: _server_counts)."""
+        spec, details = _inner(last, "metrics", "speculative_decoding"), _inner(last, "sglext", "spec_tokens_details")
+        try:
+            if spec is not None:
+                server.per_request_drafts = True
+                _record_drafts(stats, vllm_response_counts(spec), None)
+            elif details is not None:
+                _record_drafts(stats, sglang_request_counts(details), None)
+            elif before is not None and (after := self._metrics(server)) is not None:
+                counts = vllm_request_counts(before, after)
+                why = ("other requests ran on the server meanwhile" if counts and counts.approximate else
+                       "other requests of this app ran meanwhile" if overlap["overlapped"] else None)
+                _record_drafts(stats, counts, why)
+        except (MetricsError, RequestError):
+            pass  # not in the documented format, or /metrics unreachable after the answer: unknown
+
+    @contextmanager
+    def _counted(self):
+        """Counts this request among this backend's; yields {"overlapped"}, set when it ends."""
+        with self.lock:
+            self.requests["running"] += 1
+            self.requests["started"] += 1
+            overlap = {"alone": self.requests["running"] == 1, "started": self.requests["started"]}
+        try:
+            yield overlap
+        finally:
+            with self.lock:
+                self.requests["running"] -= 1
+                overlap["overlapped"] = not overlap["alone"] or self.requests["started"] != overlap["started"]
+
+    @contextmanager
+    def _send(self, body: dict, server: Server):
+        """The streamed response; a refused turn with images says so by name."""
+        try:
+            with self._open("/chat/completions", body) as response:
+                yield response
+        except _HTTPError as error:
+            images = any(isinstance(m["content"], list) and any(p["type"] == "image_url" for p in m["content"])
+                         for m in body["messages"])
+            if images and any(word in error.message.lower() for word in IMAGE_WORDS):
+                raise RequestError(f"the backend at {self.capabilities.name} does not take images "
+                                   f"(model {server.model!r}): {error.message}; send text only") from None
+            raise
+
+    def _get(self, path: str) -> bytes | None:
+        """The body of GET `path` on the server's base; None when it answers an HTTP error."""
+        try:
+            with self._open(path, base=self.base) as response:
+                return response.read()
+        except _HTTPError:
+            return None
+
+    def _open(self, path: str, body: dict | None = None, base: str | None = None):
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream" if body else "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = None if body is None else json.dumps(body).encode()
         try:
-            return urllib.request.urlopen(urllib.request.Request(self.endpoint + path, data, headers),
+            return urllib.request.urlopen(urllib.request.Request((base or self.endpoint) + path, data, headers),
                                           timeout=self.timeout_s)
         except urllib.error.HTTPError as error:
-            raise RequestError(f"the backend at {self.capabilities.name} answered HTTP {error.code}: "
-                               f"{_error_message(error.read())}") from None
+            message = _error_message(error.read())
+            raise _HTTPError(f"the backend at {self.capabilities.name} answered HTTP {error.code}: {message}",
+                             message) from None
         except (urllib.error.URLError, OSError) as error:
             reason = getattr(error, "reason", error)
             raise RequestError(f"the backend at {self.capabilities.name} cannot be reached: {reason}") from None
+
+
+class _HTTPError(RequestError):
+    """The server answered an HTTP error; `message`: its own words."""
+
+    def __init__(self, text: str, message: str):
+        super().__init__(text)
+        self.message = message
 
 
 def _chunks(response, name: str) -> Iterator[dict]:
@@ -161,22 +297,6 @@ def _chunks(response, name: str) -> Iterator[dict]:
             yield chunk
     except (TimeoutError, OSError) as error:
         raise RequestError(f"the backend at {name} stopped sending: {error}") from None
-
-
-def _message(message: dict) -> dict:
-    """An engine/prompt.py message in OpenAI's format: text and image_url parts (data URLs)."""
-    parts = []
-    for part in message["content"]:
-        if part["type"] == "text":
-            parts.append({"type": "text", "text": part["text"]})
-        else:
-            buffer = io.BytesIO()
-            part["image"].save(buffer, format="PNG")
-            url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-            parts.append({"type": "image_url", "image_url": {"url": url}})
-    if all(part["type"] == "text" for part in parts):  # plain text: a string, which every chat template takes
-        return {"role": message["role"], "content": "".join(part["text"] for part in parts)}
-    return {"role": message["role"], "content": parts}
 
 
 def _error_message(body: bytes) -> str:
@@ -206,6 +326,29 @@ def _server_counts(stats: Stats, usage: dict | None, timings: dict | None) -> No
         stats.acceptance = stats.accepted / stats.drafted if stats.drafted else None
         stats.mode = "speculative" if stats.drafted else "plain"
         known |= {"mode", "drafted", "accepted", "acceptance"}
+    stats.unknown = tuple(name for name in stats.unknown if name not in known)
+
+
+def _inner(last: dict, outer: str, name: str) -> dict | None:
+    """`last[outer][name]` when both are objects (vLLM's metrics, SGLang's sglext), else None."""
+    value = last.get(outer)
+    value = value.get(name) if isinstance(value, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def _record_drafts(stats: Stats, counts: SpecCounts | None, approximate: str | None) -> None:
+    """A vLLM or SGLang request's drafts into `stats`; `counts` None: the server did not draft."""
+    known = {"mode", "drafted", "accepted", "acceptance"}
+    if counts is None:
+        stats.mode, stats.drafted, stats.accepted, stats.acceptance = "plain", 0, 0, None
+    else:
+        stats.mode, stats.drafted, stats.accepted = "speculative", counts.drafted, counts.accepted
+        stats.acceptance, stats.drafts_approximate = counts.acceptance, approximate
+        stats.accepted_by_position, stats.drafted_by_position = counts.accepted_by_position, counts.drafted_by_position
+        known |= {name for name in ("accepted_by_position", "drafted_by_position") if getattr(counts, name)}
+        if counts.drafts:  # tokens per verify pass, the bonus token counted (vLLM's mean acceptance length)
+            stats.tokens_per_forward = 1 + counts.accepted / counts.drafts
+            known.add("tokens_per_forward")
     stats.unknown = tuple(name for name in stats.unknown if name not in known)
 
 
