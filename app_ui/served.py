@@ -78,9 +78,10 @@ class Served:
 
     def image_fit(self) -> dict:
         """engine/images.py load_image's options that shrink an image, as it is decoded, to the
-        size the model's processor uses (none for another backend: its processor is its own)."""
+        size the model's processor uses; for another backend, what it says it sends (a remote
+        server: images shrunk to its longest side), or nothing (llama.cpp here: its own processor)."""
         if self.engine is None:
-            return {}
+            return getattr(self.backend, "image_fit", dict)()
         return {"fit": self.engine.target.processor, "family": self.engine.target.family}
 
     def prepare(self, messages: list[dict], max_image_tokens: int | None = None) -> Prompt | None:

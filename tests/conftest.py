@@ -37,3 +37,26 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llamacpp():
+    """A llama-server in this process (engine/backends/llamacpp.py) on the bundled demo model,
+    converted to GGUF in float32 (cached in .gguf/), its text drafter as llama.cpp's draft model."""
+    from engine.backends.llamacpp import LlamaCpp
+    from tests.helpers import DEMO_TARGET, DEMO_TEXT_DRAFTER
+
+    return LlamaCpp.from_checkpoint(DEMO_TARGET, draft=DEMO_TEXT_DRAFTER, threads=1)
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Chromium (Debian's, tests/helpers.py CHROMIUM) driven by Playwright, one for the session."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.helpers import CHROMIUM, CHROMIUM_ARGS
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()

@@ -295,18 +295,9 @@ class FakeServer:
         self.http.server_close()
 
 
-# The llama.cpp backend (engine/backends/llamacpp.py) on the bundled demo model, converted to GGUF
-# in float32 (models/gguf.py, cached in .gguf/), with its text drafter as llama.cpp's draft model.
+# The bundled demo model's checkpoints (tests/conftest.py's `llamacpp` fixture converts them to GGUF).
 DEMO_TARGET = os.path.join(ROOT, "assets", "demo", "target")
 DEMO_TEXT_DRAFTER = os.path.join(ROOT, "assets", "demo", "text_drafter")
-
-
-@pytest.fixture(scope="module")
-def llamacpp():
-    """A llama-server in this process on the demo model (import the fixture into a test module)."""
-    from engine.backends.llamacpp import LlamaCpp
-
-    return LlamaCpp.from_checkpoint(DEMO_TARGET, draft=DEMO_TEXT_DRAFTER, threads=1)
 
 
 class GarbageServer:
@@ -322,3 +313,21 @@ class GarbageServer:
         for chunk in self.chunks:
             if callback(chunk):
                 return
+
+
+# The browser tests: Debian's chromium, driven by Playwright (tests/conftest.py `browser`).
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+EXAMPLES = os.path.join(ROOT, "assets", "examples")
+
+
+def send(page, box_id: str, text: str, files: list[str]) -> None:
+    """Attach `files` (assets/examples) to the message box `box_id`, type `text`, press Enter."""
+    from playwright.sync_api import expect
+
+    box = page.locator(f"#{box_id}")
+    box.locator("input[type=file]").set_input_files([os.path.join(EXAMPLES, f) for f in files])
+    expect(box.locator("img")).to_have_count(len(files), timeout=30_000)  # uploaded, thumbnails shown
+    box.locator("textarea").fill(text)
+    box.locator("textarea").press("Enter")

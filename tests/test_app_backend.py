@@ -17,9 +17,8 @@ from app_ui.served import Served
 from app_ui.session import Options, Session, new_turn
 from engine.backends.openai import OpenAIServer
 from tests.conftest import ROOT
-from tests.helpers import (PIECES, TIMINGS, WAIT_S, FakeServer, free_port, launch_app, llama_server_answer, message,
-                           reference, reference_engine)
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS
+from tests.helpers import (CHROMIUM, PIECES, TIMINGS, WAIT_S, FakeServer, free_port, launch_app, llama_server_answer,
+                           message, reference, reference_engine)
 
 IMAGE = f"{ROOT}/assets/examples/chart.png"
 ANSWER = "".join(PIECES)
@@ -223,25 +222,21 @@ def test_the_ab_tab_names_the_two_servers(fresh):
 
 
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing")
-def test_in_the_browser_the_server_answers_and_the_panel_says_what_it_does_not_report(served, fresh):
-    from playwright.sync_api import expect, sync_playwright
+def test_in_the_browser_the_server_answers_and_the_panel_says_what_it_does_not_report(served, fresh, browser):
+    from playwright.sync_api import expect
 
     fresh.reply = (200, llama_server_answer(timings=None))
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000})
-            page.goto(served.url)
-            expect(page.locator("#header")).to_contain_text(fresh.url.removeprefix("http://"))
-            expect(page.get_by_text("The server decides its own speculative decoding")).to_be_visible()
-            expect(page.get_by_label("Drafter")).to_have_count(0)  # hidden: the server's own
-            box = page.locator("#chat-input textarea")
-            box.fill("Which is larger?")
-            box.press("Enter")
-            stats = page.locator("#stats")
-            expect(stats).to_contain_text("end of answer", timeout=WAIT_S * 1000)
-            expect(stats).to_contain_text(views.NOT_REPORTED)
-            expect(page.locator("#chatbot .message.bot").first).to_contain_text(ANSWER)
-            assert SECRET not in page.content()
-        finally:
-            browser.close()
+    page = browser.new_page(viewport={"width": 1440, "height": 1000})
+    page.goto(served.url)
+    expect(page.locator("#header")).to_contain_text(fresh.url.removeprefix("http://"))
+    expect(page.get_by_text("The server decides its own speculative decoding")).to_be_visible()
+    expect(page.get_by_label("Drafter")).to_have_count(0)  # hidden: the server's own
+    box = page.locator("#chat-input textarea")
+    box.fill("Which is larger?")
+    box.press("Enter")
+    stats = page.locator("#stats")
+    expect(stats).to_contain_text("end of answer", timeout=WAIT_S * 1000)
+    expect(stats).to_contain_text(views.NOT_REPORTED)
+    expect(page.locator("#chatbot .message.bot").first).to_contain_text(ANSWER)
+    assert SECRET not in page.content()
+    page.close()

@@ -25,9 +25,8 @@ from engine.loop import DecodeSettings, Done
 from engine.stats import Stats
 from models import gguf
 from tests.conftest import ROOT
-from tests.helpers import (DEMO_TARGET, DEMO_TEXT_DRAFTER, WAIT_S, GarbageServer, StreamGate, free_port, launch_app,
-                           llamacpp, message)  # noqa: F401  (llamacpp: a fixture)
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, send
+from tests.helpers import (CHROMIUM, DEMO_TARGET, DEMO_TEXT_DRAFTER, WAIT_S, GarbageServer, StreamGate, free_port,
+                           launch_app, message, send)
 
 IMAGE = os.path.join(ROOT, "assets", "examples", "chart.png")
 QUESTION = "What does this chart show?"
@@ -165,23 +164,19 @@ def test_a_llama_cpp_that_cannot_start_is_one_line(tmp_path, monkeypatch, flag, 
 
 
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing")
-def test_in_the_browser_an_image_turn_shows_the_fallback_and_what_is_not_reported(served, llamacpp):
-    from playwright.sync_api import expect, sync_playwright
+def test_in_the_browser_an_image_turn_shows_the_fallback_and_what_is_not_reported(served, llamacpp, browser):
+    from playwright.sync_api import expect
 
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000})
-            page.goto(served.url)
-            header = "Answers from llama.cpp · speculative decoding: Text-only LM"  # its draft model's kind
-            expect(page.locator("#header")).to_contain_text(header)
-            send(page, "chat-input", QUESTION, [os.path.basename(IMAGE)])
-            stats = page.locator("#stats")
-            expect(stats).to_contain_text("end of answer", timeout=WAIT_S * 1000)
-            expect(stats).to_contain_text(FALLBACK)
-            expect(stats.locator("tr", has_text="Tokens per target pass")).to_contain_text(views.NOT_REPORTED)
-            answer = own(llamacpp, [user(QUESTION, (IMAGE,))])  # its first TOKENS tokens
-            expect(page.locator("#chatbot .message.bot").first).to_contain_text(answer)
-            expect(page.get_by_text("which tokens were drafted is not reported")).to_be_visible()
-        finally:
-            browser.close()
+    page = browser.new_page(viewport={"width": 1440, "height": 1000})
+    page.goto(served.url)
+    header = "Answers from llama.cpp · speculative decoding: Text-only LM"  # its draft model's kind
+    expect(page.locator("#header")).to_contain_text(header)
+    send(page, "chat-input", QUESTION, [os.path.basename(IMAGE)])
+    stats = page.locator("#stats")
+    expect(stats).to_contain_text("end of answer", timeout=WAIT_S * 1000)
+    expect(stats).to_contain_text(FALLBACK)
+    expect(stats.locator("tr", has_text="Tokens per target pass")).to_contain_text(views.NOT_REPORTED)
+    answer = own(llamacpp, [user(QUESTION, (IMAGE,))])  # its first TOKENS tokens
+    expect(page.locator("#chatbot .message.bot").first).to_contain_text(answer)
+    expect(page.get_by_text("which tokens were drafted is not reported")).to_be_visible()
+    page.close()

@@ -19,13 +19,9 @@ import pytest
 import app
 from models.presets import DEFAULT_MODEL
 from tests.conftest import ROOT
-from tests.helpers import free_port
+from tests.helpers import CHROMIUM, EXAMPLES, free_port, send
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SCREENSHOTS = os.path.join(ROOT, "artifacts", "screenshots")
-EXAMPLES = os.path.join(ROOT, "assets", "examples")
 FINISHED = re.compile("end of answer|max new tokens reached")
 
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
@@ -45,16 +41,6 @@ def url(zoo):
     demo.close()
 
 
-@pytest.fixture(scope="session")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
-
-
 @pytest.fixture(scope="module")
 def page(url, browser):
     """A desktop window."""
@@ -62,16 +48,6 @@ def page(url, browser):
     page.goto(url)
     yield page
     page.close()
-
-
-def send(page, box_id: str, text: str, files: list[str]) -> None:
-    box = page.locator(f"#{box_id}")
-    box.locator("input[type=file]").set_input_files([os.path.join(EXAMPLES, f) for f in files])
-    from playwright.sync_api import expect
-
-    expect(box.locator("img")).to_have_count(len(files), timeout=30_000)  # uploaded, thumbnails shown
-    box.locator("textarea").fill(text)
-    box.locator("textarea").press("Enter")
 
 
 def test_chat_with_two_images_streams_answer_and_statistics(page):
@@ -243,7 +219,7 @@ def test_auto_drafter_answers_in_the_page_and_the_api(fresh, url):
     from gradio_client import Client
     from playwright.sync_api import expect
 
-    from tests.test_app import message
+    from tests.helpers import message
 
     choose(fresh, "Drafter", "Auto")
     send(fresh, "chat-input", "Read the text in the image.", ["card.png"])

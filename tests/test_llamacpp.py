@@ -12,13 +12,14 @@ import pytest
 
 import xllamacpp  # noqa: E402,F401  (in requirements.txt: a missing install fails here, never skips)
 
-from engine.backends.llamacpp import DRAFTER, FALLBACK, LlamaCpp, openai_content  # noqa: E402
+from engine.backends.llamacpp import DRAFTER, FALLBACK, LlamaCpp  # noqa: E402
+from engine.backends.messages import openai_content  # noqa: E402
 from engine.engine import RequestError  # noqa: E402
 from engine.loop import Chunk, DecodeSettings, Done  # noqa: E402
 from engine.sampling import SamplingSettings  # noqa: E402
 from models.demo.world import eval_questions  # noqa: E402
 from tests.helpers import DEMO_TARGET as TARGET, DEMO_TEXT_DRAFTER as TEXT_DRAFTER  # noqa: E402
-from tests.helpers import GarbageServer, llamacpp  # noqa: E402,F401  (llamacpp: a fixture)
+from tests.helpers import GarbageServer  # noqa: E402
 
 DECODE = DecodeSettings(max_new_tokens=40)
 

@@ -14,7 +14,7 @@ import pytest
 from engine.backend import BuiltIn, Request
 from engine.engine import Engine, RequestError
 from engine.loop import Chunk, DecodeSettings, Done
-from tests.test_engine_exact import conversation
+from measure.exactness import conversation
 
 DECODE = DecodeSettings(max_new_tokens=12, draft_tokens=3, stop_token_ids=frozenset({-1}))
 TIMES = {"prefill_s", "prepare_s", "ttft_s", "drafter_prefill_s", "decode_s", "decode_tok_s", "total_s",

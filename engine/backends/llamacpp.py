@@ -35,9 +35,7 @@ its statistics name the fallback (`Stats.fallback_reason`), as the built-in engi
 
 from __future__ import annotations
 
-import base64
 import copy
-import io
 import json
 import queue
 import threading
@@ -47,6 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from engine.backend import Capabilities, stream_timed
+from engine.backends.messages import labels_images, openai_content
 from engine.engine import RequestError
 from engine.prompt import Prompt, normalize
 from engine.loop import Chunk, Done
@@ -62,7 +61,6 @@ MEASURED = frozenset({"mode", "drafter", "drafter_kind", "prefill_tokens", "pref
                       "ttft_s", "decode_tokens", "decode_s", "decode_tok_s", "total_s", "new_tokens", "drafted",
                       "accepted", "acceptance", "fallback_reason", "finish_reason", "tok_s_curve",
                       "draft_shape"})  # "chain": draft-simple drafts one token a step (common/speculative.cpp)
-QWEN_LABEL = "add_vision_id is not defined or add_vision_id"  # the demo template: "Picture N: " by default
 _END = object()
 
 
@@ -76,7 +74,7 @@ class LlamaCpp:
         self.threads, self.context, self.cache_prompt = threads, context, cache_prompt
         self.server = self._start(draft=self.paths["draft"])
         self.plain_server = None if self.paths["draft"] else self.server  # for image turns, started on need
-        self.label_images = QWEN_LABEL in self._props().get("chat_template", "")
+        self.label_images = labels_images(self._props().get("chat_template", ""))
         self.name = "llama.cpp"
 
     @classmethod
@@ -146,7 +144,7 @@ class LlamaCpp:
     def _body(self, messages: list[dict], request) -> dict:
         sampling, decode = request.sampling, request.decode
         counter = iter(range(1, 10**6))  # images are numbered across the conversation, as templates do
-        messages = [{"role": m["role"], "content": openai_content(m["content"], self.label_images, counter)}
+        messages = [{"role": m["role"], "content": openai_content(m["content"], self.label_images, counter, lossless=True)}
                     for m in messages]
         body = {"messages": messages, "stream": True, "max_tokens": decode.max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
@@ -280,29 +278,6 @@ class _Answer:
         if first_at is None:
             self.stats.total_s = time.perf_counter() - self.started
         return copy.deepcopy(self.stats)
-
-
-def openai_content(parts: list[dict], label_images: bool, counter: Iterator[int]) -> str | list[dict]:
-    """An engine/prompt.py message's parts as llama-server's chat route should get them: adjacent
-    text merged (llama.cpp would join it with newlines), "Picture N: " before each image when the
-    template labels images, images as PNG data URLs; text-only content as a string."""
-    out, text = [], ""
-    for part in parts:
-        if part["type"] == "text":
-            text += part["text"]
-            continue
-        text += f"Picture {next(counter)}: " if label_images else ""
-        out += [{"type": "text", "text": text}] if text else []
-        out.append({"type": "image_url", "image_url": {"url": data_url(part["image"])}})
-        text = ""
-    out += [{"type": "text", "text": text}] if text else []
-    return text if len(out) <= 1 and not any(p["type"] == "image_url" for p in out) else out
-
-
-def data_url(image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def _has_vision(checkpoint) -> bool:

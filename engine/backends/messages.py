@@ -50,8 +50,10 @@ def labels_images(chat_template: str) -> bool:
 
 
 def openai_content(parts: list[dict], label_images: bool, counter: Iterator[int],
-                   max_side: int | None = None) -> str | list[dict]:
-    """One message's parts in OpenAI's format (the module docstring); `max_side`: shrink images."""
+                   max_side: int | None = None, lossless: bool = False) -> str | list[dict]:
+    """One message's parts in OpenAI's format (the module docstring); `max_side`: shrink images;
+    `lossless`: PNG always (a server in this process: no bytes to save, and the pixels the
+    built-in engine sees, so that greedy answers can be compared)."""
     out, text = [], ""
     for part in parts:
         if part["type"] == "text":
@@ -60,16 +62,17 @@ def openai_content(parts: list[dict], label_images: bool, counter: Iterator[int]
         text += f"Picture {next(counter)}: " if label_images else ""
         out += [{"type": "text", "text": text}] if text else []
         image = part["image"] if max_side is None else fit_to_processor(part["image"], LongestSide(max_side))
-        out.append({"type": "image_url", "image_url": {"url": data_url(image)}})
+        out.append({"type": "image_url", "image_url": {"url": data_url(image, None if lossless else PNG_BUDGET)}})
         text = ""
     out += [{"type": "text", "text": text}] if text else []
     return text if not any(p["type"] == "image_url" for p in out) else out
 
 
-def data_url(image) -> str:
-    """A PNG data URL, or a JPEG one when the PNG is over PNG_BUDGET bytes and the JPEG smaller."""
+def data_url(image, png_budget: int | None = PNG_BUDGET) -> str:
+    """A PNG data URL, or a JPEG one when the PNG is over `png_budget` bytes (None: no budget) and
+    the JPEG is smaller."""
     encoded, kind = _encode(image, "PNG"), "png"
-    if len(encoded) > PNG_BUDGET:
+    if png_budget is not None and len(encoded) > png_budget:
         jpeg = _encode(image.convert("RGB"), "JPEG", quality=JPEG_QUALITY)
         encoded, kind = (jpeg, "jpeg") if len(jpeg) < len(encoded) else (encoded, kind)
     return f"data:image/{kind};base64," + base64.b64encode(encoded).decode()
