@@ -15,9 +15,16 @@ fewer operations, over a StaticKVCache (engine/static_cache.py):
   16-bit weights the scale is applied after the cast back, as transformers does);
 - a pass writes its K/V into the cache's slots; attention reads slots 0 .. length - 1.
 
+One decoder-layer function (`decoder_layer`) and one stack of them (`FastStack`) serve every
+user: the target's and model drafters' forward (`FastDecoder`, through engine/runner.py) and
+the drafter heads' (engine/fast_heads.py: the MTP head and the block drafter, whose entries
+sit at the target's M-RoPE positions, three rows that differ after an image: `RotaryTable`
+takes (3, n) positions and recomposes the rows by `mrope_section` as transformers does).
+
 Covered: text stacks of full-attention layers with default RoPE, SiLU MLP and plain float
 Linear weights: Qwen2-VL / Qwen2.5-VL (text tokens move all three M-RoPE rows together, which
-is 1-D RoPE), Idefics3 / SmolVLM's Llama, and text-only Llama / Qwen2 drafters. Anything else
+is 1-D RoPE), Idefics3 / SmolVLM's Llama, text-only Llama / Qwen2 drafters, and the project's
+drafter heads built from Qwen2-VL layers (models/drafter_heads.py). Anything else
 (Qwen3-VL's q/k norms, sliding windows, quantized weights, ...) keeps transformers' forward;
 `unsupported` says why. Prefill always runs transformers' forward (images, prompt hidden
 states); its cache is then copied into the static one.
@@ -43,25 +50,30 @@ def text_stack(model):
 
 def unsupported(model) -> str | None:
     """Why the fast forward does not cover this model (None when it does)."""
-    config = model.config.get_text_config()
     stack = text_stack(model)
+    return stack_unsupported(model.config.get_text_config(), stack.layers, stack.rotary_emb)
+
+
+def stack_unsupported(config, layers: torch.nn.ModuleList, rotary: torch.nn.Module) -> str | None:
+    """Why `FastStack` does not cover these decoder layers (built from `config`, with this rotary
+    embedding); None when it does."""
     if config.model_type not in TEXT_TYPES:
         return f"text model type {config.model_type!r} (covered: {', '.join(TEXT_TYPES)})"
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return "sliding-window layers"
     rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default" or stack.rotary_emb.attention_scaling != 1.0:
+    if rope.get("rope_type", "default") != "default" or rotary.attention_scaling != 1.0:
         return f"rope type {rope.get('rope_type')!r}"
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
         return f"MLP activation {getattr(config, 'hidden_act', None)!r}"
     if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
         return f"attention implementation {config._attn_implementation!r}"
-    for name, module in stack.layers.named_modules():
+    for name, module in layers.named_modules():
         if "proj" in name.rsplit(".", 1)[-1] and type(module) is not torch.nn.Linear:
             return f"{name} is a {type(module).__name__} (quantized?), not a plain Linear"
-    if not stack.layers[0].self_attn.q_proj.weight.dtype.is_floating_point:
+    if not layers[0].self_attn.q_proj.weight.dtype.is_floating_point:
         return "integer weights"
-    if any(hasattr(layer.self_attn, "q_norm") for layer in stack.layers):
+    if any(hasattr(layer.self_attn, "q_norm") for layer in layers):
         return "q/k norms"
     return None
 
@@ -78,6 +90,17 @@ class Layer:
     post_norm: torch.Tensor  # (H,)
     gate_up_weight: torch.Tensor  # (2 I, H)
     down_weight: torch.Tensor  # (H, I)
+
+
+@dataclass(frozen=True)
+class Attention:
+    """The attention sizes every layer of a stack shares."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    eps: float  # the RMSNorms'
 
 
 def _cat(*tensors):
@@ -98,6 +121,123 @@ def share(modules: list[torch.nn.Module], input_major: bool) -> torch.Tensor:
     return fused
 
 
+def default_input_major(weight: torch.Tensor) -> bool:
+    """(in, out) weights pay for 16-bit weights on a CPU (docs/performance.md)."""
+    return weight.dtype != torch.float32 and weight.device.type == "cpu"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: in float32, cast back, then scaled."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+class RotaryTable:
+    """Rotary cos and signed sin by position, as transformers computes them: in float32, then
+    cast. signed_sin = sin with its first half negated: with x's halves swapped,
+    swapped(x) * signed_sin == rotate_half(x) * sin."""
+
+    def __init__(self, rotary: torch.nn.Module, head_dim: int, dtype: torch.dtype):
+        """rotary: the model's rotary embedding module (its inv_freq, and mrope_section if M-RoPE)."""
+        self.inv_freq = rotary.inv_freq.float()
+        self.head_dim, self.dtype = head_dim, dtype
+        self.cos = self.signed_sin = torch.empty(0, head_dim, dtype=dtype, device=self.inv_freq.device)
+        section = getattr(rotary, "mrope_section", None)
+        if section is not None:  # M-RoPE: the row (0 time, 1 height, 2 width) each dimension reads
+            rows = torch.cat([torch.full((size,), i % 3) for i, size in enumerate(section)])
+            self.row_of = torch.cat([rows, rows]).to(self.inv_freq.device)  # (D,)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin (n, 1, D) at positions (n,), or at M-RoPE positions (3, n): dimension
+        d reads row row_of[d] (transformers' recomposition by mrope_section)."""
+        end = int(positions.max()) + 1
+        if end > len(self.cos):  # extend the table (doubling) to cover `end`
+            table_len = max(end, 2 * len(self.cos), 1024)
+            freqs = torch.arange(table_len, device=self.inv_freq.device)[:, None].float() * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            sin = emb.sin()
+            half = self.head_dim // 2
+            self.cos = emb.cos().to(self.dtype)
+            self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.dtype)
+        if positions.dim() == 1:
+            return self.cos[positions][:, None], self.signed_sin[positions][:, None]
+        index = self.row_of.expand(1, positions.shape[1], -1)  # (1, n, D)
+        return tuple(table[positions].gather(0, index)[0][:, None] for table in (self.cos, self.signed_sin))
+
+
+def decoder_layer(layer: Layer, sizes: Attention, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """One llama-style decoder layer over x (n, H) at slots start .. start + n - 1 of a cache
+    layer's keys / values (1, kv_heads, capacity, D), which it writes; attends to slots
+    0 .. start + n - 1 under mask (None, or (1, 1, n, start + n): bool, True = attend, or
+    additive). cos, signed_sin (n, 1, D) from RotaryTable. Returns the layer's output (n, H)."""
+    n, end = len(x), start + len(x)
+    q_width, kv_width = sizes.heads * sizes.head_dim, sizes.kv_heads * sizes.head_dim
+    qkv = F.linear(rms_norm(x, layer.input_norm, sizes.eps), layer.qkv_weight, layer.qkv_bias)  # (n, q + 2 kv)
+    qk = qkv[:, :q_width + kv_width].view(n, sizes.heads + sizes.kv_heads, sizes.head_dim)
+    swapped = qk.view(n, -1, 2, sizes.head_dim // 2).flip(-2).view(qk.shape)  # halves swapped
+    qk = qk * cos + swapped * signed_sin
+    queries = qk[:, :sizes.heads].transpose(0, 1)[None]  # (1, heads, n, D)
+    keys[0, :, start:end] = qk[:, sizes.heads:].transpose(0, 1)
+    values[0, :, start:end] = qkv[:, q_width + kv_width:].view(n, sizes.kv_heads, sizes.head_dim).transpose(0, 1)
+    attended = F.scaled_dot_product_attention(queries, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
+                                              scale=sizes.scaling, enable_gqa=True)
+    x = x + F.linear(attended[0].transpose(0, 1).reshape(n, q_width), layer.o_weight, layer.o_bias)
+    gate, up = F.linear(rms_norm(x, layer.post_norm, sizes.eps), layer.gate_up_weight).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, layer.down_weight)
+
+
+class FastStack:
+    """A model's decoder layers (check `stack_unsupported` first) over a StaticKVCache, without
+    the final norm: what the target's forward and the drafter heads share."""
+
+    @torch.no_grad()
+    def __init__(self, layers: torch.nn.ModuleList, config, rotary: torch.nn.Module, input_major: bool):
+        """layers: the model's decoder layers (their Linear weights become views of fused buffers)."""
+        attn = layers[0].self_attn
+        self.sizes = Attention(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, attn.scaling,
+                               config.rms_norm_eps)
+        self.layers = [self._layer(layer, input_major) for layer in layers]
+        norm = layers[0].input_layernorm.weight
+        self.rotary = RotaryTable(rotary, attn.head_dim, norm.dtype)
+        self.dtype, self.device = norm.dtype, norm.device
+
+    @staticmethod
+    def _layer(layer, input_major: bool) -> Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        return Layer(layer.input_layernorm.weight,
+                     share([attn.q_proj, attn.k_proj, attn.v_proj], input_major),
+                     _cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias),
+                     share([attn.o_proj], input_major), attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                     share([mlp.gate_proj, mlp.up_proj], input_major), share([mlp.down_proj], input_major))
+
+    def new_cache(self, capacity: int) -> StaticKVCache:
+        return StaticKVCache(len(self.layers), self.sizes.kv_heads, self.sizes.head_dim, capacity, self.dtype,
+                             self.device)
+
+    def forward(self, cache: StaticKVCache, x: torch.Tensor, positions: torch.Tensor,
+                attention_mask: torch.Tensor | None, keep: set[int] = frozenset()) -> tuple[torch.Tensor, dict]:
+        """Run x (n, H) at rotary positions (n,) or M-RoPE (3, n), appended after the cache's
+        entries. attention_mask: None (causal over the new rows, every cached entry visible) or
+        (n, length + n), bool (True = attend) or additive. Returns the last layer's output
+        (n, H), not normed, and {i: (n, H)} for i in `keep` (0 = x, i = the output of layer i)."""
+        n, start = len(x), cache.length
+        cache.reserve(n)
+        cos, signed_sin = self.rotary(positions)
+        if attention_mask is None and n > 1:  # causal: row i sees slots 0 .. start + i
+            attention_mask = torch.ones(n, start + n, dtype=torch.bool, device=x.device).tril(start)
+        mask = None if attention_mask is None else attention_mask[None, None]
+        hidden = {0: x} if 0 in keep else {}
+        for index, layer in enumerate(self.layers):
+            x = decoder_layer(layer, self.sizes, x, cos, signed_sin, cache.keys[index], cache.values[index], start,
+                              mask)
+            if index + 1 in keep:
+                hidden[index + 1] = x
+        cache.length = start + n
+        return x, hidden
+
+
 class FastDecoder:
     """The decode / verify forward of one model (check `unsupported(model)` first)."""
 
@@ -110,47 +250,9 @@ class FastDecoder:
         self.lm_head = model.get_output_embeddings()
         self.final_norm = stack.norm.weight
         self.eps = config.rms_norm_eps
-        attn = stack.layers[0].self_attn
-        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
-        self.scaling = attn.scaling
-        self.inv_freq = stack.rotary_emb.inv_freq.float()
-        self.dtype = self.final_norm.dtype
-        if input_major is None:
-            input_major = self.dtype != torch.float32 and self.final_norm.device.type == "cpu"
-        self.input_major = input_major
-        self.layers = [self._layer(layer, self.input_major) for layer in stack.layers]
+        self.input_major = default_input_major(self.final_norm) if input_major is None else input_major
+        self.stack = FastStack(stack.layers, config, stack.rotary_emb, self.input_major)
         share([self.lm_head], self.input_major)
-        self.cos = self.signed_sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.final_norm.device)
-
-    @staticmethod
-    def _layer(layer, input_major: bool) -> Layer:
-        attn, mlp = layer.self_attn, layer.mlp
-        return Layer(layer.input_layernorm.weight,
-                     share([attn.q_proj, attn.k_proj, attn.v_proj], input_major),
-                     _cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias),
-                     share([attn.o_proj], input_major), attn.o_proj.bias, layer.post_attention_layernorm.weight,
-                     share([mlp.gate_proj, mlp.up_proj], input_major), share([mlp.down_proj], input_major))
-
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin (n, 1, D) at `positions` (n,), as transformers computes them: in float32,
-        then cast. signed_sin = sin with its first half negated: with x's halves swapped,
-        swapped(x) * signed_sin == rotate_half(x) * sin."""
-        end = int(positions.max()) + 1
-        if end > len(self.cos):  # extend the table (doubling) to cover `end`
-            table_len = max(end, 2 * len(self.cos), 1024)
-            freqs = torch.arange(table_len, device=self.inv_freq.device)[:, None].float() * self.inv_freq
-            emb = torch.cat((freqs, freqs), dim=-1)
-            sin = emb.sin()
-            half = self.head_dim // 2
-            self.cos = emb.cos().to(self.dtype)
-            self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.dtype)
-        return self.cos[positions][:, None], self.signed_sin[positions][:, None]
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """transformers' RMSNorm: in float32, cast back, then scaled."""
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, weight.shape, weight, self.eps)
-        return weight * F.rms_norm(x.float(), weight.shape, None, self.eps).to(x.dtype)
 
     def forward(self, cache: StaticKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
                 attention_mask: torch.Tensor | None, num_logits: int,
@@ -162,39 +264,10 @@ class FastDecoder:
         `num_logits` tokens, (num_logits, V), and {layer: (n, H)} for `hidden_layers` (indexed as
         output_hidden_states: 0 embeddings, i the output of layer i, -1 / L the final norm's).
         """
-        n = len(input_ids)
-        start = cache.length
-        cache.reserve(n)
-        end = start + n
-        cos, signed_sin = self._rotary(positions)
-        if attention_mask is None and n > 1:  # causal: row i sees slots 0 .. start + i
-            attention_mask = torch.ones(n, end, dtype=torch.bool, device=input_ids.device).tril(start)
-        mask = None if attention_mask is None else attention_mask[None, None]
-        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        num_layers = len(self.layers)
+        num_layers = len(self.stack.layers)
         keep = {num_layers if i == -1 else i for i in hidden_layers}
-        hidden = {}
-        x = self.embed(input_ids)  # (n, H)
-        if 0 in keep:
-            hidden[0] = x
-        for index, layer in enumerate(self.layers):
-            qkv = F.linear(self._norm(x, layer.input_norm), layer.qkv_weight, layer.qkv_bias)  # (n, q + 2 kv)
-            qk = qkv[:, :q_width + kv_width].view(n, self.heads + self.kv_heads, self.head_dim)
-            swapped = qk.view(n, -1, 2, self.head_dim // 2).flip(-2).view(qk.shape)  # halves swapped
-            qk = qk * cos + swapped * signed_sin
-            queries = qk[:, :self.heads].transpose(0, 1)[None]  # (1, heads, n, D)
-            keys, values = cache.keys[index], cache.values[index]
-            keys[0, :, start:end] = qk[:, self.heads:].transpose(0, 1)
-            values[0, :, start:end] = qkv[:, q_width + kv_width:].view(n, self.kv_heads, self.head_dim).transpose(0, 1)
-            attended = F.scaled_dot_product_attention(queries, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
-                                                      scale=self.scaling, enable_gqa=True)
-            x = x + F.linear(attended[0].transpose(0, 1).reshape(n, q_width), layer.o_weight, layer.o_bias)
-            gate, up = F.linear(self._norm(x, layer.post_norm), layer.gate_up_weight).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down_weight)
-            if index + 1 in keep and index + 1 < num_layers:
-                hidden[index + 1] = x
-        cache.length = end
-        x = self._norm(x[-num_logits:] if not keep else x, self.final_norm)
+        x, hidden = self.stack.forward(cache, self.embed(input_ids), positions, attention_mask, keep - {num_layers})
+        x = rms_norm(x[-num_logits:] if not keep else x, self.final_norm, self.eps)
         if num_layers in keep:
             hidden[num_layers] = x
         hidden = {i: hidden[num_layers if i == -1 else i] for i in hidden_layers}

@@ -133,7 +133,7 @@ def test_bfloat16_weights_become_views_of_input_major_buffers(zoo):
     attn = fast_decode.text_stack(model).layers[0].self_attn
     before = attn.k_proj.weight.clone()
     decoder = fast_decode.FastDecoder(model)
-    fused = decoder.layers[0].qkv_weight
+    fused = decoder.stack.layers[0].qkv_weight
     assert decoder.input_major and fused.t().is_contiguous()
     assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     assert torch.equal(attn.k_proj.weight, before)

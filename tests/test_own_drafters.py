@@ -11,19 +11,24 @@ tiny M-RoPE target (models/tiny.py qwen2_vl), float32, random module weights.
 - unforced speculation equals plain decoding;
 - a session without context (the target kept no hidden states) is refused by name
   (DrafterUnavailable) and the request decodes plainly;
-- loading refuses a module made for another target, and weights that do not match.
+- loading refuses a module made for another target, and weights that do not match;
+- on the fast path (engine/fast_heads.py) each drafter proposes what its module's own forward
+  proposes (every round's logits within 1e-5); a Qwen3.5 head says why it keeps its module's.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from engine.drafters.base import DrafterUnavailable
 from engine.drafters.registry import load_drafter
 from engine.engine import Engine
 from engine.loop import DecodeSettings, Done
 from engine.runner import NO_READS
+from engine.static_cache import StaticKVCache
+from measure.profile_drafts import module_twin
 from models import drafter_heads
 from models.loading import LoadError
 from models import tiny
@@ -190,6 +195,28 @@ def test_speculation_equals_plain(zoo, drafters, name, longest, case):
 
 
 @pytest.mark.parametrize("name", ["mtp", "block"])
+@pytest.mark.parametrize("case", ["0", "2", "second_turn"])
+def test_fast_path_drafts_equal_the_module_forward(zoo, drafters, name, case):
+    """Forced drafts through the drafter on the fast path and through its module's forward:
+    the same rounds, every round's float32 logits within 1e-5 (images: entries at M-RoPE
+    positions whose rows differ)."""
+    target, fast = zoo.target(FAMILY), drafters[name]
+    assert fast.fast_fallback is None
+    messages = conversation(case)
+    truth = answer(target, messages).token_ids
+    proposed = corrupt(truth)
+    runs = []
+    for drafter, cache_type in ((fast, StaticKVCache), (module_twin(fast), DynamicCache)):
+        forced = ForcedDrafter(drafter, proposed)
+        assert answer(target, messages, forced).token_ids == truth
+        assert type(forced.session.cache) is cache_type
+        runs.append(forced.rounds)
+    assert [length for length, _ in runs[0]] == [length for length, _ in runs[1]]
+    for (_, fast_logits), (_, module_logits) in zip(*runs):
+        torch.testing.assert_close(torch.stack(fast_logits), torch.stack(module_logits), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["mtp", "block"])
 def test_no_context_is_refused_by_name_and_decodes_plainly(zoo, drafters, name):
     """A target pass that kept no hidden states leaves the drafter nothing to read: begin raises
     DrafterUnavailable naming the drafter (never a draft from zero context), and through the
@@ -263,6 +290,7 @@ def test_qwen3_5_checkpoint_mtp_weights_become_the_head(qwen3_5):
     assert torch.equal(module.stack.norm.weight, weights["mtp.norm.weight"])
     assert torch.equal(module.stack.layers[0].self_attn.q_proj.weight, weights["mtp.layers.0.self_attn.q_proj.weight"])
     assert type(module.stack.norm).__name__ == "Qwen3_5RMSNorm"  # scales by 1 + w
+    assert drafter.fast is None and "qwen3_5 layers" in drafter.fast_fallback
     from_target = load_drafter("mtp", target, FLOAT32).module  # --drafter mtp: the head built in memory
     assert from_target.state_dict().keys() == module.state_dict().keys()
     assert all(torch.equal(w, module.state_dict()[name]) for name, w in from_target.state_dict().items())

@@ -9,7 +9,9 @@ Reads from the target: the hidden states `target_hidden_layers` of its config.
 
 Unlike transformers' DFlash assistants it is built from the target family's own decoder layers
 with its M-RoPE rotary embedding, so it runs on Qwen-VL targets after images, and it embeds the
-block with its own mask embedding (`block_embeds`) rather than a mask token id.
+block with its own mask embedding (`block_embeds`) rather than a mask token id. It runs on the
+fast path (engine/fast_heads.py, over a StaticKVCache) where it covers the module;
+`fast_fallback` says why not.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from engine import fast_heads
 from engine.drafters.dflash import DFlashDrafter
 from engine.drafters.target_head import TargetHead, load_module
+from engine.static_cache import StaticKVCache
 from models.drafter_heads import BlockDrafterConfig, causal_mask
 
 
@@ -36,19 +40,22 @@ def load(name: str, config, target, options) -> DFlashDrafter:
 class ModuleBlock:
     """A BlockDrafter module and the target's embedding and head (TargetHead) as a BlockModel."""
 
-    def __init__(self, module, head: TargetHead):
+    def __init__(self, module, head: TargetHead, fast: bool = True):
         self.module, self.head = module, head
         self.block_size = module.config.block_size
+        self.fast_fallback = fast_heads.unsupported(module) if fast else "turned off"  # None: fast path
+        self.fast = fast_heads.FastBlock(module) if self.fast_fallback is None else None
+        self.forward = self.fast or module
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache()
+    def new_cache(self, num_tokens: int) -> StaticKVCache | DynamicCache:
+        return self.fast.new_cache(num_tokens) if self.fast else DynamicCache()
 
     def run(self, context: torch.Tensor, anchor: int, positions: torch.Tensor, cache) -> torch.Tensor:
         block = self.module.block_embeds(self.head.embed([anchor])[None])  # (1, size, H)
         num_context = len(context)
         mask = causal_mask(num_context + self.block_size, cache.get_seq_length(), block.device).clone()  # (.., new, all)
         mask[..., num_context:, :] = True  # block rows see all context and the whole block
-        out = self.module(context[None].to(self.head.dtype), block, positions, mask, cache)
+        out = self.forward(context[None].to(self.head.dtype), block, positions, mask, cache)
         return out[0, num_context + 1:]  # (size - 1, H): the rows after the anchor
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:

@@ -45,8 +45,10 @@ class BlockModel(Protocol):
     """What a DFlash session needs of a block model."""
 
     block_size: int  # the anchor plus block_size - 1 drafted rows
+    fast_fallback: str | None  # why its steps do not run on the fast path (None: they do)
 
-    def new_cache(self): ...
+    def new_cache(self, num_tokens: int):
+        """An empty cache for a request whose context will start with num_tokens rows."""
 
     def run(self, context: torch.Tensor, anchor: int, positions: torch.Tensor, cache) -> torch.Tensor:
         """Append context rows (m, L * H) to `cache`, then run the block [anchor, mask...] at the
@@ -89,6 +91,7 @@ class DFlashDrafter:
         self.name, self.block, self.family, self.layers = name, block, family, layers
         self.block_size = block.block_size
         self.reads = TargetReads(hidden_layers=layers)
+        self.fast_fallback = block.fast_fallback
 
     @torch.inference_mode()
     def begin(self, prompt: Prompt, target: CacheState) -> DFlashSession:
@@ -100,7 +103,7 @@ class DFlashSession(TargetReadingSession):
     def __init__(self, drafter: DFlashDrafter, target: CacheState):
         super().__init__(drafter.family, target, drafter.layers)  # pending: the prompt's context rows
         self.block = drafter.block
-        self.cache = self.block.new_cache()
+        self.cache = self.block.new_cache(len(self.pending))
         self.context_len = 0  # context entries in the cache (tokens 0 .. context_len - 1)
         self.block_in_cache = False  # the last round's block entries follow the context
 
@@ -122,12 +125,14 @@ class AssistantBlock:
     """transformers' DFlash assistant (e.g. MuseGlimmerAssistantModel; its config names
     target_layer_ids, block_size and mask_token_id) as a BlockModel."""
 
+    fast_fallback = "a transformers DFlash assistant: its own forward and DFlashCache (no fast path written)"
+
     def __init__(self, assistant, target_model):
         self.assistant, self.target_model = assistant, target_model
         self.block_size = assistant.config.block_size
         self.mask_token_id = assistant.config.mask_token_id
 
-    def new_cache(self):
+    def new_cache(self, num_tokens: int):
         from transformers.cache_utils import DFlashCache
 
         cache = DFlashCache(config=self.assistant.config)

@@ -69,6 +69,7 @@ def load(name: str, config, target, options) -> MtpDrafter:
 class MtpDrafter:
     kind = "mtp"
     reads = TargetReads(hidden_layers=(0, -1))  # merged input embeddings, last hidden state
+    fast_fallback = "transformers' MtpModel: its layers' own forward and MtpCache (no fast path written)"
 
     def __init__(self, name: str, mtp_model, target_model, family):
         """mtp_model: transformers' MtpModel (weights read from the target's checkpoint)."""

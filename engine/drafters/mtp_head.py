@@ -24,6 +24,10 @@ runs entries 0 .. 9 (h_0 .. h_9 from prefill; entry 9 embeds x_10) and drafts d_
 entries 9, 10, 11, 12. The target verifies [x_10, d_1 .. d_4] and accepts 2: its rows for x_10,
 d_1, d_2 are h_10 .. h_12, and x_13 is its bonus token. Round 2 crops the cache to 10 entries
 and runs entries 10 .. 12 (embedding x_11 .. x_13), then drafts from entry 12.
+
+The head's steps run on the fast path (engine/fast_heads.py: the target's layer function over
+a StaticKVCache) where it covers the head; `fast_fallback` says why not (heads from Qwen3.5
+MTP weights).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import os
 import torch
 from transformers import DynamicCache
 
+from engine import fast_heads
 from engine.drafters.base import Draft, DraftBuilder
 from engine.drafters.target_head import TargetHead, load_module, module_dtype, require_hidden
 from engine.drafters.target_session import TargetReadingSession, tokens_from
@@ -77,8 +82,10 @@ class MtpHeadDrafter:
     kind = "mtp"
     reads = TargetReads(hidden_layers=READS)
 
-    def __init__(self, name: str, module, head: TargetHead, family):
+    def __init__(self, name: str, module, head: TargetHead, family, fast: bool = True):
         self.name, self.module, self.head, self.family = name, module, head, family
+        self.fast_fallback = fast_heads.unsupported(module) if fast else "turned off"  # None: fast path
+        self.fast = fast_heads.FastMtpHead(module) if self.fast_fallback is None else None
 
     @torch.inference_mode()
     def begin(self, prompt: Prompt, target: CacheState) -> MtpHeadSession:
@@ -90,10 +97,10 @@ class MtpHeadSession(TargetReadingSession):
     def __init__(self, drafter: MtpHeadDrafter, prompt: Prompt, target: CacheState):
         # pending: (m, H) target rows h_j of entries context_len .. context_len + m - 1
         super().__init__(drafter.family, target, (-1,))
-        self.module, self.head = drafter.module, drafter.head
+        self.forward, self.head = drafter.fast or drafter.module, drafter.head
         self.prompt_ids = prompt.input_ids
         self.prompt_embeds = target.hidden[0].to(self.head.dtype)  # (S, H)
-        self.cache = DynamicCache()
+        self.cache = drafter.fast.new_cache(len(self.prompt_ids)) if drafter.fast else DynamicCache()
         self.context_len = 0  # entries that read target hidden states (0 .. context_len - 1)
 
     @torch.inference_mode()
@@ -118,7 +125,7 @@ class MtpHeadSession(TargetReadingSession):
         n, cached = len(embeds), self.cache.get_seq_length()
         positions = self.positions(first + 1, first + 1 + n)
         mask = causal_mask(n, cached, embeds.device) if n > 1 else None
-        return self.module(embeds[None], hidden[None].to(self.head.dtype), positions, mask, self.cache)[0]
+        return self.forward(embeds[None], hidden[None].to(self.head.dtype), positions, mask, self.cache)[0]
 
     def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
         return self.head.embed(token_ids)
