@@ -108,6 +108,9 @@ def measure(preset: str, quick: bool, dtype: str, device: str, max_new_tokens: i
     if llamacpp:
         from measure.llamacpp_rows import realscale_figures
 
+        text_only = [{"role": "user", "content": [p for p in messages[0]["content"] if p["type"] == "text"]}]
+        out["text_plain_tok_s"] = run_this(engine, None, text_only, decode, 4).decode_tok_s
+
         outtype = {"bfloat16": "bf16", "float32": "f32"}[dtype] if llamacpp == "same" else llamacpp
         out["llamacpp"] = realscale_figures(engine, target_dir, drafter_dir, outtype, messages, decode)
     out["peak_memory_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
@@ -170,24 +173,30 @@ def print_table(results: list[dict]) -> None:
     print("replay cells: decode speedup over plain (efficiency = speedup / cost-model bound)")
     beside = [r for r in results if "llamacpp" in r]
     if beside:
-        print("\n| preset | this engine plain (bound) | llama.cpp plain (bound) | this / llama.cpp "
-              "| replay a = 0.8, k from cost / llama.cpp plain | text drafter (acceptance) / llama.cpp plain "
-              "| llama.cpp, text turn: plain / with the text drafter (accepted of drafted) |")
+        print("\n| preset | plain, text turn: this engine / llama.cpp (bounds) | this / llama.cpp "
+              "| plain, image turn: this engine / llama.cpp | replay a = 0.8, k from cost / llama.cpp plain "
+              "| text drafter (acceptance) / llama.cpp plain | llama.cpp, text turn with the text drafter "
+              "(accepted of drafted) |")
         print("|---|---|---|---|---|---|---|")
     for r in beside:
         ll, replay = r["llamacpp"], next((x for x in r["replay"] if x["k"] == "cost" and x["acceptance"] == 0.8), None)
-        drafted = r["text_drafter"]
+        drafted, base = r["text_drafter"], ll["plain_tok_s"] or ll["text_plain_tok_s"]  # image turn where it ran
         acceptance = "-" if drafted["acceptance"] is None else f"{drafted['acceptance']:.2f}"
-        print(f"| {r['preset']} ({ll['outtype']}, {ll['threads']} threads) | {r['plain_tok_s']:.2f} tok/s "
-              f"({ll['our_bound_tok_s']:.1f}) | {ll['plain_tok_s']:.2f} tok/s ({ll['bound_tok_s']:.1f}) "
-              f"| {r['plain_tok_s'] / ll['plain_tok_s']:.2f}x "
-              f"| {'-' if replay is None else format(replay['decode_tok_s'] / ll['plain_tok_s'], '.2f') + 'x'} "
-              f"| {drafted['decode_tok_s'] / ll['plain_tok_s']:.2f}x ({acceptance}) "
-              f"| {ll['text_plain_tok_s']:.2f} / {ll['text_draft_tok_s']:.2f} tok/s "
-              f"({ll['text_accepted']} of {ll['text_drafted']}) |")
+        image = f"{ll['plain_tok_s']:.2f}" if ll["plain_tok_s"] else f"failed ({ll['image_error']})"
+        print(f"| {r['preset']} ({ll['outtype']}, {ll['threads']} threads) | {r['text_plain_tok_s']:.2f} / "
+              f"{ll['text_plain_tok_s']:.2f} tok/s ({ll['our_bound_tok_s']:.1f} / {ll['bound_tok_s']:.1f}) "
+              f"| {_ratio(r['text_plain_tok_s'], ll['text_plain_tok_s'])} | {r['plain_tok_s']:.2f} / {image} "
+              f"| {_ratio(replay and replay['decode_tok_s'], base)} "
+              f"| {_ratio(drafted['decode_tok_s'], base)} ({acceptance}) "
+              f"| {ll['text_draft_tok_s']:.2f} tok/s ({ll['text_accepted']} of {ll['text_drafted']}) |")
     if beside:
         print(f"bounds: weights read per token / {beside[0]['llamacpp']['bandwidth_gb_s']:.1f} GB/s "
               "(a float32 matrix-vector product's bandwidth, measured in the run)")
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    """a / b as "1.23x", or "-" where either is unknown or b is 0 (an answer of one token has no speed)."""
+    return f"{a / b:.2f}x" if a and b else "-"
 
 
 def main(argv=None) -> int:
