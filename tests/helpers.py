@@ -120,10 +120,29 @@ def launch_app(zoo, *argv: str, **main_options) -> SimpleNamespace:
     return SimpleNamespace(url=demo.local_url, demo=demo, engine=built.get("engine"))  # no engine: --backend
 
 
+def app_fixture(*argv: str, **main_options):
+    """A module-scoped fixture: the app as `launch_app(zoo, *argv, **main_options)` serves it,
+    closed after the module. A test module names it: `server = app_fixture(limits=LIMITS)`."""
+
+    @pytest.fixture(scope="module")
+    def server(zoo):
+        served = launch_app(zoo, *argv, **main_options)
+        yield served
+        served.demo.close()
+
+    return server
+
+
 def reference_engine(zoo) -> Engine:
     """The reference: the app's weights with its drafters, loaded apart from the app."""
     return Engine(zoo.target("qwen2_vl"), {"text": zoo.drafter("qwen2_vl", "text_drafter"),
                                            "ngram": zoo.drafter("qwen2_vl", "ngram")})
+
+
+@pytest.fixture(scope="module")
+def engine(zoo) -> Engine:
+    """The reference engine, once per test module that imports this fixture."""
+    return reference_engine(zoo)
 
 
 def reference(engine, turns: list[tuple[str, list[str], str | None]], drafter="text", max_new_tokens=SHORT) -> Done:

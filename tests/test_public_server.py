@@ -46,7 +46,7 @@ from engine.engine import Engine
 from engine.settings import Settings
 from models import tiny
 from tests.conftest import ROOT
-from tests.helpers import (Gate, launch_app, live_images, message, reference, reference_engine, rss_bytes, wait_until,
+from tests.helpers import (Gate, app_fixture, engine, live_images, message, reference, rss_bytes, wait_until,
                            wait_until_queued)
 
 # Short enough to see them act within a test, long enough that no request of this module lasts
@@ -67,17 +67,7 @@ MAX_KEPT_IMAGE_PIXELS = 84 * 56
 RSS_BOUND_BYTES = 700 * MB
 
 
-@pytest.fixture(scope="module")
-def server(zoo):
-    """`python app.py --model M --drafter D --no-browser` with LIMITS, and the engine it built."""
-    served = launch_app(zoo, limits=LIMITS)
-    yield served
-    served.demo.close()
-
-
-@pytest.fixture(scope="module")
-def engine(zoo):
-    return reference_engine(zoo)
+server = app_fixture(limits=LIMITS)  # `python app.py --model M --drafter D --no-browser` with LIMITS
 
 
 @pytest.fixture(scope="module")
