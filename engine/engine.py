@@ -172,7 +172,7 @@ def checked_settings(sampling: SamplingSettings, decode: DecodeSettings) -> tupl
     a temperature under MIN_TEMPERATURE decodes greedily."""
     for name, value in [("temperature", sampling.temperature), ("top_p", sampling.top_p), ("top_k", sampling.top_k),
                         ("seed", sampling.seed), ("max_new_tokens", decode.max_new_tokens),
-                        ("draft_tokens", decode.draft_tokens), ("draft_tree", decode.tree_nodes),
+                        ("draft_tokens", decode.draft_tokens), ("draft_tree", decode.draft_tree),
                         ("tree_branching", decode.tree_branching)]:
         check_value(name, value)  # seed None: a random seed; draft_tokens None: chosen from cost
     if decode.draft_tokens == 0:  # as in the schema: 0 is chosen from cost

@@ -107,7 +107,7 @@ class Settings:
     def decode(self, **more) -> DecodeSettings:
         """The loop's settings (`more`: stop_token_ids and the like)."""
         return DecodeSettings(max_new_tokens=int(self.max_new_tokens), draft_tokens=int(self.draft_tokens) or None,
-                              adaptive=bool(self.adaptive), tree_nodes=int(self.draft_tree or 0),
+                              adaptive=bool(self.adaptive), draft_tree=int(self.draft_tree or 0),
                               tree_branching=int(self.tree_branching), **more)
 
 

@@ -66,7 +66,7 @@ def conversation(num_images: int, two_turns: bool = False):
             user("And which one is larger?")]
 
 
-def run(zoo: TinyZoo, family, drafter_role, messages, k=4, adaptive=False, events=False, tree_nodes=0):
+def run(zoo: TinyZoo, family, drafter_role, messages, k=4, adaptive=False, events=False, draft_tree=0):
     """The answer (its Done, or every event) of `family`'s tiny target with `drafter_role`
     (None: plain), MAX_NEW tokens with no stop token."""
     target = zoo.target(family)
@@ -74,7 +74,7 @@ def run(zoo: TinyZoo, family, drafter_role, messages, k=4, adaptive=False, event
     engine = Engine(target, drafters)
     stream = list(engine.stream(messages, drafter=drafter_role,
                                 decode=DecodeSettings(max_new_tokens=MAX_NEW, draft_tokens=k, adaptive=adaptive,
-                                                      stop_token_ids=frozenset({-1}), tree_nodes=tree_nodes)))
+                                                      stop_token_ids=frozenset({-1}), draft_tree=draft_tree)))
     done = stream[-1]
     assert isinstance(done, Done)
     assert sum(len(e.token_ids) for e in stream[:-1]) == len(done.token_ids)
