@@ -194,7 +194,7 @@ class Ceilings:
     def from_environ(cls, environ=os.environ) -> Ceilings:
         values = {}
         for name in ("max_new_tokens", "draft_tokens", "draft_tree"):
-            variable = _ceiling_variable(name)
+            variable = ceiling_variable(name)
             text = environ.get(variable)
             if text:
                 if not text.isdigit() or int(text) < 1:
@@ -211,10 +211,10 @@ def check_ceilings(max_new_tokens: int, draft_tokens: int, draft_tree: int, ceil
                              ("draft_tree", draft_tree, 0)):
         ceiling = getattr(ceilings, name)
         if not low <= value <= ceiling:
-            variable = _ceiling_variable(name)
+            variable = ceiling_variable(name)
             raise RequestError(f"{name} must be from {low} to {ceiling} on this server ({variable}), got {value}")
 
 
-def _ceiling_variable(name: str) -> str:
+def ceiling_variable(name: str) -> str:
     """VLM_MAX_NEW_TOKENS, VLM_MAX_DRAFT_TOKENS, VLM_MAX_DRAFT_TREE."""
     return "VLM_" + name.upper() if name.startswith("max_") else f"VLM_MAX_{name.upper()}"
