@@ -4,17 +4,20 @@
     for event in engine.stream(messages, drafter="text"):
         ...  # Chunk events, then one Done; each carries a snapshot of the statistics
 
-`stream` runs in the caller's thread (the CLI, the benchmark); callers on several threads (the
-app) go through `engine.worker` (engine/worker.py), or the backend interface (engine/backend.py).
+`stream` queues the request on the engine's worker thread (engine/worker.py), which runs `run`
+for one request at a time under the engine's lock; the caller holds nothing between events, so
+one that walks away (closes the stream, drops it, or just stops reading) never blocks the next
+request. The app reaches it through the backend interface (engine/backend.py).
 
 All per-request state (KV caches, positions, the drafter's session, the sampler's generator) is
-created inside `stream` and dropped when it ends, so requests cannot see each other's state;
+created inside `run` and dropped when it ends, so requests cannot see each other's state;
 the loaded target and drafters hold none. The lock runs one generation at a time, because the
 models share one device and one set of threads.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -33,7 +36,7 @@ from engine.sampling import SamplingSettings
 from engine.settings import RequestError, check_text, check_value
 from engine.stats import Stats
 from engine.target import Target
-from engine.worker import Worker
+from engine.worker import Stream, Worker
 
 
 AUTO = "auto"  # the drafter name that picks one per request
@@ -102,7 +105,13 @@ class Engine:
                                "message")
         return prompt
 
-    def stream(
+    def stream(self, *args, **kwargs) -> Stream:
+        """`run`'s request (the same arguments, the same events), queued on the worker thread: the
+        caller holds nothing between events; closing or dropping the stream stops the request."""
+        request = inspect.signature(self.run).bind(*args, **kwargs).arguments
+        return self.worker.submit(request.pop("messages"), **request)
+
+    def run(
         self,
         messages: list[dict] | Prompt,
         drafter: str | None = None,
@@ -117,7 +126,9 @@ class Engine:
         delivered (engine/auto.py). `started`: the request's start (time.perf_counter()),
         default now; `ttft_s` and `total_s` count from it, so image and prompt processing
         are included (`prepare_s`). A request stopped before it starts ends at once, with no
-        answer; an answer that fills the context ends with finish_reason "context"."""
+        answer; an answer that fills the context ends with finish_reason "context".
+        Runs in the calling thread and holds the engine's lock until the generator ends: the
+        worker thread's (engine/worker.py); every other caller uses `stream`."""
         started = time.perf_counter() if started is None else started
         if drafter is not None and drafter not in self.drafters and not (drafter == AUTO and self.drafters):
             raise RequestError(f"unknown drafter {drafter!r}; loaded: {', '.join(self.drafters) or 'none'}")
