@@ -1,6 +1,6 @@
 """Speculative greedy against plain greedy on the tiny random-weight models (models/tiny.py): the
 models, conversations and runs that the exactness tests (tests/test_engine_exact.py) and the GPU
-check's short mode (measure/gpu_check.py) share."""
+check (measure/gpu_check.py, through `check`) share."""
 
 from __future__ import annotations
 
@@ -79,3 +79,25 @@ def run(zoo: TinyZoo, family, drafter_role, messages, k=4, adaptive=False, event
     assert isinstance(done, Done)
     assert sum(len(e.token_ids) for e in stream[:-1]) == len(done.token_ids)
     return stream if events else done
+
+
+def check(zoo: TinyZoo, families, cases=CASES, trees: bool = True) -> tuple[int, list[str]]:
+    """(how many comparisons, a "FAILED ..." line for each that failed): for each family, case
+    (images, two turns) and drafter, speculative greedy (chains; with `trees`, also draft trees of
+    6 nodes, up to 2 images) must give plain greedy's tokens without falling back to plain decoding."""
+    compared, failures = 0, []
+    for family in families:
+        for num_images, two_turns in cases:
+            messages = conversation(num_images, two_turns)
+            plain = run(zoo, family, None, messages).token_ids
+            for drafter in DRAFTERS:
+                for tree in (0, 6) if trees and num_images < 4 else (0,):
+                    compared += 1
+                    done = run(zoo, family, drafter, messages, adaptive=num_images % 2 == 1, draft_tree=tree)
+                    case = f"{family} {drafter} with {num_images} images" + (", two turns" if two_turns else "") + \
+                        (f", tree {tree}" if tree else "")
+                    if done.token_ids != plain:
+                        failures.append(f"FAILED {case}: the tokens differ from plain greedy's")
+                    elif done.stats.fallback_reason:
+                        failures.append(f"FAILED {case}: fell back to plain decoding ({done.stats.fallback_reason})")
+    return compared, failures
