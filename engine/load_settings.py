@@ -66,12 +66,12 @@ def specs() -> list[tuple[str, type, Spec]]:
     return [(f.name, get_origin(kinds[f.name]) or kinds[f.name], f.metadata["spec"]) for f in fields(LoadSettings)]
 
 
-def add_model_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] = {}) -> None:
+def add_model_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     """A flag per load setting; its default from its variable in `environ` when set (the app passes
     os.environ; the other commands none), else the schema's. A variable that is not a whole number
     where one is wanted, or under the least value, raises LoadError naming it."""
     for name, wanted, meta in specs():
-        text = environ.get(meta.env) or None
+        text = (environ or {}).get(meta.env) or None
         value = LoadSettings.__dataclass_fields__[name].default if text is None else _read(meta.env, text, wanted, meta)
         help = meta.help.replace("%", "%%")
         if wanted is bool:
