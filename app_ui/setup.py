@@ -1,30 +1,10 @@
 """Configuration from flags and environment variables, and the engine built from it.
 
-Every flag has an environment variable (for Hugging Face Spaces, where there are no flags);
-a flag wins over its variable:
-
-    --preset   VLM_PRESET    named target + drafters (default: demo, the bundled model)
-    --model    VLM_MODEL     target VLM: hub id or folder (overrides the preset's)
-    --drafter  VLM_DRAFTER   drafter: hub id, folder, "ngram" or "none"; repeat the flag, or
-                             separate with commas (default: the preset's, or ngram with --model)
-    --dtype    VLM_DTYPE     fit (default: float32, exact A/B, when it takes at most 40% of the
-                             memory, else bfloat16), float32, bfloat16, float16, auto
-    --device   VLM_DEVICE    auto (default), cpu, cuda
-    --quantization  VLM_QUANTIZATION  4bit or 8bit (bitsandbytes; default none)
-    --drafter-dtype  VLM_DRAFTER_DTYPE  auto (default: float32 on a CPU for drafters under 10M
-                             parameters, else --dtype), float32, bfloat16, float16
-    --host     VLM_HOST      default 127.0.0.1 (0.0.0.0 on a Space)
-    --port     VLM_PORT      default 7860, or the next free port
-    --share    VLM_SHARE=1   a public gradio.live link
-    --no-browser  VLM_NO_BROWSER=1   do not open the browser (never opened on a Space)
-    --max-images  VLM_MAX_IMAGES     images per conversation (default 8, at most 64)
-    --trust-remote-code  VLM_TRUST_REMOTE_CODE=1   run a checkpoint's own Python code (off: such a
-                             model is refused with a message naming this flag)
-    --backend  VLM_BACKEND   an OpenAI-compatible server's URL (vLLM, SGLang, llama-server) that
-                             answers instead of a loaded model; its API key from VLM_BACKEND_API_KEY;
-                             or llamacpp[:PATH]: llama.cpp in this process (docs/llamacpp.md)
-    --ab-backend  VLM_AB_BACKEND   the A/B tab compares the app's backend with this URL or
-                             llamacpp[:PATH] (default: plain vs speculative decoding of the app's own backend)
+Every flag has an environment variable (for Hugging Face Spaces, where there are no flags); a
+flag wins over its variable. The model and load flags (--preset, --model, --drafter, --dtype,
+--device, ...) and their VLM_* variables are made from one schema (engine/load_settings.py);
+the app's own are below (--host, --port, --share, --no-browser, --max-images, --backend,
+--ab-backend). `python app.py --help` lists every flag and every variable.
 
 A bad value, of a flag or a variable, raises SetupError naming it (app.py prints one line).
 """
@@ -33,13 +13,15 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from PIL import Image
 
-from engine.build import TRUE, EngineSpec, add_model_flags, spec_from_args
-from models.loading import DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError
-from models.presets import PRESETS
+from app_ui.visitors import Limits
+from engine.build import EngineSpec, spec_from_args
+from engine.engine import Ceilings, ceiling_variable
+from engine.load_settings import TRUE, add_model_flags, check_variables, variables
+from models.loading import LoadError
 
 
 class SetupError(Exception):
@@ -54,8 +36,8 @@ class Config:
     share: bool = False
     open_browser: bool = True
     behind_proxy: bool = False  # on a Space: a client's address is the first of X-Forwarded-For
-    backend: str | None = None  # a server's URL that answers instead of the loaded model (docs/backends.md)
-    ab_backend: str | None = None  # a server's URL that the A/B tab compares with the app's backend
+    backend: str | None = None  # a server's URL, or llamacpp[:PATH], answering instead of the loaded model
+    ab_backend: str | None = None  # the same, for the A/B tab to compare with the app's backend
 
     @property
     def model(self) -> str:
@@ -77,15 +59,38 @@ class Config:
 def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
     """The app's settings: flags, else VLM_* variables, else defaults. A bad flag or variable
     raises SetupError naming it (one line); --help prints the usage and exits."""
+    args = app_parser(environ).parse_args(argv)
+    try:
+        check_variables(args)
+    except LoadError as error:
+        raise SetupError(str(error)) from None
+
+    port_variable = environ.get("VLM_PORT") or environ.get("GRADIO_SERVER_PORT")
+    port = args.port if args.port is not None else (
+        _whole("VLM_PORT", 1, 65535)(port_variable) if port_variable else None)
+    max_images = args.max_images if args.max_images is not None else (
+        _whole("VLM_MAX_IMAGES", 1, MAX_IMAGES)(environ["VLM_MAX_IMAGES"]) if environ.get("VLM_MAX_IMAGES") else 8)
+    try:
+        spec = spec_from_args(args, max_images=max_images)
+    except LoadError as error:
+        raise SetupError(str(error)) from None
+    if spec.drafters and "ngram" not in spec.drafters:
+        spec = replace(spec, drafters=spec.drafters + ("ngram",))  # the app always offers n-gram: it costs nothing
+    return Config(spec, args.host, port, args.share, not args.no_browser, behind_proxy=bool(environ.get("SPACE_ID")),
+                  backend=args.backend, ab_backend=args.ab_backend)
+
+
+def app_parser(environ=os.environ) -> argparse.ArgumentParser:
+    """The app's flags, their defaults from `environ`; a bad variable raises SetupError naming it."""
     on_space = bool(environ.get("SPACE_ID"))
 
     def env(name: str, default=None):
         return environ.get(f"VLM_{name}") or default
 
     parser = _Parser(prog="python app.py", description="Chat with a VLM; speculative decoding.",
-                     epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
+                     epilog=environment_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     try:
-        add_model_flags(parser, env=env)
+        add_model_flags(parser, environ)
     except LoadError as error:
         raise SetupError(str(error)) from None
     parser.add_argument("--host", default=env("HOST", environ.get("GRADIO_SERVER_NAME")
@@ -100,52 +105,36 @@ def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
     parser.add_argument("--max-images", type=_whole("--max-images", 1, MAX_IMAGES),
                         help=f"images per conversation, 1 to {MAX_IMAGES} (default: 8)")
     parser.add_argument("--backend", default=env("BACKEND"), metavar="URL|llamacpp[:PATH]",
-                        help="answer with this OpenAI-compatible server instead of loading a model "
-                             "(API key: VLM_BACKEND_API_KEY), or with llama.cpp in this process: the bundled "
-                             "demo model and its text drafter, or PATH (a checkpoint folder, converted to GGUF "
-                             "on first use; a .gguf file; a folder of GGUF files)")
+                        help="answer with this OpenAI-compatible server (URL#MODEL names its model; API key: "
+                             "VLM_BACKEND_API_KEY) instead of loading a model, or with llama.cpp in this process: "
+                             "the bundled demo model and its text drafter, or PATH (a checkpoint folder, "
+                             "converted to GGUF on first use; a .gguf file; a folder of GGUF files)")
     parser.add_argument("--ab-backend", default=env("AB_BACKEND"), metavar="URL|llamacpp[:PATH]",
                         help="the A/B tab compares the app's backend with this one (as --backend)")
-    args = parser.parse_args(argv)
-    _check_variables(args)
-
-    port_variable = env("PORT") or environ.get("GRADIO_SERVER_PORT")
-    port = args.port if args.port is not None else (
-        _whole("VLM_PORT", 1, 65535)(port_variable) if port_variable else None)
-    max_images = args.max_images if args.max_images is not None else (
-        _whole("VLM_MAX_IMAGES", 1, MAX_IMAGES)(env("MAX_IMAGES")) if env("MAX_IMAGES") else 8)
-    try:
-        spec = spec_from_args(args, max_images=max_images)
-    except LoadError as error:
-        raise SetupError(str(error)) from None
-    if spec.drafters and "ngram" not in spec.drafters:
-        spec = replace(spec, drafters=spec.drafters + ("ngram",))  # the app always offers n-gram: it costs nothing
-    return Config(spec, args.host, port, args.share, not args.no_browser, behind_proxy=on_space,
-                  backend=args.backend, ab_backend=args.ab_backend)
+    return parser
 
 
 MAX_IMAGES = 64
-ENVIRONMENT = """environment variables (a flag wins over its variable):
-  VLM_PRESET, VLM_MODEL, VLM_DTYPE, VLM_DRAFTER_DTYPE, VLM_DEVICE, VLM_QUANTIZATION,
-  VLM_MAX_IMAGE_TOKENS, VLM_HOST, VLM_PORT, VLM_MAX_IMAGES   the flag of the same name
-  VLM_DRAFTER                                                 --drafter; several separated by commas
-  VLM_BACKEND, VLM_AB_BACKEND                                 --backend, --ab-backend: a URL or llamacpp[:PATH]
-  VLM_BACKEND_API_KEY                                         the servers' API key (sent to them only)
-  VLM_TRUST_REMOTE_CODE=1, VLM_SHARE=1, VLM_NO_BROWSER=1      the switches
-  GRADIO_SERVER_NAME, GRADIO_SERVER_PORT                      host and port, after VLM_HOST and VLM_PORT
-  SPACE_ID (set on a Hugging Face Space)                      serve on 0.0.0.0, open no browser"""
-# Flags whose value a variable may give (argparse checks a flag's value, not a default's).
-VARIABLE_CHOICES = {"preset": ("PRESET", sorted(PRESETS)), "dtype": ("DTYPE", DTYPES),
-                    "device": ("DEVICE", DEVICES), "drafter_dtype": ("DRAFTER_DTYPE", DRAFTER_DTYPES),
-                    "quantization": ("QUANTIZATION", QUANTIZATIONS)}
+# The app's own variables, after the load settings' (engine/load_settings.py): (variable, what it gives).
+APP_VARIABLES = [("VLM_HOST", "--host"), ("VLM_PORT", "--port"), ("VLM_MAX_IMAGES", "--max-images"),
+                 ("VLM_SHARE=1", "--share"), ("VLM_NO_BROWSER=1", "--no-browser"),
+                 ("VLM_BACKEND", "--backend: a URL or llamacpp[:PATH]"), ("VLM_AB_BACKEND", "--ab-backend"),
+                 ("VLM_BACKEND_API_KEY", "the servers' API key (sent to them only)"),
+                 ("GRADIO_SERVER_NAME, GRADIO_SERVER_PORT", "host and port, after VLM_HOST and VLM_PORT"),
+                 ("SPACE_ID (set on a Hugging Face Space)", "serve on 0.0.0.0, open no browser")]
 
 
-def _check_variables(args: argparse.Namespace) -> None:
-    """A value that came from a VLM_ variable must be one of its flag's choices."""
-    for dest, (name, choices) in VARIABLE_CHOICES.items():
-        value = getattr(args, dest)
-        if value is not None and value not in choices:
-            raise SetupError(f"VLM_{name}: {value!r} is not one of {', '.join(choices)}")
+def environment_help() -> str:
+    """The environment list of `python app.py --help`: every variable and the flag it gives, then
+    the public server's bounds (a request's ceilings, engine/engine.py; the visitors' limits,
+    app_ui/visitors.py; docs/security.md) with their defaults."""
+    ceilings = [(ceiling_variable(f.name), f"a request's {f.name} at most (default {f.default})")
+                for f in fields(Ceilings)]
+    limits = [(f"VLM_{f.name.upper()}", f"the visitors' limit {f.name} (default {f.default:,})") for f in fields(Limits)]
+    decoding = [("VLM_DECODE_SLOTS", "images decoded at once (default 2, or 1 on a 2-core machine)")]
+    rows = [*variables(), *APP_VARIABLES, *ceilings, *limits, *decoding]
+    return "environment variables (a flag wins over its variable; VLM_DRAFTER may list several drafters,\n" \
+           "separated by commas):\n" + "\n".join(f"  {variable:<40} {what}" for variable, what in rows)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Limits:
-    idle_s: float = 30 * 60  # a conversation without a request for this long is emptied
+    idle_s: float = 30 * 60  # a conversation without a request or an answer for this long is emptied
     unsent_upload_s: float = 10 * 60  # an upload no conversation shows is deleted after this
     upload_bytes_per_client: int = 200 * MB  # on disk at once, per client address
     upload_files_per_client: int = 200  # files on disk at once, per client address
@@ -94,6 +94,7 @@ class Known:
     seen: float  # time.perf_counter() of its latest request
     conversation: bool = False  # it has held a conversation (so an empty session later means it was dropped)
     one_shot: bool = False  # a request without a session id: Gradio made it one that nobody can send again
+    session: int | None = None  # id() of its Session, once a request touched it
 
 
 class Visitors:
@@ -123,7 +124,7 @@ class Visitors:
                 if known.conversation and session.is_new():
                     session.dropped_by_server = True  # told once: from here on it is a new conversation
                     known.conversation = False
-                known.seen = session.last_active
+                known.seen, known.session = session.last_active, id(session)
 
     def spoke(self, session: Session, session_id: str | None) -> None:
         """`session` holds a conversation now (a message was accepted)."""
@@ -174,10 +175,18 @@ class Visitors:
 
     def sweep(self) -> None:
         """Empty idle conversations (freeing their images and uploads), forget idle session ids,
-        and delete old uploads that no live conversation shows."""
+        and delete old uploads that no live conversation shows. A conversation with an answer
+        waiting or streaming is active now: its idle time starts again when the answer ends (at
+        most `sweep_s` earlier), however long the answer took."""
         now = self.clock()
         with self.lock:
-            idle = [s for s in self.sessions.values() if now - s.last_active > self.limits.idle_s and not s.running]
+            busy = {key for key, s in self.sessions.items() if s.running or s.pending is not None}
+            for key in busy:
+                self.sessions[key].last_active = now
+            for known in self.known.values():
+                if known.session in busy:
+                    known.seen = now
+            idle = [s for s in self.sessions.values() if now - s.last_active > self.limits.idle_s]
             self.known = {key: known for key, known in self.known.items()
                           if now - known.seen <= (min(ONE_SHOT_S, self.limits.idle_s) if known.one_shot else self.limits.idle_s)}
         for session in idle:

@@ -25,7 +25,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     from engine.build import add_model_flags
 
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.split("\n\n")[0])
-    parser.add_argument("prompt")
+    parser.add_argument("prompt", help="the question: the user turn to answer")
     add_model_flags(parser)
     parser.add_argument("--image", action="append", default=[], help="an image file; repeat for several")
     add_cli_args(parser.add_argument_group("settings (the app's API parameters, docs/settings.md)"))

@@ -4,17 +4,20 @@
     for event in engine.stream(messages, drafter="text"):
         ...  # Chunk events, then one Done; each carries a snapshot of the statistics
 
-`stream` runs in the caller's thread (the CLI, the benchmark); callers on several threads (the
-app) go through `engine.worker` (engine/worker.py), or the backend interface (engine/backend.py).
+`stream` queues the request on the engine's worker thread (engine/worker.py), which runs `run`
+for one request at a time under the engine's lock; the caller holds nothing between events, so
+one that walks away (closes the stream, drops it, or just stops reading) never blocks the next
+request. The app reaches it through the backend interface (engine/backend.py).
 
 All per-request state (KV caches, positions, the drafter's session, the sampler's generator) is
-created inside `stream` and dropped when it ends, so requests cannot see each other's state;
+created inside `run` and dropped when it ends, so requests cannot see each other's state;
 the loaded target and drafters hold none. The lock runs one generation at a time, because the
 models share one device and one set of threads.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -33,7 +36,7 @@ from engine.sampling import SamplingSettings
 from engine.settings import RequestError, check_text, check_value
 from engine.stats import Stats
 from engine.target import Target
-from engine.worker import Worker
+from engine.worker import Stream, Worker
 
 
 AUTO = "auto"  # the drafter name that picks one per request
@@ -102,7 +105,13 @@ class Engine:
                                "message")
         return prompt
 
-    def stream(
+    def stream(self, *args, **kwargs) -> Stream:
+        """`run`'s request (the same arguments, the same events), queued on the worker thread: the
+        caller holds nothing between events; closing or dropping the stream stops the request."""
+        request = inspect.signature(self.run).bind(*args, **kwargs).arguments
+        return self.worker.submit(request.pop("messages"), **request)
+
+    def run(
         self,
         messages: list[dict] | Prompt,
         drafter: str | None = None,
@@ -117,7 +126,9 @@ class Engine:
         delivered (engine/auto.py). `started`: the request's start (time.perf_counter()),
         default now; `ttft_s` and `total_s` count from it, so image and prompt processing
         are included (`prepare_s`). A request stopped before it starts ends at once, with no
-        answer; an answer that fills the context ends with finish_reason "context"."""
+        answer; an answer that fills the context ends with finish_reason "context".
+        Runs in the calling thread and holds the engine's lock until the generator ends: the
+        worker thread's (engine/worker.py); every other caller uses `stream`."""
         started = time.perf_counter() if started is None else started
         if drafter is not None and drafter not in self.drafters and not (drafter == AUTO and self.drafters):
             raise RequestError(f"unknown drafter {drafter!r}; loaded: {', '.join(self.drafters) or 'none'}")
@@ -172,7 +183,7 @@ def checked_settings(sampling: SamplingSettings, decode: DecodeSettings) -> tupl
     a temperature under MIN_TEMPERATURE decodes greedily."""
     for name, value in [("temperature", sampling.temperature), ("top_p", sampling.top_p), ("top_k", sampling.top_k),
                         ("seed", sampling.seed), ("max_new_tokens", decode.max_new_tokens),
-                        ("draft_tokens", decode.draft_tokens), ("draft_tree", decode.tree_nodes),
+                        ("draft_tokens", decode.draft_tokens), ("draft_tree", decode.draft_tree),
                         ("tree_branching", decode.tree_branching)]:
         check_value(name, value)  # seed None: a random seed; draft_tokens None: chosen from cost
     if decode.draft_tokens == 0:  # as in the schema: 0 is chosen from cost
@@ -194,7 +205,7 @@ class Ceilings:
     def from_environ(cls, environ=os.environ) -> Ceilings:
         values = {}
         for name in ("max_new_tokens", "draft_tokens", "draft_tree"):
-            variable = _ceiling_variable(name)
+            variable = ceiling_variable(name)
             text = environ.get(variable)
             if text:
                 if not text.isdigit() or int(text) < 1:
@@ -211,10 +222,10 @@ def check_ceilings(max_new_tokens: int, draft_tokens: int, draft_tree: int, ceil
                              ("draft_tree", draft_tree, 0)):
         ceiling = getattr(ceilings, name)
         if not low <= value <= ceiling:
-            variable = _ceiling_variable(name)
+            variable = ceiling_variable(name)
             raise RequestError(f"{name} must be from {low} to {ceiling} on this server ({variable}), got {value}")
 
 
-def _ceiling_variable(name: str) -> str:
+def ceiling_variable(name: str) -> str:
     """VLM_MAX_NEW_TOKENS, VLM_MAX_DRAFT_TOKENS, VLM_MAX_DRAFT_TREE."""
     return "VLM_" + name.upper() if name.startswith("max_") else f"VLM_MAX_{name.upper()}"

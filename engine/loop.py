@@ -26,7 +26,7 @@ class DecodeSettings:
     adaptive: bool = False  # the +2/-1 rule from draft_tokens (or 4): longer after a full acceptance
     max_draft_tokens: int = 8
     stop_token_ids: frozenset[int] = frozenset()
-    tree_nodes: int = 0  # > 0: draft trees of up to this many nodes, k deep (engine/tree.py); 0: chains
+    draft_tree: int = 0  # > 0: draft trees of up to this many nodes, k deep (engine/tree.py); 0: chains
     tree_branching: int = 2  # a tree node's most children
 
 
@@ -95,16 +95,16 @@ def generate(
     drafting = GuardedSession(drafter, state, stats)  # every drafter call: a failure decodes plainly from there
     if not _finished(generated, decode, stats, stop, request):
         drafting.begin(prompt)
-    tree_nodes = _tree_nodes(decode, target, drafting, stats)
+    tree_budget = _tree_budget(decode, target, drafting, stats)
     length = DraftLength(decode.draft_tokens, decode.adaptive, decode.max_draft_tokens, costs,
                          drafter.name if drafter else None)
     while not _finished(generated, decode, stats, stop, request):
         remaining = decode.max_new_tokens - len(generated)
         round_started = clock.now()
-        # 2. Draft up to k tokens deep: a chain, or a tree of up to tree_nodes nodes (none when
+        # 2. Draft up to k tokens deep: a chain, or a tree of up to draft_tree nodes (none when
         #    plain, after a fallback, or when drafting is a loss).
         stats.record_draft_length(len(generated), length.k, length.reason)
-        draft = drafting.propose(generated, min(length.k, remaining - 1), sampler, tree_nodes, decode.tree_branching)
+        draft = drafting.propose(generated, min(length.k, remaining - 1), sampler, tree_budget, decode.tree_branching)
         drafted_at = clock.now()
         # 3. Verify: one target pass over the last committed token and every draft node, (n+1, V).
         target_logits = tree.verify(target, state, generated[-1], draft)
@@ -138,13 +138,13 @@ def _chunk(text: TextStream, new_tokens: list[int], num_drafted: int, stats: Sta
     return Chunk("".join(piece for piece, _ in spans), new_tokens, origins, stats.snapshot(), spans)
 
 
-def _tree_nodes(decode: DecodeSettings, target, drafting: GuardedSession, stats: Stats) -> int:
+def _tree_budget(decode: DecodeSettings, target, drafting: GuardedSession, stats: Stats) -> int:
     """The node budget of each draft tree; 0 for chains (the reason in stats when a tree was asked)."""
-    if decode.tree_nodes <= 0 or drafting.session is None:
+    if decode.draft_tree <= 0 or drafting.session is None:
         return 0
     stats.tree_fallback = drafting.tree_unsupported(target)
     stats.draft_shape = "chain" if stats.tree_fallback else "tree"
-    return 0 if stats.tree_fallback else decode.tree_nodes
+    return 0 if stats.tree_fallback else decode.draft_tree
 
 
 def _truncate(tokens: list[int], remaining: int, decode: DecodeSettings) -> list[int]:

@@ -34,7 +34,7 @@ class Spec:
     """One setting's metadata."""
 
     help: str
-    label: str
+    label: str = ""  # the app's control (a request setting; a load setting has none)
     low: float | None = None  # the least value (None: no bound)
     high: float | None = None  # the most value (a server ceiling)
     above_low: bool = False  # the least value itself is refused ("over 0")
@@ -42,11 +42,11 @@ class Spec:
     high_text: str = ""  # the most value as messages write it ("2**63 - 1")
     choices: tuple[str, ...] = ()  # the allowed values (the drafter's are the engine's)
     ui: tuple[float, float, float] | None = None  # the sidebar's (least, most, step) when narrower than the range
-    env: str | None = None  # the environment variable that gives the engine's default (a load setting)
+    env: str | None = None  # the environment variable that gives the default (engine/load_settings.py)
     cli: bool = True  # a flag of `python -m engine` made from this field (else the CLI has its own: --drafter)
 
 
-def setting(default: Any, help: str, label: str, **spec) -> Any:
+def setting(default: Any, help: str, label: str = "", **spec) -> Any:
     return field(default=default, metadata={"spec": Spec(help, label, **spec)})
 
 
@@ -107,7 +107,7 @@ class Settings:
     def decode(self, **more) -> DecodeSettings:
         """The loop's settings (`more`: stop_token_ids and the like)."""
         return DecodeSettings(max_new_tokens=int(self.max_new_tokens), draft_tokens=int(self.draft_tokens) or None,
-                              adaptive=bool(self.adaptive), tree_nodes=int(self.draft_tree or 0),
+                              adaptive=bool(self.adaptive), draft_tree=int(self.draft_tree or 0),
                               tree_branching=int(self.tree_branching), **more)
 
 

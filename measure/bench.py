@@ -63,7 +63,7 @@ class Row:
     drafter: str | None  # the engine's drafter key ("text", "vlm", "ngram", ...), "prompt_lookup", or None
     label: str | None = None  # how the table names the drafter: the folder's last part, or the key
     draft_tokens: int | None = None  # k fixed for this row (else the run's --draft-tokens)
-    tree_nodes: int = 0  # > 0: this row drafts trees of that many nodes
+    draft_tree: int = 0  # > 0: this row drafts trees of that many nodes
     runs: list[Measurement] = field(default_factory=list)
     error: str | None = None
 
@@ -137,14 +137,14 @@ def summarize(row: Row, plain: Row, costs: dict) -> dict:
         out["auto_picked"] = {short(name): sum(r.drafter_used == name for r in runs)
                               for name in dict.fromkeys(r.drafter_used for r in runs)}
     out["mean_draft_length"] = statistics.mean(lengths) if lengths else None
-    out["tree_nodes"] = row.tree_nodes
+    out["draft_tree"] = row.draft_tree
     out["tree_fallback"] = next((r.tree_fallback for r in runs if r.tree_fallback), None)
     out["limit"] = None
     if row.mode != "speculative" or not tpf:
         return out
-    if row.tree_nodes and row.drafter in costs.get("draft_tree_s", {}):
+    if row.draft_tree and row.drafter in costs.get("draft_tree_s", {}):
         round_cost = costs["draft_tree_s"][row.drafter] + costs["verify_tree_s"]
-    elif not row.tree_nodes and row.drafter in costs.get("draft_step_s", {}) and lengths:
+    elif not row.draft_tree and row.drafter in costs.get("draft_step_s", {}) and lengths:
         step, t = costs["draft_step_s"][row.drafter], costs["t_s"]
         round_cost = statistics.mean(k * step + t[min(k + 1, max(t))] for k in lengths)
     else:
@@ -296,16 +296,16 @@ def main(argv=None) -> int:
     count = args.requests or (6 if args.quick else 12)
     source = args.requests_from or ("demo" if spec.preset == "demo" else "photos")
     requests = demo_requests(count) if source == "demo" else photo_requests(count)
-    tree_nodes = (args.draft_tree or args.draft_tokens or 4) if args.tree or args.draft_tree else 0
+    draft_tree = (args.draft_tree or args.draft_tokens or 4) if args.tree or args.draft_tree else 0
     decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens or None,
                             tree_branching=args.tree_branching)
 
     labels = {key: short(drafter.name) for key, drafter in engine.drafters.items()}
     rows = [Row("this", "plain", None)]
     for key in engine.drafters:
-        rows += [Row("this", "speculative", key, labels[key] + (", chain" if tree_nodes else ""))]
-        rows += [Row("this", "speculative", key, f"{labels[key]}, tree {tree_nodes}", tree_nodes=tree_nodes)
-                 ] if tree_nodes else []
+        rows += [Row("this", "speculative", key, labels[key] + (", chain" if draft_tree else ""))]
+        rows += [Row("this", "speculative", key, f"{labels[key]}, tree {draft_tree}", draft_tree=draft_tree)
+                 ] if draft_tree else []
     if args.fixed_k:
         rows += [Row("this", "speculative", key, f"{labels[key]}, k={args.fixed_k}", args.fixed_k)
                  for key in engine.drafters]
@@ -321,7 +321,7 @@ def main(argv=None) -> int:
     rows += llamacpp
     with busy(args.load) as load:
         run_rows(engine, rows, requests, decode)
-    costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens or 4, tree_nodes=tree_nodes,
+    costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens or 4, draft_tree=draft_tree,
                        branching=args.tree_branching)
     dtype = dtype_name(engine.target.model)  # --dtype fit resolved
     info = machine_info(dtype, engine) | {"load": load}
@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     print("cost model: target forward over n tokens " + ", ".join(f"t({n}) {t * 1000:.1f}"
                                                                  for n, t in costs["t_s"].items())
           + " ms; draft step " + ", ".join(f"{labels[key]} {t * 1000:.1f} ms" for key, t in costs["draft_step_s"].items())
-          + (f"; tree verify over {tree_nodes + 1} tokens {costs['verify_tree_s'] * 1000:.1f} ms, whole tree draft "
+          + (f"; tree verify over {draft_tree + 1} tokens {costs['verify_tree_s'] * 1000:.1f} ms, whole tree draft "
              + ", ".join(f"{labels[key]} {t * 1000:.1f} ms" for key, t in costs["draft_tree_s"].items())
              if "verify_tree_s" in costs else ""))
     if args.plot:
@@ -354,7 +354,7 @@ def run_rows(engine, rows: list[Row], requests: list[dict], decode: DecodeSettin
         order = rows[index % len(rows):] + rows[:index % len(rows)]
         for row in order:
             runner = {"this": run_this, "transformers": run_transformers}.get(row.engine) or row.measure
-            row_decode = replace(decode, tree_nodes=row.tree_nodes)
+            row_decode = replace(decode, draft_tree=row.draft_tree)
             if row.draft_tokens:
                 row_decode = replace(row_decode, draft_tokens=row.draft_tokens)
             measurement = runner(engine, row.drafter, messages_of(request), row_decode, request_id=index)

@@ -101,14 +101,14 @@ def median_seconds(fn, clock: Clock, repeats: int, skip: int = 0) -> float:
     return statistics.median(times[skip:])
 
 
-def cost_model(engine, messages, k: int, repeats: int = 7, max_tokens: int = 9, tree_nodes: int = 0,
+def cost_model(engine, messages, k: int, repeats: int = 7, max_tokens: int = 9, draft_tree: int = 0,
                branching: int = 2) -> dict:
     """Median cost of one target forward over n = 1..max_tokens tokens after this prompt
     (`t_s`; `forward_1_s` = t(1), `verify_s` = t(k+1)), and of one
     draft step of each drafter: a `propose` of k tokens divided by the tokens it drafted, timed
     in greedy decode rounds that follow the drafter contract (prefill with the drafter's reads,
     begin, then propose / verify / accept / roll back), so every kind of drafter is measured.
-    With tree_nodes, also a tree verify pass over tree_nodes + 1 tokens (`verify_tree_s`) and a
+    With draft_tree, also a tree verify pass over draft_tree + 1 tokens (`verify_tree_s`) and a
     whole `propose_tree` of each drafter that can branch (`draft_tree_s`)."""
     target = engine.target.runner
     prompt = engine.prepare(messages)
@@ -134,31 +134,31 @@ def cost_model(engine, messages, k: int, repeats: int = 7, max_tokens: int = 9, 
     costs = {"forward_1_s": t_s[1], "verify_s": t_s[k + 1], "t_s": t_s, "draft_step_s": {}}
     for key, drafter in engine.drafters.items():
         costs["draft_step_s"][key] = _draft_cost(target, drafter, prompt, k, repeats, clock)
-    if tree_nodes and target.tree_unsupported(state) is None:
-        costs["verify_tree_s"] = timed(lambda: tree_and_undo(tree_nodes))
-        tree_costs = {key: _draft_cost(target, drafter, prompt, k, repeats, clock, tree_nodes, branching)
+    if draft_tree and target.tree_unsupported(state) is None:
+        costs["verify_tree_s"] = timed(lambda: tree_and_undo(draft_tree))
+        tree_costs = {key: _draft_cost(target, drafter, prompt, k, repeats, clock, draft_tree, branching)
                       for key, drafter in engine.drafters.items()}
         costs["draft_tree_s"] = {key: cost for key, cost in tree_costs.items() if cost is not None}
     return costs
 
 
-def _draft_cost(target, drafter, prompt, k: int, repeats: int, clock: Clock, tree_nodes: int = 0,
+def _draft_cost(target, drafter, prompt, k: int, repeats: int, clock: Clock, draft_tree: int = 0,
                 branching: int = 2) -> float | None:
     """A chain's draft step (a propose divided by the tokens it drafted), or a whole tree's
-    propose_tree (with tree_nodes; None for a drafter that drafts chains only)."""
+    propose_tree (with draft_tree; None for a drafter that drafts chains only)."""
     sampler = Sampler(SamplingSettings())
     logits, state = target.prefill(prompt.target_inputs, drafter.reads)
     session = drafter.begin(prompt, state)
-    if tree_nodes and not hasattr(session, "propose_tree"):
+    if draft_tree and not hasattr(session, "propose_tree"):
         return None
     generated, times = [int(logits.argmax())], []
     for _ in range(repeats):
         t0 = clock.now()
-        if tree_nodes:
-            draft = session.propose_tree(generated, k, tree_nodes, branching, sampler)
+        if draft_tree:
+            draft = session.propose_tree(generated, k, draft_tree, branching, sampler)
         else:
             draft = session.propose(generated, k, sampler)
-        times.append((clock.now() - t0) / (1 if tree_nodes else max(1, len(draft.token_ids))))
+        times.append((clock.now() - t0) / (1 if draft_tree else max(1, len(draft.token_ids))))
         verify_logits = tree.verify(target, state, generated[-1], draft)
         path, bonus_token = accept_tree(sampler, draft.token_ids, draft.parents, None, verify_logits)
         tree.keep(target, state, draft, path)

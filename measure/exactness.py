@@ -1,6 +1,6 @@
 """Speculative greedy against plain greedy on the tiny random-weight models (models/tiny.py): the
 models, conversations and runs that the exactness tests (tests/test_engine_exact.py) and the GPU
-check's short mode (measure/gpu_check.py) share."""
+check (measure/gpu_check.py, through `check`) share."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def conversation(num_images: int, two_turns: bool = False):
             user("And which one is larger?")]
 
 
-def run(zoo: TinyZoo, family, drafter_role, messages, k=4, adaptive=False, events=False, tree_nodes=0):
+def run(zoo: TinyZoo, family, drafter_role, messages, k=4, adaptive=False, events=False, draft_tree=0):
     """The answer (its Done, or every event) of `family`'s tiny target with `drafter_role`
     (None: plain), MAX_NEW tokens with no stop token."""
     target = zoo.target(family)
@@ -74,8 +74,30 @@ def run(zoo: TinyZoo, family, drafter_role, messages, k=4, adaptive=False, event
     engine = Engine(target, drafters)
     stream = list(engine.stream(messages, drafter=drafter_role,
                                 decode=DecodeSettings(max_new_tokens=MAX_NEW, draft_tokens=k, adaptive=adaptive,
-                                                      stop_token_ids=frozenset({-1}), tree_nodes=tree_nodes)))
+                                                      stop_token_ids=frozenset({-1}), draft_tree=draft_tree)))
     done = stream[-1]
     assert isinstance(done, Done)
     assert sum(len(e.token_ids) for e in stream[:-1]) == len(done.token_ids)
     return stream if events else done
+
+
+def check(zoo: TinyZoo, families, cases=CASES, trees: bool = True) -> tuple[int, list[str]]:
+    """(how many comparisons, a "FAILED ..." line for each that failed): for each family, case
+    (images, two turns) and drafter, speculative greedy (chains; with `trees`, also draft trees of
+    6 nodes, up to 2 images) must give plain greedy's tokens without falling back to plain decoding."""
+    compared, failures = 0, []
+    for family in families:
+        for num_images, two_turns in cases:
+            messages = conversation(num_images, two_turns)
+            plain = run(zoo, family, None, messages).token_ids
+            for drafter in DRAFTERS:
+                for tree in (0, 6) if trees and num_images < 4 else (0,):
+                    compared += 1
+                    done = run(zoo, family, drafter, messages, adaptive=num_images % 2 == 1, draft_tree=tree)
+                    case = f"{family} {drafter} with {num_images} images" + (", two turns" if two_turns else "") + \
+                        (f", tree {tree}" if tree else "")
+                    if done.token_ids != plain:
+                        failures.append(f"FAILED {case}: the tokens differ from plain greedy's")
+                    elif done.stats.fallback_reason:
+                        failures.append(f"FAILED {case}: fell back to plain decoding ({done.stats.fallback_reason})")
+    return compared, failures

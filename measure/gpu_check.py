@@ -4,59 +4,46 @@
     python -m measure.gpu_check --short            # anywhere (CI runs it on the CPU): tiny shapes
 
 Steps, each reported as it ends:
-1. exactness: the engine's exactness tests (tests/test_engine_exact.py: speculative greedy ==
-   plain greedy for every family x drafter kind, plain greedy == the uncached forward) with the
-   tiny models on the device, in float32 (must pass) and in bfloat16 (reported: a verify pass over
-   k+1 tokens may round a near-tie of random weights differently from a one-token pass);
+1. exactness, in process (measure/exactness.py `check`, the comparisons of
+   tests/test_engine_exact.py: speculative greedy == plain greedy for every family x drafter
+   kind, chains and trees) with the tiny models on the device, in float32 (must pass) and in
+   bfloat16 (reported: a verify pass over k+1 tokens may round a near-tie of random weights
+   differently from a one-token pass);
 2. real scale: measure/realscale.py at the Qwen2.5-VL-7B shape (random weights, bfloat16,
    built on first use) with timings that synchronise the device before each clock reading.
-`--short` runs step 1 for one family (qwen2_5_vl) in float32 on the CPU, in process, and step 2 on the shrunken SmolVLM
-shape in float32 (replay at acceptance 1.0 and 0.2), in well under a minute. The exit status is non-zero when a float32 exactness test fails.
+`--short` runs step 1 for one family (qwen2_5_vl, 1 and 2 images, chains) in float32 on the CPU,
+and step 2 on the shrunken SmolVLM shape in float32 (replay at acceptance 1.0 and 0.2), in well
+under a minute. The exit status is non-zero when a float32 exactness comparison fails. The
+tests' other oracle (plain greedy == the uncached forward, tests/oracles.py) stays in the tests:
+`VLM_TEST_DEVICE=cuda python -m pytest tests/test_engine_exact.py` runs all of it on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def exactness(device: str, dtype: str) -> dict:
-    """pytest on the exactness tests with the tiny models on `device` in `dtype`."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_engine_exact.py"]
-    env = dict(os.environ, VLM_TEST_DEVICE=device, VLM_TEST_DTYPE=dtype)
-    started = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
-    return {"device": device, "dtype": dtype, "passed": done.returncode == 0, "summary": summary,
-            "seconds": round(time.perf_counter() - started, 1),
-            "failures": [line for line in done.stdout.splitlines() if line.startswith("FAILED")]}
-
-
-def exactness_short(family: str = "qwen2_5_vl") -> dict:
-    """In this process, on the CPU in float32: one family's plain and speculative greedy answers
-    (text LM, VLM and n-gram drafters; 1 and 2 images) must be identical (CI runs the whole
-    exactness suite on the CPU anyway: this checks the check)."""
+def exactness(device: str, dtype: str, families=None, cases=None, trees: bool = True) -> dict:
+    """In this process: speculative greedy == plain greedy on the tiny models (measure/exactness.py
+    `check`: every family x drafter kind, chains and trees) on `device` in `dtype`. `families` and
+    `cases` narrow it (default: all)."""
     import tempfile
     from pathlib import Path
 
-    from measure.exactness import DRAFTERS, TinyZoo, conversation, run
+    from measure.exactness import CASES, TinyZoo, check
+    from models import tiny
+    from models.loading import LoadOptions
 
     started = time.perf_counter()
-    zoo, failures, cases = TinyZoo(Path(tempfile.mkdtemp())), [], 0
-    for num_images in (1, 2):
-        plain = run(zoo, family, None, conversation(num_images)).token_ids
-        for drafter in DRAFTERS:
-            cases += 1
-            if run(zoo, family, drafter, conversation(num_images)).token_ids != plain:
-                failures.append(f"FAILED {family} {drafter} with {num_images} images")
-    return {"device": "cpu", "dtype": "float32", "passed": not failures, "failures": failures,
-            "summary": f"{cases - len(failures)} passed, {len(failures)} failed ({family}, in process)",
+    zoo = TinyZoo(Path(tempfile.mkdtemp()), LoadOptions(dtype=dtype, device=device))
+    families = families or tiny.FAMILIES
+    compared, failures = check(zoo, families, cases or CASES, trees)
+    which = families[0] if len(families) == 1 else f"{len(families)} families"
+    return {"device": device, "dtype": dtype, "passed": not failures, "failures": failures,
+            "summary": f"{compared - len(failures)} passed, {len(failures)} failed ({which}, in process)",
             "seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -75,7 +62,9 @@ def main(argv=None) -> int:
     device = "cuda" if cuda else "cpu"
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "short": not cuda, "exactness": []}
     # 1. Exactness: every family in float32 and bfloat16 on CUDA; one family in float32 on the CPU.
-    for result in ([exactness(device, "float32"), exactness(device, "bfloat16")] if cuda else [exactness_short()]):
+    short = {"families": ("qwen2_5_vl",), "cases": [(1, False), (2, False)], "trees": False}
+    for result in ([exactness(device, "float32"), exactness(device, "bfloat16")] if cuda else
+                   [exactness("cpu", "float32", **short)]):
         report["exactness"].append(result)
         print(f"exactness {result['device']} {result['dtype']}: {result['summary']} ({result['seconds']} s)",
               flush=True)

@@ -29,7 +29,7 @@ class Row:
     def __init__(self, backend, drafter: str | None, label: str | None, text_turns: bool = False):
         self.backend, self.drafter, self.label, self.text_turns = backend, drafter, label, text_turns
         self.engine, self.mode = "llama.cpp", "speculative" if drafter else "plain"
-        self.tree_nodes, self.draft_tokens = 0, None
+        self.draft_tree, self.draft_tokens = 0, None
         self.runs = []
         self.error = None
 

@@ -14,8 +14,8 @@ from models.loading import LoadOptions
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-# How the tiny models load: float32 on the CPU, unless the GPU check (measure/gpu_check.py) asks
-# for another device or dtype through these variables.
+# How the tiny models load: float32 on the CPU, unless these variables ask for another device or
+# dtype (the exactness tests on a GPU: VLM_TEST_DEVICE=cuda python -m pytest tests/test_engine_exact.py).
 MODEL_OPTIONS = LoadOptions(dtype=os.environ.get("VLM_TEST_DTYPE", "float32"),
                             device=os.environ.get("VLM_TEST_DEVICE", "cpu"))
 
@@ -60,3 +60,12 @@ def browser():
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def engine(zoo):
+    """The reference engine (tests/helpers.py `reference_engine`: the app's weights and drafters,
+    loaded apart from the app), once per test module; a module may define its own `engine`."""
+    from tests.helpers import reference_engine
+
+    return reference_engine(zoo)

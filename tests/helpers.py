@@ -165,6 +165,19 @@ def launch_app(zoo, *argv: str, models: list[str] | None = None, **main_options)
     return SimpleNamespace(url=demo.local_url, demo=demo, engine=built.get("engine"), backends=built["backends"])
 
 
+def app_fixture(*argv: str, **main_options):
+    """A module-scoped fixture: the app as `launch_app(zoo, *argv, **main_options)` serves it,
+    closed after the module. A test module names it: `server = app_fixture(limits=LIMITS)`."""
+
+    @pytest.fixture(scope="module")
+    def server(zoo):
+        served = launch_app(zoo, *argv, **main_options)
+        yield served
+        served.demo.close()
+
+    return server
+
+
 def reference_engine(zoo) -> Engine:
     """The reference: the app's weights with its drafters, loaded apart from the app."""
     return Engine(zoo.target("qwen2_vl"), {"text": zoo.drafter("qwen2_vl", "text_drafter"),

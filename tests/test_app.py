@@ -18,7 +18,7 @@ from engine.ab import Side, compare, first_difference_index
 from engine.loop import DecodeSettings
 from engine.stats import Stats
 from tests.conftest import ROOT
-from tests.helpers import (SHORT, Gate, launch_app, message, reference, reference_engine, wait_until,
+from tests.helpers import (SHORT, Gate, app_fixture, message, reference, wait_until,
                            wait_until_queued)
 
 IMAGES = [f"{ROOT}/assets/examples/two_scenes_a.png", f"{ROOT}/assets/examples/chart.png"]
@@ -27,21 +27,12 @@ STATS_KEYS = {"decode_tok_s", "ttft_s", "prefill_s", "acceptance", "tokens_per_f
 LONG = 400  # max_new_tokens of an answer held at a gate and stopped: "Describe the image." never ends early
 
 
-@pytest.fixture(scope="module")
-def server(zoo):
-    served = launch_app(zoo, "--host", "127.0.0.1")
-    yield served
-    served.demo.close()
+server = app_fixture("--host", "127.0.0.1")
 
 
 @pytest.fixture(scope="module")
 def url(server):
     return server.url
-
-
-@pytest.fixture(scope="module")
-def engine(zoo):
-    return reference_engine(zoo)
 
 
 def test_chat_streams_answer_and_statistics_and_keeps_images_in_history(url, engine):

@@ -37,7 +37,7 @@ def test_bench_runs_end_to_end_with_text_vlm_and_ngram_drafters(zoo, tmp_path, c
         for label, nodes in [(f"{name}, chain", 0), (f"{name}, tree 4", 4)]:
             row = rows[("this", "speculative", label)]
             assert row["identical_to_plain"] == 2  # float32: exact
-            assert row["limit"] is not None and row["tree_nodes"] == nodes  # the cost model covers it
+            assert row["limit"] is not None and row["draft_tree"] == nodes  # the cost model covers it
             assert row["tree_fallback"] is None
     assert rows[("this", "speculative", "auto")]["identical_to_plain"] == 2  # --drafter auto's row
     assert rows[("this", "speculative", "auto")]["mean_draft_length"] is not None  # k chosen from cost

@@ -263,7 +263,7 @@ def test_tree_answers_leave_the_chain_table_alone(monkeypatch):
     table[:V, :V] = repetitive_table()
     events = list(generate(TimedRunner(table, clock), CharTokenizer(), prompt_of([1, 2, 3]),
                            ScriptedTreeDrafter(truth), SamplingSettings(),
-                           DecodeSettings(max_new_tokens=60, tree_nodes=6, draft_tokens=4), costs=costs))
+                           DecodeSettings(max_new_tokens=60, draft_tree=6, draft_tokens=4), costs=costs))
     assert events[-1].token_ids == truth and events[-1].stats.draft_shape == "tree"
     assert set(costs.verify.samples) == {1}  # only the plain steps
     assert max(costs.tree_verify.samples) > 5  # trees wider than deep were verified

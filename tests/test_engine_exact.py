@@ -29,7 +29,7 @@ def test_speculative_greedy_equals_plain_greedy(zoo, family, drafter_role):
         assert len(plain.token_ids) == MAX_NEW
         if num_images == 4:
             continue  # trees: 0, 1, 2 images and the two-turn chat
-        tree = run(zoo, family, drafter_role, messages, adaptive=num_images % 2 == 1, tree_nodes=6)
+        tree = run(zoo, family, drafter_role, messages, adaptive=num_images % 2 == 1, draft_tree=6)
         assert tree.token_ids == plain.token_ids, ("tree", num_images, two_turns)
         assert tree.stats.fallback_reason is None
         if family in SLIDING_WINDOW:  # Gemma 3: chains, with the reason

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from engine.engine import Engine, RequestError
-from engine.loop import DecodeSettings, Done
+from engine.loop import Chunk, DecodeSettings, Done
 from engine.sampling import SamplingSettings
 from measure.exactness import conversation
 
 DECODE = DecodeSettings(max_new_tokens=16, draft_tokens=3, stop_token_ids=frozenset({-1}))
+WAIT_S = 120  # the longest a test waits for another thread's request
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,20 @@ def test_abandoned_and_stopped_streams_leave_the_engine_ready(engine):
     assert event.stats.finish_reason == "stopped"
     assert final(engine.stream(conversation(1), "text", decode=DECODE)).token_ids == fresh
     assert not engine.lock.locked()
+
+
+def test_a_stream_left_unclosed_after_one_chunk_does_not_block_the_next_request(engine):
+    """A caller that reads one chunk and walks away without closing its stream, while something
+    still refers to it (a list, a traceback): another request, on another thread, completes."""
+    left = engine.stream(conversation(1), "text", decode=DECODE)
+    assert isinstance(next(left), Chunk)
+    answered = []
+    other = threading.Thread(target=lambda: answered.append(final(engine.stream(conversation(2), None, decode=DECODE))),
+                             daemon=True)
+    other.start()
+    other.join(WAIT_S)  # bounded: before the worker held the engine, `left` kept its lock and this waited forever
+    assert answered and answered[0].stats.finish_reason == "max_new_tokens"
+    assert final(left).stats.finish_reason == "max_new_tokens"  # it was answered without its reader
 
 
 def test_too_many_images_and_unknown_drafter_are_refused_clearly(engine):

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import re
 
 from measure import gpu_check, shapes
 
@@ -25,3 +27,12 @@ def test_short_mode_runs_exactness_and_the_real_scale_measurement(tmp_path, monk
     assert all(r["bound"] > 0 for r in scale["replay"])
     assert "gpu check: float32 exactness passed" in capsys.readouterr().out
     assert (tmp_path / "cache" / "smolvlm-256m-quick" / "config.json").exists()  # cached for the next run
+
+
+def test_no_shipped_module_imports_or_runs_the_tests():
+    root = pathlib.Path(__file__).resolve().parent.parent
+    shipped = [root / "app.py", *(p for folder in ("app_ui", "engine", "measure", "models")
+                                  for p in (root / folder).rglob("*.py"))]
+    offenders = [str(p.relative_to(root)) for p in shipped
+                 if re.search(r"^\s*(from|import) tests\b|\"pytest\"", p.read_text(), re.M)]  # imports, or runs pytest
+    assert len(shipped) > 50 and not offenders, offenders

@@ -294,18 +294,18 @@ def test_request_settings_over_the_ceilings_get_named_errors(server, changes, re
 def held(server, monkeypatch):
     """Answers to a message containing "HOLD" stop after their first chunk until `release` is set
     or their stop flag is (Stop, or the time budget)."""
-    release, stream = threading.Event(), server.engine.stream
+    release, run = threading.Event(), server.engine.run
 
     def holding(messages, *args, stop=None, **kwargs):
         text = json.dumps([part.get("text", "") for m in getattr(messages, "messages", messages)
                            for part in m["content"] if part["type"] == "text"])
-        for i, event in enumerate(stream(messages, *args, stop=stop, **kwargs)):
+        for i, event in enumerate(run(messages, *args, stop=stop, **kwargs)):
             yield event
             if i == 0 and "HOLD" in text:
                 while not (release.is_set() or (stop is not None and stop.is_set())):
                     release.wait(0.05)
 
-    monkeypatch.setattr(server.engine, "stream", holding)
+    monkeypatch.setattr(server.engine, "run", holding)
     yield release
     release.set()
 

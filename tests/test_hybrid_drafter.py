@@ -142,7 +142,7 @@ def test_tree_asked_drafts_chains_and_says_why(zoo, folders):
     qwen3_vl = zoo.target("qwen3_vl")
     drafter = load_drafter(str(folders.text_lm), qwen3_vl, OPTIONS)
     engine = Engine(qwen3_vl, {"drafter": drafter})
-    decode = DecodeSettings(max_new_tokens=16, draft_tokens=3, tree_nodes=5, stop_token_ids=frozenset({-1}))
+    decode = DecodeSettings(max_new_tokens=16, draft_tokens=3, draft_tree=5, stop_token_ids=frozenset({-1}))
     plain = list(engine.stream(messages(1), drafter=None, decode=decode))[-1]
     done = list(engine.stream(messages(1), drafter="drafter", decode=decode))[-1]
     assert done.token_ids == plain.token_ids and done.stats.drafted > 0

@@ -77,10 +77,10 @@ def test_failing_drafter_falls_back_to_plain_and_completes(fail):
     assert "drafter" in done.stats.fallback_reason and "exploded" in done.stats.fallback_reason
 
 
-@pytest.mark.parametrize("method,call,tree_nodes", [
+@pytest.mark.parametrize("method,call,draft_tree", [
     ("begin", 1, 0), ("propose", 3, 0), ("accept", 3, 0),
     ("tree_unsupported", 1, 4), ("propose_tree", 3, 4), ("accept", 3, 4)])
-def test_a_drafter_call_that_raises_hands_the_request_to_plain_decoding(method, call, tree_nodes):
+def test_a_drafter_call_that_raises_hands_the_request_to_plain_decoding(method, call, draft_tree):
     """Any drafter call that raises ends drafting for the request, with the call named in the
     reason; the answer is plain greedy's, the target stops computing what the drafter read, and
     the drafter is never called again."""
@@ -88,7 +88,7 @@ def test_a_drafter_call_that_raises_hands_the_request_to_plain_decoding(method, 
     truth = plain_ids(t)
     drafter, target = FaultyDrafter(t, method, call), MarkovRunner(t)
     events = list(generate(target, CharTokenizer(), prompt_of([1, 2, 3]), drafter, GREEDY,
-                           DecodeSettings(max_new_tokens=30, draft_tokens=4, tree_nodes=tree_nodes)))
+                           DecodeSettings(max_new_tokens=30, draft_tokens=4, draft_tree=draft_tree)))
     done = events[-1]
     assert done.token_ids == truth
     assert done.stats.fallback_reason.startswith(f"drafter failed in {method} "), done.stats.fallback_reason
@@ -151,8 +151,8 @@ def test_adaptive_draft_length_grows_on_acceptance_and_shrinks_on_rejection():
     assert lengths[:4] == [4, 3, 2, 1]
 
 
-@pytest.mark.parametrize("tree_nodes", [0, 4])
-def test_rejection_sampling_keeps_the_targets_distribution(tree_nodes):
+@pytest.mark.parametrize("draft_tree", [0, 4])
+def test_rejection_sampling_keeps_the_targets_distribution(draft_tree):
     """Tokens 2 and 3 of sampled answers (the first comes from prefill) follow the target's
     distribution although the drafter's differs, with chains (sampled from the drafter) and
     with trees (the drafter's 2 likeliest tokens, each with its greedy child: multi-draft
@@ -163,8 +163,8 @@ def test_rejection_sampling_keeps_the_targets_distribution(tree_nodes):
     observed = torch.zeros(V, V, V)  # counts of (token1, token2, token3)
     for seed in range(5000):
         done = answer(target, MarkovDrafter(draft), SamplingSettings(temperature=1.0, seed=seed),
-                      max_new_tokens=3, draft_tokens=2, tree_nodes=tree_nodes)[-1]
-        assert done.stats.draft_shape == ("tree" if tree_nodes else "chain")
+                      max_new_tokens=3, draft_tokens=2, draft_tree=draft_tree)[-1]
+        assert done.stats.draft_shape == ("tree" if draft_tree else "chain")
         observed[tuple(done.token_ids)] += 1
 
     def p_value(logits_table):

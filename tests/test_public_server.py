@@ -41,17 +41,17 @@ import app
 from app_ui import layout
 from app_ui import session as session_module
 from app_ui.session import Options, Session, new_turn
-from app_ui.visitors import MB, Limits
+from app_ui.visitors import MB, Limits, Visitors
 from engine.engine import Engine
 from engine.settings import Settings
 from models import tiny
 from tests.conftest import ROOT
-from tests.helpers import (Gate, launch_app, live_images, message, reference, reference_engine, rss_bytes, wait_until,
+from tests.helpers import (Gate, app_fixture, live_images, message, reference, rss_bytes, wait_until,
                            wait_until_queued)
 
 # Short enough to see them act within a test, long enough that no request of this module lasts
-# that long on a busy machine: the idle clock starts when a request arrives, not when it ends, and
-# runs while it loads its images (app_ui/visitors.py); the unsent clock runs while it is queued.
+# that long on a busy machine: the idle clock starts when a request arrives and again when its answer
+# ends (app_ui/visitors.py sweep); the unsent clock runs while it is queued.
 IDLE_S = 15.0
 UNSENT_S = 15.0
 LIMITS = Limits(idle_s=IDLE_S, unsent_upload_s=UNSENT_S, upload_bytes_per_client=20 * MB,
@@ -67,17 +67,7 @@ MAX_KEPT_IMAGE_PIXELS = 84 * 56
 RSS_BOUND_BYTES = 700 * MB
 
 
-@pytest.fixture(scope="module")
-def server(zoo):
-    """`python app.py --model M --drafter D --no-browser` with LIMITS, and the engine it built."""
-    served = launch_app(zoo, limits=LIMITS)
-    yield served
-    served.demo.close()
-
-
-@pytest.fixture(scope="module")
-def engine(zoo):
-    return reference_engine(zoo)
+server = app_fixture(limits=LIMITS)  # `python app.py --model M --drafter D --no-browser` with LIMITS
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +148,27 @@ def test_memory_per_visitor_is_bounded_and_idle_visitors_expire(server, engine, 
         client.predict(message("And now?"), max_new_tokens=3, api_name="/chat")
     answer, _ = client.predict(message("And now?"), max_new_tokens=3, api_name="/chat")
     assert answer == reference(engine, [("And now?", [], None)], max_new_tokens=3).text  # nothing of the old one
+
+
+def test_an_answer_that_outlasts_the_idle_time_keeps_its_conversation():
+    """The idle clock of a conversation whose answer waits or streams starts again when the
+    answer ends (the clock is the test's: sweeps at chosen times)."""
+    now = [0.0]
+    visitors = Visitors(Limits(idle_s=10.0), clock=lambda: now[0])
+    session = Session()
+    assert visitors.admit_session("127.0.0.5", "hash") is None
+    visitors.touch(session, "hash")
+    visitors.spoke(session, "hash")
+    session.running = True  # the answer starts at 0 s and streams until 25 s
+    for now[0] in (6.0, 12.0, 18.0, 24.0):
+        visitors.sweep()
+    session.running = False
+    now[0] = 30.0  # 6 s after the last sweep that saw it streaming
+    visitors.sweep()
+    assert not session.expired and "hash" in visitors.known and visitors.known["hash"].conversation
+    now[0] = 35.0  # over 10 s after that sweep: idle
+    visitors.sweep()
+    assert session.expired and "hash" not in visitors.known
 
 
 def test_deep_links_are_off_and_a_cleared_conversation_deletes_its_uploads(server, photos, monkeypatch):

@@ -51,7 +51,7 @@ from engine.images import MAX_FILE_BYTES, load_image
 from engine.loop import DecodeSettings
 from models import tiny
 from tests.conftest import ROOT
-from tests.helpers import Gate, launch_app, live_objects, message, reference, reference_engine, rss_bytes
+from tests.helpers import Gate, app_fixture, live_objects, message, reference, rss_bytes
 
 EXAMPLE = f"{ROOT}/assets/examples/chart.png"
 SHORT = 3  # max_new_tokens of the turns that only show the server still answers
@@ -66,18 +66,9 @@ RSS_SLACK_BYTES = 64 * 2**20
 RSS_PER_REQUEST_BYTES = 40 * 2**10
 
 
-@pytest.fixture(scope="module")
-def server(zoo):
-    """The app as `python app.py --model M --drafter D --no-browser` starts it (no --host, no
-    --share, no related environment variables), and the engine it built, for gates and faults."""
-    served = launch_app(zoo)
-    yield served
-    served.demo.close()
-
-
-@pytest.fixture(scope="module")
-def engine(zoo):
-    return reference_engine(zoo)
+# The app as `python app.py --model M --drafter D --no-browser` starts it (no --host, no --share, no
+# related environment variables), and the engine it built, for gates and faults.
+server = app_fixture()
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,13 @@ parameter of /chat and /ab with the same name, default and range, and a refusal 
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import pytest
 
-from app_ui import layout
+from app_ui import layout, setup
+from engine import load_settings
 from engine import settings as schema
 from engine.__main__ import main, parse_args
 from tests.conftest import ROOT
@@ -25,7 +29,7 @@ def api(zoo):
 def test_every_setting_is_a_parameter_of_chat_and_ab_in_the_schemas_order(api):
     assert list(api["/chat"]) == ["message", *schema.api_names()]
     assert list(api["/ab"]) == ["message", *schema.api_names(mode=False)]
-    assert {"top_k", "tree_branching", "draft_tree"} <= set(api["/chat"]) and "tree_nodes" not in api["/chat"]
+    assert {"top_k", "tree_branching", "draft_tree"} <= set(api["/chat"])
 
 
 def test_the_apis_defaults_are_the_schemas_except_the_engines_own(api):
@@ -73,3 +77,43 @@ def test_wrong_types_and_choices_name_the_setting():
 def test_the_docs_table_is_the_schemas():
     with open(f"{ROOT}/docs/settings.md", encoding="utf-8") as page:
         assert schema.table() in page.read(), "docs/settings.md: paste the output of python -m engine.settings"
+
+
+# --- the load settings (engine/load_settings.py): flags of every command, VLM_* variables of the app -----
+
+def test_every_load_setting_is_a_flag_and_a_variable_of_the_app_with_help():
+    parser = setup.app_parser({})
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help"
+    for name, _, meta in load_settings.specs():
+        assert meta.env == "VLM_" + name.upper() and meta.help
+        assert schema.flag(name) in parser._option_string_actions
+
+
+def test_the_apps_help_lists_every_variable_the_code_reads(capsys):
+    with pytest.raises(SystemExit):
+        setup.read_config(["--help"], {})
+    listing = capsys.readouterr().out.split("environment variables")[1]
+    read = set()
+    for folder in ("app_ui", "engine", "models"):
+        for path in pathlib.Path(ROOT, folder).rglob("*.py"):
+            read |= set(re.findall(r"\bVLM_[A-Z_]*[A-Z]\b", path.read_text())) - {"VLM_FAMILIES"}  # a tuple
+    read |= {meta.env for _, _, meta in load_settings.specs()}
+    assert {"VLM_DECODE_SLOTS", "VLM_TIME_BUDGET_S", "VLM_MAX_DRAFT_TREE", "VLM_BACKEND_API_KEY"} <= read
+    assert not [name for name in read if not re.search(rf"^  (.*, )?{name}\b", listing, re.M)]
+
+
+@pytest.mark.parametrize("environ,error", [
+    ({"VLM_MAX_IMAGE_TOKENS": "many"}, "VLM_MAX_IMAGE_TOKENS: 'many' is not a whole number"),
+    ({"VLM_MAX_IMAGE_TOKENS": "-1"}, "VLM_MAX_IMAGE_TOKENS: -1 is under 0"),
+    ({"VLM_DTYPE": "float64"}, "VLM_DTYPE: 'float64' is not one of fit, float32, bfloat16, float16, auto"),
+    ({"VLM_QUANTIZATION": "3bit"}, "VLM_QUANTIZATION: '3bit' is not one of 4bit, 8bit"),
+])
+def test_a_bad_variable_is_one_line_naming_it_and_a_flag_wins_over_a_bad_choice(environ, error):
+    with pytest.raises(setup.SetupError) as refused:
+        setup.read_config([], environ)
+    assert str(refused.value) == error
+    name = next(iter(environ))[4:].lower()
+    if name != "max_image_tokens":  # a number is read as the flags are made, a choice after parsing
+        flag_value = {"dtype": "float32", "quantization": "8bit"}[name]
+        assert getattr(setup.read_config([schema.flag(name), flag_value], environ).spec.options, name) == flag_value

@@ -290,7 +290,7 @@ def test_tree_falls_back_to_chains_with_a_reason(zoo, family, name, reason):
     drafter = load_drafter("ngram", target) if name == "ngram" else zoo.drafter(family, name)
     plain = answer(target, 1)
     engine = Engine(target, {"drafter": drafter})
-    decode = DecodeSettings(max_new_tokens=MAX_NEW, tree_nodes=6, stop_token_ids=frozenset({-1}))
+    decode = DecodeSettings(max_new_tokens=MAX_NEW, draft_tree=6, stop_token_ids=frozenset({-1}))
     done = list(engine.stream(messages(1), drafter="drafter", decode=decode))[-1]
     assert done.token_ids == plain.token_ids
     assert done.stats.draft_shape == "chain" and reason in done.stats.tree_fallback

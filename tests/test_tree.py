@@ -52,9 +52,9 @@ def test_ngram_trie_worked_example():
     assert trie(continuations, budget=10, branching=1).token_ids == [8, 5, 6]  # one child a node
 
 
-def answer(target, messages, drafter=None, k=4, tree_nodes=0):
+def answer(target, messages, drafter=None, k=4, draft_tree=0):
     engine = Engine(target, {"drafter": drafter} if drafter else {})
-    decode = DecodeSettings(max_new_tokens=MAX_NEW, draft_tokens=k, tree_nodes=tree_nodes,
+    decode = DecodeSettings(max_new_tokens=MAX_NEW, draft_tokens=k, draft_tree=draft_tree,
                             stop_token_ids=frozenset({-1}))
     done = list(engine.stream(messages, drafter="drafter" if drafter else None, decode=decode))[-1]
     assert isinstance(done, Done)
@@ -71,7 +71,7 @@ def test_forced_tree_acceptance_takes_branches_that_are_not_the_first_child(zoo,
     messages = conversation(num_images)
     truth = answer(target, messages).token_ids
     drafter = ScriptedTreeDrafter(truth, target.placeholder_ids)
-    done = answer(target, messages, drafter, tree_nodes=1)
+    done = answer(target, messages, drafter, draft_tree=1)
     assert done.token_ids == truth
     assert done.stats.draft_shape == "tree" and done.stats.tree_fallback is None
     assert drafter.paths == drafter.expected[:len(drafter.paths)]
@@ -85,7 +85,7 @@ def test_forced_tree_acceptance_takes_branches_that_are_not_the_first_child(zoo,
 
     type(runner).keep_path = crop_only
     try:
-        broken = answer(target, messages, ScriptedTreeDrafter(truth, target.placeholder_ids), tree_nodes=1)
+        broken = answer(target, messages, ScriptedTreeDrafter(truth, target.placeholder_ids), draft_tree=1)
     finally:
         type(runner).keep_path = keep_path
     assert broken.token_ids != truth
@@ -129,7 +129,7 @@ def test_sampled_tree_answers_are_reproducible(zoo, role):
     target without falling back; equal seeds give equal answers."""
     target = zoo.target("qwen2_vl")
     engine = Engine(target, {role: zoo.drafter("qwen2_vl", role)})
-    decode = DecodeSettings(max_new_tokens=12, draft_tokens=3, tree_nodes=5, stop_token_ids=frozenset({-1}))
+    decode = DecodeSettings(max_new_tokens=12, draft_tokens=3, draft_tree=5, stop_token_ids=frozenset({-1}))
     runs = [list(engine.stream(conversation(1), drafter=role, decode=decode,
                                sampling=SamplingSettings(temperature=1.0, seed=3)))[-1] for _ in range(2)]
     assert runs[0].stats.draft_shape == "tree" and runs[0].stats.fallback_reason is None
@@ -139,6 +139,6 @@ def test_sampled_tree_answers_are_reproducible(zoo, role):
 def test_sliding_window_target_drafts_chains_with_a_reason(zoo):
     target = zoo.target("gemma3")
     plain = answer(target, conversation(1))
-    done = answer(target, conversation(1), zoo.drafter("gemma3", "ngram"), tree_nodes=6)
+    done = answer(target, conversation(1), zoo.drafter("gemma3", "ngram"), draft_tree=6)
     assert done.token_ids == plain.token_ids
     assert done.stats.draft_shape == "chain" and "sliding-window" in done.stats.tree_fallback

@@ -1,6 +1,6 @@
 """The engine worker (engine/worker.py) and the built-in backend: requests queue in order, a
 caller that walks away holds nothing, a waiting request stopped leaves the queue at once, and
-the events are Engine.stream's. Running answers are held at a gate in the target's `extend`
+the events are Engine.run's. Running answers are held at a gate in the target's `extend`
 (the test releases it), never at "long enough"."""
 
 from __future__ import annotations
@@ -48,15 +48,15 @@ class Gate:
 def finished(engine, monkeypatch):
     """The Done of every request the engine ends, in order, with the request's question, as the
     worker sees them (not the caller)."""
-    done, stream = [], engine.stream
+    done, run = [], engine.run
 
     def recording(messages, **options):
-        for event in stream(messages, **options):
+        for event in run(messages, **options):
             if isinstance(event, Done):
                 done.append((messages[-1]["content"][-1]["text"], event))
             yield event
 
-    monkeypatch.setattr(engine, "stream", recording)
+    monkeypatch.setattr(engine, "run", recording)
     return done
 
 
@@ -70,7 +70,7 @@ def untimed(stats) -> dict:
 
 @pytest.mark.parametrize("drafter", [None, "text"])
 def test_events_equal_engine_stream_and_carry_snapshots(engine, drafter):
-    direct = list(engine.stream(conversation(1), drafter, decode=DECODE))
+    direct = list(engine.run(conversation(1), drafter, decode=DECODE))  # in this thread, not the worker
     served = list(BuiltIn(engine).stream(Request(conversation(1), drafter, decode=DECODE)))
     assert [type(e) for e in served] == [type(e) for e in direct]
     for a, b in zip(direct, served):

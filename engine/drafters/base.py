@@ -134,13 +134,13 @@ class GuardedSession:
                             self.session)
         return reason if self.session is not None else "the drafter failed: decoding plainly"
 
-    def propose(self, generated: list[int], k: int, sampler: Sampler, tree_nodes: int = 0, branching: int = 2) -> Draft:
-        """Up to k tokens after generated[-1]: a chain, or a tree of up to `tree_nodes` nodes; empty
+    def propose(self, generated: list[int], k: int, sampler: Sampler, draft_tree: int = 0, branching: int = 2) -> Draft:
+        """Up to k tokens after generated[-1]: a chain, or a tree of up to `draft_tree` nodes; empty
         when decoding plainly."""
         draft = None
         when = f"after {len(generated)} tokens"
-        if self.session is not None and tree_nodes and k > 0:
-            draft = self._call("propose_tree", when, self.session.propose_tree, generated, k, tree_nodes, branching,
+        if self.session is not None and draft_tree and k > 0:
+            draft = self._call("propose_tree", when, self.session.propose_tree, generated, k, draft_tree, branching,
                                sampler)
         elif self.session is not None:
             draft = self._call("propose", when, self.session.propose, generated, k, sampler)

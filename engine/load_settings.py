@@ -1,0 +1,123 @@
+"""The model and load flags of every command (the app, `python -m engine`, measure.*), defined once
+as `Settings` (engine/settings.py) defines a request's: each field's metadata gives the flag
+(`--` and dashes), its help, choices or least value, and the environment variable the app reads
+it from (Hugging Face Spaces have no flags):
+
+    add_model_flags(parser, environ)   # --preset --model --drafter --dtype ... (defaults from VLM_*)
+    check_variables(args)              # "VLM_DEVICE: 'gpu' is not one of auto, cpu, cuda"
+    variables()                        # [(variable, --flag)] for `python app.py --help`
+
+A flag wins over its variable. A bad variable raises LoadError naming it (one line); a bad flag is
+argparse's error, naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import get_args, get_origin, get_type_hints
+
+from engine.settings import Spec, flag, setting
+from models.loading import DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError, LoadOptions
+from models.presets import PRESETS
+
+TRUE = ("1", "true", "yes", "on")  # a switch's variable is on with one of these
+# The default budget of tokens per image on a CPU; on a GPU the processor's own limit. A phone photo at a
+# processor's own limit is minutes of prefill on a CPU (docs/realscale.md has the measured figures).
+CPU_IMAGE_TOKENS = 384
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """What to load and how; the field order is the flags' order in --help."""
+
+    preset: str | None = setting(None, f"a named target and drafters: {', '.join(PRESETS)} (default: demo, the "
+                                 "bundled model)", choices=tuple(sorted(PRESETS)), env="VLM_PRESET")
+    model: str | None = setting(None, "hub id or local folder of the target VLM (default: the preset's)",
+                                env="VLM_MODEL")
+    drafter: list[str] | None = setting(None, "a drafter: hub id or folder (text LM, VLM of the target's family, "
+                                        "DFlash or Gemma 4 assistant), 'ngram', 'mtp' (the target's own MTP layers), "
+                                        "'auto' (load the others, or the preset's, and pick one per request by "
+                                        "measured speed) or 'none'; repeat, or separate with commas (default: the "
+                                        "preset's; ngram with --model)", env="VLM_DRAFTER")
+    dtype: str = setting("fit", 'the target\'s dtype; "fit" (default): float32 (plain and speculative greedy answers '
+                         'identical) when its float32 weights take at most 40% of the memory, else bfloat16',
+                         choices=DTYPES, env="VLM_DTYPE")
+    drafter_dtype: str = setting(LoadOptions.drafter_dtype, '"auto" (default): float32 on a CPU for drafters under '
+                                 '10M parameters, else --dtype', choices=DRAFTER_DTYPES, env="VLM_DRAFTER_DTYPE")
+    device: str = setting(LoadOptions.device, 'where the models run; "auto" (default): cuda when there is one, '
+                          'else cpu', choices=DEVICES, env="VLM_DEVICE")
+    quantization: str | None = setting(None, "load the target in 4 or 8 bits (bitsandbytes)", choices=QUANTIZATIONS,
+                                       env="VLM_QUANTIZATION")
+    max_image_tokens: int | None = setting(None, "the default of the setting max_image_tokens: at most about this "
+                                           "many tokens per image (0: the model's processor's own limit; default: "
+                                           f"{CPU_IMAGE_TOKENS} on a CPU, the processor's own on a GPU)", low=0,
+                                           env="VLM_MAX_IMAGE_TOKENS")
+    trust_remote_code: bool = setting(False, "run a checkpoint's own Python code (off: such a model is refused, "
+                                      "naming this flag)", env="VLM_TRUST_REMOTE_CODE")
+
+
+def specs() -> list[tuple[str, type, Spec]]:
+    """(name, type, metadata) of every load setting, in order (an optional's type is its non-None one)."""
+    hints = get_type_hints(LoadSettings)
+    kinds = {f.name: next(a for a in get_args(hints[f.name]) or (hints[f.name],) if a is not type(None))
+             for f in fields(LoadSettings)}
+    return [(f.name, get_origin(kinds[f.name]) or kinds[f.name], f.metadata["spec"]) for f in fields(LoadSettings)]
+
+
+def add_model_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """A flag per load setting; its default from its variable in `environ` when set (the app passes
+    os.environ; the other commands none), else the schema's. A variable that is not a whole number
+    where one is wanted, or under the least value, raises LoadError naming it."""
+    for name, wanted, meta in specs():
+        text = (environ or {}).get(meta.env) or None
+        value = LoadSettings.__dataclass_fields__[name].default if text is None else _read(meta.env, text, wanted, meta)
+        help = meta.help.replace("%", "%%")
+        if wanted is bool:
+            parser.add_argument(flag(name), action="store_true", default=value, help=help)
+        elif wanted is list:
+            parser.add_argument(flag(name), action=_Repeat, default=value, help=help)
+        else:
+            parser.add_argument(flag(name), type=wanted, default=value, choices=meta.choices or None,
+                                metavar="N" if wanted is int else None, help=help)
+
+
+def _read(variable: str, text: str, wanted: type, meta: Spec):
+    """The variable's text as the setting's type: a switch is on with one of TRUE; a list is one item
+    (commas separate several, as in a flag's value)."""
+    if wanted is bool:
+        return text.lower() in TRUE
+    if wanted is list:
+        return [text]
+    if wanted is int:
+        try:
+            number = int(text)
+        except ValueError:
+            raise LoadError(f"{variable}: {text!r} is not a whole number") from None
+        if meta.low is not None and number < meta.low:
+            raise LoadError(f"{variable}: {number} is under {meta.low:g}")
+        return number
+    return text
+
+
+def check_variables(args: argparse.Namespace) -> None:
+    """A value that came from a variable must be one of its flag's choices (argparse checks a flag's
+    value, not a default's): LoadError naming the variable."""
+    for name, _, meta in specs():
+        value = getattr(args, name)
+        if meta.choices and value is not None and value not in meta.choices:
+            raise LoadError(f"{meta.env}: {value!r} is not one of {', '.join(meta.choices)}")
+
+
+def variables() -> list[tuple[str, str]]:
+    """(the variable, as it is set; its flag) of every load setting: ("VLM_SHARE=1", "--share")."""
+    return [(meta.env + ("=1" if wanted is bool else ""), flag(name)) for name, wanted, meta in specs()]
+
+
+class _Repeat(argparse.Action):
+    """A repeatable flag whose values replace its default (its variable's) instead of adding to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, ([] if given is None or given is self.default else given) + [values])
