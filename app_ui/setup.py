@@ -10,7 +10,8 @@ a flag wins over its variable:
     --dtype    VLM_DTYPE     fit (default: float32, exact A/B, when it takes at most 40% of the
                              memory, else bfloat16), float32, bfloat16, float16, auto
     --device   VLM_DEVICE    auto (default), cpu, cuda
-    --quantization  VLM_QUANTIZATION  4bit or 8bit (bitsandbytes; default none)
+    --quantization  VLM_QUANTIZATION  4bit or 8bit (bitsandbytes), int8 (the fast decode path's;
+                             default none)
     --drafter-dtype  VLM_DRAFTER_DTYPE  auto (default: float32 on a CPU for drafters under 10M
                              parameters, else --dtype), float32, bfloat16, float16
     --host     VLM_HOST      default 127.0.0.1 (0.0.0.0 on a Space)

@@ -70,7 +70,8 @@ def add_model_flags(parser: argparse.ArgumentParser, env: Callable[[str], str | 
     parser.add_argument("--device", default=flag_default("DEVICE", LoadOptions.device), choices=DEVICES,
                         help='where the models run; "auto" (default): cuda when there is one, else cpu')
     parser.add_argument("--quantization", default=flag_default("QUANTIZATION"), choices=QUANTIZATIONS,
-                        help="load the target in 4 or 8 bits (bitsandbytes)")
+                        help="4bit / 8bit: load the target in 4 or 8 bits (bitsandbytes); int8: the fast "
+                             "decode path reads int8 copies of the target's text weights (docs/performance.md)")
     parser.add_argument(flag("max_image_tokens"), type=int, default=_int_or_none(flag_default("MAX_IMAGE_TOKENS")),
                         metavar="N", help=f"the default of the setting max_image_tokens: at most about this many "
                                           f"tokens per image (0: the model's processor's own limit; default: "
