@@ -2,7 +2,7 @@
 
     python -m measure.profile_decode [--dtype bfloat16] [--drafter-dtype auto] [--steps 200] [--wrapped]
     python -m measure.profile_decode --compare [--shape smolvlm-256m [--layers N]] [--dtype bfloat16]
-                                     [--verify 1] [--rounds 5] [--steps 50] [--int8]
+                                     [--verify 1] [--rounds 5] [--steps 50] [--int8 | --compile MODE]
     python -m measure.profile_decode --layouts [--kinds bf16-in,int8] [--threads 1,2]
 
 Default: loads the bundled demo pair as the benchmark does, prefills one benchmark request,
@@ -20,13 +20,15 @@ bytes of weights a pass reads, the bandwidth that implies, a matrix-vector produ
 measured here, and the bound (bytes / that bandwidth). `--shape` builds a measure/shapes.py
 architecture with random weights in memory (`--layers N` keeps N decoder layers: a layer-scaled
 view of a model too large to hold; the per-layer figures scale). `--int8`: the fast path against
-the fast path with int8 weights (`--quantization int8`) instead of today's path.
+the fast path with int8 weights (`--quantization int8`) instead of today's path; `--compile MODE`
+against the fast path's forward through torch.compile (default, max-autotune-no-cudagraphs,
+inductor freezing, cpp wrapper), with the compile cost of its first passes and the graphs made.
 
-`--layouts [--kinds f32,f32-in,bf16,bf16-in,int8,torchao] [--threads 1,2]`: one product y = x W^T at
-SmolVLM-256M's and Qwen2.5-VL-3B's shapes, x of 1 and 5 rows, with W stored float32 or bfloat16,
-(out, in) (nn.Linear's layout) or (in, out) ("-in"), or int8 with per-channel scales (the fast
-path's `--quantization int8`), or torchao's int8 weight-only tensor: the best of 3 x 30 runs each,
-kinds and thread counts interleaved. This is what chose engine/fast_decode.py's layouts.
+`--layouts [--kinds f32,f32-in,bf16,bf16-in,int8,torchao,bnb8] [--threads 1,2]`: one product
+y = x W^T at SmolVLM-256M's and Qwen2.5-VL-3B's shapes, x of 1 and 5 rows, with W stored float32
+or bfloat16, (out, in) (nn.Linear's layout) or (in, out) ("-in"), or int8 with per-channel scales
+(the fast path's `--quantization int8`), torchao's int8 weight-only tensor or bitsandbytes' 8-bit
+Linear: the best of 3 x 30 runs each, kinds and thread counts interleaved. This is what chose engine/fast_decode.py's layouts.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from engine.runner import Runner
 from models.loading import dtype_name
 from measure.bench import demo_requests, messages_of
 
-MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::mv")
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::mv",
+           "aten::_weight_int8pack_mm")
 
 
 def profile_steps(runner, state, token: int, steps: int, num_tokens: int = 1) -> tuple[float, list]:
@@ -124,7 +127,8 @@ LAYOUT_SHAPES = {"qkv 576->960": (960, 576), "gate/up 576->3072": (3072, 576), "
 def layout_products(weight: torch.Tensor, kinds: list[str]) -> dict:
     """{kind: (x (rows, in) -> y (rows, out))} for one float32 weight (out, in) stored each way:
     f32 / bf16 (out, in) or (in, out), int8 per-channel (engine/fast_decode.Int8Weight), or
-    torchao's int8 weight-only tensor (`torchao` kind; only where torchao is installed). Every
+    torchao's int8 weight-only tensor (`torchao` kind; only where torchao is installed), or
+    bitsandbytes' 8-bit Linear (`bnb8`). Every
     kind but f32 / f32-in takes a bfloat16 x."""
     bf16 = weight.bfloat16()
     stored = {"f32": weight, "f32-in": weight.t().contiguous().t(), "bf16": bf16, "bf16-in": bf16.t().contiguous().t()}
@@ -138,6 +142,12 @@ def layout_products(weight: torch.Tensor, kinds: list[str]) -> dict:
         linear.weight.data = bf16.clone()
         quantize_(linear, Int8WeightOnlyConfig())
         products["torchao"] = linear
+    if "bnb8" in kinds:  # bitsandbytes' 8-bit Linear (`--quantization 8bit`), quantized on the move to a device
+        import bitsandbytes as bnb
+
+        linear = bnb.nn.Linear8bitLt(weight.shape[1], weight.shape[0], bias=False, has_fp16_weights=False)
+        linear.weight = bnb.nn.Int8Params(bf16.clone(), requires_grad=False, has_fp16_weights=False)
+        products["bnb8"] = linear.to("cpu")
     return products
 
 
@@ -191,11 +201,25 @@ def shape_target(name: str, layers: int | None, dtype: str):
     return model, family_for_config(config)
 
 
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "freezing", "cpp-wrapper")
+
+
+def compiled(decoder: fast_decode.FastDecoder, mode: str) -> None:
+    """decoder.forward through torch.compile (dynamic shapes: the cache length and the number of
+    tokens vary); `freezing` / `cpp-wrapper`: the default mode with that inductor option."""
+    import torch._inductor.config as inductor
+
+    inductor.freezing, inductor.cpp_wrapper = mode == "freezing", mode == "cpp-wrapper"
+    decoder.forward = torch.compile(decoder.forward, dynamic=True,
+                                    mode="max-autotune-no-cudagraphs" if mode.startswith("max") else None)
+
+
 def compare(model, family, rounds: int, steps: int, num_tokens: int, input_major: bool | None = None,
-            prompt_len: int = 64, int8: bool = False) -> None:
+            prompt_len: int = 64, int8: bool = False, compile_mode: str | None = None) -> None:
     """Today's Runner against the fast one (on a copy of the model: the fast path lays its weights
-    out anew), interleaved round by round, then profiled. int8: the fast Runner against the fast
-    one with int8 weights (`--quantization int8`) instead."""
+    out anew), interleaved round by round, then profiled. int8 / compile_mode: the fast Runner
+    against the fast one with int8 weights (`--quantization int8`) / its forward compiled instead;
+    a compiled forward's first passes (compile cost) and recompiles are printed."""
     dtype = next(model.parameters()).dtype
     input_ids = torch.randint(16, model.config.get_text_config().vocab_size, (1, prompt_len))
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
@@ -211,10 +235,15 @@ def compare(model, family, rounds: int, steps: int, num_tokens: int, input_major
     if int8:
         runners = {"fast": fast, "int8": fast_runner()}
         runners["int8"].fast.quantize_int8()
+    elif compile_mode:
+        runners = {"fast": fast, "compiled": fast_runner()}
+        compiled(runners["compiled"].fast, compile_mode)
     else:
         runners = {"today": Runner(model, family, fast=False), "fast": fast}
     old_name, new_name = runners
     states = {name: runner.prefill(inputs)[1] for name, runner in runners.items()}
+    if compile_mode:
+        first_passes(runners["compiled"], states["compiled"], num_tokens)
     times = {name: [] for name in runners}
     for _ in range(rounds):
         for name, runner in runners.items():
@@ -236,6 +265,21 @@ def compare(model, family, rounds: int, steps: int, num_tokens: int, input_major
           f"(rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
 
 
+def first_passes(runner, state, num_tokens: int) -> None:
+    """Print the seconds of a compiled forward's first passes (1 token, then `num_tokens`, then
+    each again at a longer cache: compile and recompile cost) and the graphs compiled."""
+    from torch._dynamo.utils import counters
+
+    for tokens in (1, num_tokens, 1, num_tokens, 1):
+        started = time.perf_counter()
+        runner.extend(state, [7] * tokens)
+        print(f"compiled forward, first passes: {tokens} token(s) at cache length "
+              f"{state.cache_len - tokens}: {time.perf_counter() - started:.2f} s")
+    runner.rollback(state, 3 + 2 * num_tokens)
+    print(f"graphs compiled: {counters['stats']['unique_graphs']}; "
+          f"graph breaks: {sum(counters['graph_break'].values())}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m measure.profile_decode", description=__doc__.split("\n\n")[0])
     add_model_flags(parser)
@@ -250,9 +294,11 @@ def main(argv=None) -> int:
                         help="with --compare: the fast path's weight layout (auto: (in, out) for 16-bit weights)")
     parser.add_argument("--int8", action="store_true", help="with --compare: the fast path against itself "
                         "with int8 weights (--quantization int8)")
+    parser.add_argument("--compile", choices=COMPILE_MODES, help="with --compare: the fast path against itself "
+                        "through torch.compile in this mode")
     parser.add_argument("--layouts", action="store_true", help="one product in each weight layout")
     parser.add_argument("--kinds", default="f32,f32-in,bf16,bf16-in", help="with --layouts: weight kinds, of "
-                        "f32, f32-in, bf16, bf16-in (in: input-major), int8, torchao")
+                        "f32, f32-in, bf16, bf16-in (in: input-major), int8, torchao, bnb8")
     parser.add_argument("--threads", default="1", help="with --layouts: thread counts, e.g. 1,2")
     args = parser.parse_args(argv)
     if args.layouts:
@@ -267,7 +313,8 @@ def main(argv=None) -> int:
             model, family = target.model, target.family
         with torch.inference_mode():
             compare(model, family, args.rounds, args.steps, args.verify,
-                    {"auto": None, "on": True, "off": False}[args.input_major], int8=args.int8)
+                    {"auto": None, "on": True, "off": False}[args.input_major], int8=args.int8,
+                    compile_mode=args.compile)
         return 0
     spec = spec_from_args(args)
     engine = build_engine(replace(spec, drafters=tuple(d for d in spec.drafters if d != "ngram")))
