@@ -13,7 +13,9 @@ fewer operations, over a StaticKVCache (engine/static_cache.py):
   rotate_half(x) * sin written as flip(halves of x) * signed_sin (the same products, exactly);
 - RMSNorm is torch's fused `rms_norm` (bitwise equal to transformers' float32 arithmetic; for
   16-bit weights the scale is applied after the cast back, as transformers does);
-- a pass writes its K/V into the cache's slots; attention reads slots 0 .. length - 1.
+- a pass writes its K/V into the cache's slots; attention reads slots 0 .. length - 1;
+- with `--quantization int8` (`quantize_int8`), the products and the output layer read int8
+  weights with per-row scales (`Int8Weight`, torch's `_weight_int8pack_mm`): half the bytes.
 
 Covered: text stacks of full-attention layers with default RoPE, SiLU MLP and plain float
 Linear weights: Qwen2-VL / Qwen2.5-VL (text tokens move all three M-RoPE rows together, which
