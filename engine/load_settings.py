@@ -48,7 +48,9 @@ class LoadSettings:
                                  '10M parameters, else --dtype', choices=DRAFTER_DTYPES, env="VLM_DRAFTER_DTYPE")
     device: str = setting(LoadOptions.device, 'where the models run; "auto" (default): cuda when there is one, '
                           'else cpu', choices=DEVICES, env="VLM_DEVICE")
-    quantization: str | None = setting(None, "load the target in 4 or 8 bits (bitsandbytes)", choices=QUANTIZATIONS,
+    quantization: str | None = setting(None, "4bit / 8bit: load the target in 4 or 8 bits (bitsandbytes); int8: "
+                                       "the fast decode path reads int8 copies of the target's text weights "
+                                       "(docs/performance.md)", choices=QUANTIZATIONS,
                                        env="VLM_QUANTIZATION")
     max_image_tokens: int | None = setting(None, "the default of the setting max_image_tokens: at most about this "
                                            "many tokens per image (0: the model's processor's own limit; default: "

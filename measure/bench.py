@@ -4,7 +4,7 @@ transformers' own `generate()`.
 
     python -m measure.bench [--preset demo | --model ID --drafter ID ...] [--dtype bfloat16]
                             [--drafter-dtype auto] [--draft-tokens K] [--fixed-k K] [--quick]
-                            [--tree [--draft-tree N]] [--llamacpp [f32|bf16|q8_0]] [--load N] [--json FILE] [--plot FILE]
+                            [--tree [--draft-tree N]] [--llamacpp [f32|bf16|q8_0]] [--int8-row] [--load N] [--json FILE] [--plot FILE]
 
 Rows (all on the same requests, greedy, streamed): this engine plain; this engine with each
 drafter; transformers `generate()` plain; `generate(assistant_model=...)` with each drafter
@@ -24,6 +24,9 @@ plain, its token ids compared with this engine's plain row and its bound (weight
 measured bandwidth) printed; with a text drafter, llama.cpp plain and with that draft model on the
 requests' text (llama.cpp refuses to draft on images). `--llamacpp q8_0` runs llama.cpp on Q8_0 weights
 (its ids then need not equal this engine's).
+
+`--int8-row` adds this engine's plain row on int8 weights (`--quantization int8`: the fast decode
+path's int8 copy of the target's text weights), beside `--llamacpp q8_0`.
 
 `--load N` keeps the machine busy while the rows run: N background processes each spin a core
 (as other tenants of a shared machine or a free CPU Space do), stopped when the rows are done;
@@ -70,6 +73,16 @@ class Row:
     @property
     def title(self) -> str:
         return f"{self.engine} {self.mode}" + (f" ({self.label})" if self.label else "")
+
+
+@dataclass
+class Int8Row(Row):
+    """This engine plain on a second copy of the target loaded with `--quantization int8`."""
+
+    int8_engine: object = None
+
+    def measure(self, engine, drafter, messages, decode: DecodeSettings, request_id: int) -> Measurement:
+        return run_this(self.int8_engine, None, messages, decode, request_id)
 
 
 def short(name: str) -> str:
@@ -283,6 +296,8 @@ def main(argv=None) -> int:
                         help="also llama.cpp rows on the same weights converted to GGUF: the target's dtype "
                              "(default), or f32, bf16, q8_0")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' rows")
+    parser.add_argument("--int8-row", action="store_true",
+                        help="also this engine plain with --quantization int8 (a second copy of the target)")
     parser.add_argument("--load", type=int, default=0, metavar="N",
                         help="N background processes spinning a core while the rows run (a busy machine)")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
@@ -316,6 +331,9 @@ def main(argv=None) -> int:
         rows += [Row("transformers", "speculative", key, labels[key]) for key, drafter in engine.drafters.items()
                  if drafter.kind in ("text_lm", "vlm")]
         rows += [Row("transformers", "speculative", "prompt_lookup", "prompt_lookup")]
+    if args.int8_row:
+        int8_spec = replace(spec, drafters=(), options=replace(spec.options, quantization="int8"))
+        rows += [Int8Row("this", "plain", None, "int8", int8_engine=build_engine(int8_spec))]
     gguf_type = _gguf_type(engine) if args.llamacpp == "same" else args.llamacpp
     llamacpp = llamacpp_rows.bench_rows(engine, spec.target, gguf_type) if args.llamacpp else []
     rows += llamacpp
@@ -353,7 +371,7 @@ def run_rows(engine, rows: list[Row], requests: list[dict], decode: DecodeSettin
     for index, request in enumerate([requests[0]] + requests):
         order = rows[index % len(rows):] + rows[:index % len(rows)]
         for row in order:
-            runner = {"this": run_this, "transformers": run_transformers}.get(row.engine) or row.measure
+            runner = getattr(row, "measure", None) or {"this": run_this, "transformers": run_transformers}[row.engine]
             row_decode = replace(decode, draft_tree=row.draft_tree)
             if row.draft_tokens:
                 row_decode = replace(row_decode, draft_tokens=row.draft_tokens)

@@ -24,7 +24,7 @@ class LoadError(ValueError):
 DTYPES = ("fit", "float32", "bfloat16", "float16", "auto")
 DRAFTER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("4bit", "8bit")
+QUANTIZATIONS = ("4bit", "8bit", "int8")  # int8: the fast decode path's (engine/target.py)
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class LoadOptions:
 
     dtype: str = "float32"  # float32 (plain and speculative greedy answers identical) | bfloat16 | float16 | auto
     device: str = "auto"  # cpu | cuda | auto
-    quantization: str | None = None  # None | "4bit" | "8bit" (bitsandbytes)
+    quantization: str | None = None  # None | "4bit" | "8bit" (bitsandbytes) | "int8" (the fast path's, target only)
     trust_remote_code: bool = False
     # Dtype of a drafter that is its own language model (text LM or VLM). "auto": float32 on a
     # CPU for drafters under SMALL_DRAFTER_PARAMETERS (a CPU's bfloat16 matmul has a fixed cost
@@ -79,7 +79,8 @@ def model_kwargs(options: LoadOptions, dtype: str | None = None) -> dict:
     kwargs = {"dtype": dtypes[dtype], "use_safetensors": True, "trust_remote_code": options.trust_remote_code}
     if options.quantization:
         if options.quantization not in QUANTIZATIONS:
-            raise LoadError(f"unknown quantization {options.quantization!r}; use 4bit or 8bit")
+            raise LoadError(f"unknown quantization {options.quantization!r}; use {', '.join(QUANTIZATIONS)}")
+    if options.quantization in ("4bit", "8bit"):
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -196,7 +197,8 @@ def dtype_name(model) -> str:
 def small_drafter_dtype(model, options: LoadOptions):
     """`drafter_dtype` "auto": a small drafter on a CPU runs in float32 (see LoadOptions)."""
     small = sum(p.numel() for p in model.parameters()) < SMALL_DRAFTER_PARAMETERS
-    if options.drafter_dtype == "auto" and model.device.type == "cpu" and small and not options.quantization:
+    if options.drafter_dtype == "auto" and model.device.type == "cpu" and small and \
+            options.quantization in (None, "int8"):  # bitsandbytes weights cannot be cast
         return model.float()
     return model
 

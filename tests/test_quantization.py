@@ -2,16 +2,24 @@
 quantized through the same builder as every command and answers, plainly and speculatively.
 As in bfloat16, a quantized verify pass over several tokens can round differently from a
 one-token pass (measured here: the answers part after a few tokens), so only the prefill's
-first token is the same in both."""
+first token is the same in both.
+
+`--quantization int8` (the fast decode path's int8 weights): the logits of decode and verify
+passes stay close to the unquantized ones (tolerance below); the option is refused, in one
+line, where the fast path does not cover the model."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from app_ui.setup import read_config
 from engine.build import EngineSpec, build_engine
+from engine.engine import Engine
+from engine.fast_decode import Int8Weight
 from engine.loop import DecodeSettings
-from models.loading import LoadOptions
+from engine.target import load_target
+from models.loading import LoadError, LoadOptions
 from models import tiny
 
 
@@ -37,3 +45,46 @@ def test_the_app_reads_quantization_from_its_flag_or_variable():
     assert read_config(["--quantization", "8bit"], {}).spec.options.quantization == "8bit"
     assert read_config([], {"VLM_QUANTIZATION": "4bit"}).spec.options.quantization == "4bit"
     assert read_config([], {}).spec.options.quantization is None
+
+
+# int8 against the same weights unquantized. Per-row int8 moves a tiny model's weights by 0.6 %
+# (relative norm); through its random layers (weights of std 0.2) that is 2-8 % of its logits
+# (measured: worst entry 0.21-0.44 of logits up to 5.6-6.6; greedy tokens equal in 17-20 of 20
+# steps). A real model's logits move far less; these bounds catch a wrong scale or layout, which
+# moves them by about 100 %.
+RELATIVE_RMS, WORST_OF_LARGEST = 0.05, 0.12
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("family, dtype", [("qwen2_vl", "bfloat16"), ("smolvlm", "float32")])
+def test_int8_weights_give_logits_close_to_the_unquantized_ones(zoo, family, dtype):
+    plain, int8 = (load_target(str(zoo.dir(family)), LoadOptions(dtype=dtype, device="cpu", quantization=q))
+                   for q in (None, "int8"))
+    assert isinstance(int8.runner.fast.layers[0].qkv_weight, Int8Weight)
+    assert isinstance(int8.runner.fast.head_weight, Int8Weight)
+    content = [{"type": "image", "image": tiny.tiny_images(1, seed=3)[0]}, {"type": "text", "text": "Say more."}]
+    inputs = Engine(plain).prepare([{"role": "user", "content": content}]).target_inputs
+    (logits, plain_state), (_, int8_state) = plain.runner.prefill(inputs), int8.runner.prefill(inputs)
+    token, passes, agree = int(logits.argmax()), [], 0
+    for _ in range(12):  # decode passes on the unquantized model's greedy tokens
+        passes.append((plain.runner.extend(plain_state, [token]), int8.runner.extend(int8_state, [token])))
+        agree += int(passes[-1][0].argmax() == passes[-1][1].argmax())
+        token = int(passes[-1][0].argmax())
+    passes.append(tuple(runner.extend(state, [token, 5, 6, 7])  # a verify pass of 4 tokens
+                        for runner, state in ((plain.runner, plain_state), (int8.runner, int8_state))))
+    expected, got = torch.cat([p[0] for p in passes]), torch.cat([p[1] for p in passes])
+    print(f"int8 {family} {dtype}: greedy tokens equal in {agree} of 12 decode passes")
+    assert (got - expected).norm() <= RELATIVE_RMS * expected.norm()
+    assert (got - expected).abs().max() <= WORST_OF_LARGEST * expected.abs().max()
+
+
+def test_int8_is_refused_in_one_line_where_the_fast_path_does_not_reach(zoo):
+    with pytest.raises(LoadError, match="--quantization int8 needs the fast decode path") as error:
+        load_target(str(zoo.dir("qwen3_vl")), LoadOptions(dtype="float32", device="cpu", quantization="int8"))
+    assert "\n" not in str(error.value) and "text model type" in str(error.value)
+
+
+def test_bfloat16_int8_weights_of_a_width_the_kernel_misreads_are_refused():
+    with pytest.raises(ValueError, match="multiple of 16"):  # torch's kernel would crash or misread
+        Int8Weight.quantize(torch.randn(8, 19, dtype=torch.bfloat16))
+    assert Int8Weight.quantize(torch.randn(8, 19)).values.shape == (8, 19)  # float32 reads any width
