@@ -126,16 +126,10 @@ class ABResult:
                 "verdict": verdict}
 
 
-def run_ab(
-    backend: Backend,
-    messages: list[dict],
-    drafter: str | None = None,
-    sampling: SamplingSettings = SamplingSettings(),
-    decode: DecodeSettings = DecodeSettings(),
-    stop: threading.Event | None = None,
-    max_image_tokens: int | None = None,
-    against: Backend | None = None,
-) -> Iterator[ABProgress | ABResult]:
+def run_ab(backend: Backend, messages: list[dict], drafter: str | None = None,
+           sampling: SamplingSettings = SamplingSettings(), decode: DecodeSettings = DecodeSettings(),
+           stop: threading.Event | None = None, max_image_tokens: int | None = None,
+           against: Backend | None = None) -> Iterator[ABProgress | ABResult]:
     """Answer the conversation's last user turn plainly, then with `drafter` (default: the
     backend's default drafter), each image at most `max_image_tokens` tokens (engine.prepare);
     an ABProgress after every chunk, then one ABResult.

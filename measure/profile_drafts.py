@@ -79,11 +79,17 @@ def main(argv=None) -> int:
             for _ in range(args.rounds):
                 for name, session in sessions.items():
                     times[name].append(timed_rounds(session, generated[name], args.steps, args.k, sampler))
-        ratios = [old / new for old, new in zip(times["module"], times["fast"])]
-        print(f"{folder}: module {statistics.median(times['module']):.3f} (best {min(times['module']):.3f}) ms/round, "
-              f"fast {statistics.median(times['fast']):.3f} (best {min(times['fast']):.3f}) ms/round; module / fast: median "
-              f"{statistics.median(ratios):.2f} (rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
+        print(f"{folder}: {summary(times)}")
     return 0
+
+
+def summary(times: dict[str, list[float]]) -> str:
+    """ms per round of each path (median, best) and module / fast per interleaved round."""
+    ratios = [old / new for old, new in zip(times["module"], times["fast"])]
+    paths = ", ".join(f"{name} {statistics.median(times[name]):.3f} (best {min(times[name]):.3f}) ms/round"
+                      for name in ("module", "fast"))
+    return (f"{paths}; module / fast: median {statistics.median(ratios):.2f} "
+            f"(rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
 
 
 if __name__ == "__main__":

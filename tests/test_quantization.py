@@ -60,7 +60,7 @@ RELATIVE_RMS, WORST_OF_LARGEST = 0.05, 0.12
 def test_int8_weights_give_logits_close_to_the_unquantized_ones(zoo, family, dtype):
     plain, int8 = (load_target(str(zoo.dir(family)), LoadOptions(dtype=dtype, device="cpu", quantization=q))
                    for q in (None, "int8"))
-    assert isinstance(int8.runner.fast.layers[0].qkv_weight, Int8Weight)
+    assert isinstance(int8.runner.fast.stack.layers[0].qkv_weight, Int8Weight)
     assert isinstance(int8.runner.fast.head_weight, Int8Weight)
     content = [{"type": "image", "image": tiny.tiny_images(1, seed=3)[0]}, {"type": "text", "text": "Say more."}]
     inputs = Engine(plain).prepare([{"role": "user", "content": content}]).target_inputs
