@@ -53,10 +53,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.loop import DecodeSettings
+from engine.threads import release_thread_pool
 from measure import llamacpp_rows
 from measure.bench_rows import Measurement, cost_model, run_this, run_transformers
 from models.loading import dtype_name
-from engine.loop import DecodeSettings
 
 
 @dataclass
@@ -334,13 +335,22 @@ def main(argv=None) -> int:
     if args.int8_row:
         int8_spec = replace(spec, drafters=(), options=replace(spec.options, quantization="int8"))
         rows += [Int8Row("this", "plain", None, "int8", int8_engine=build_engine(int8_spec))]
-    gguf_type = _gguf_type(engine) if args.llamacpp == "same" else args.llamacpp
-    llamacpp = llamacpp_rows.bench_rows(engine, spec.target, gguf_type) if args.llamacpp else []
-    rows += llamacpp
     with busy(args.load) as load:
         run_rows(engine, rows, requests, decode)
-    costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens or 4, draft_tree=draft_tree,
-                       branching=args.tree_branching)
+        costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens or 4, draft_tree=draft_tree,
+                           branching=args.tree_branching)
+        # llama.cpp's threads share torch's OpenMP runtime: while its server lives in this process,
+        # every parallel region of both engines wakes a sleeping thread (engine/threads.py; measured:
+        # this engine's plain decoding 2.5x slower with the server merely started). So it starts
+        # after this engine's rows, and its rows run apart, one server at a time (llamacpp_rows.Phase).
+        llamacpp = []
+        for phase in llamacpp_rows.bench_phases(engine, spec.target, _gguf_type(engine) if args.llamacpp == "same"
+                                                else args.llamacpp) if args.llamacpp else []:
+            release_thread_pool()
+            run_rows(engine, phase.start(), requests, decode)
+            phase.close()
+            llamacpp += phase.rows
+        rows += llamacpp
     dtype = dtype_name(engine.target.model)  # --dtype fit resolved
     info = machine_info(dtype, engine) | {"load": load}
     table = [summarize(row, rows[0], costs) for row in rows]

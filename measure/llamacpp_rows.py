@@ -20,6 +20,7 @@ import torch
 
 from engine.loop import DecodeSettings, Done
 from engine.settings import RequestError
+from engine.threads import release_thread_pool
 
 
 class Row:
@@ -28,6 +29,7 @@ class Row:
 
     def __init__(self, backend, drafter: str | None, label: str | None, text_turns: bool = False):
         self.backend, self.drafter, self.label, self.text_turns = backend, drafter, label, text_turns
+        self.model_path = backend.paths["model"]  # kept after the backend is closed (Phase.close)
         self.engine, self.mode = "llama.cpp", "speculative" if drafter else "plain"
         self.draft_tree, self.draft_tokens = 0, None
         self.runs = []
@@ -74,7 +76,9 @@ def start(target: str, draft: str | None, outtype: str = "f32"):
 
 
 def answer(backend, messages, drafter: str | None, decode: DecodeSettings) -> Done:
-    """The backend's final event for one request."""
+    """The backend's final event for one request, this thread's idle OpenMP pool given back first
+    (llama.cpp shares torch's OpenMP runtime: engine/threads.py, measure/bench.py)."""
+    release_thread_pool()
     return [e for e in backend.stream(_Request(messages, drafter, decode)) if isinstance(e, Done)][0]
 
 
@@ -97,17 +101,40 @@ def eval_row(engine, backend, questions, plain: list[Done], decode: DecodeSettin
             "differing": [q.prompt for q, s in zip(questions, same) if not s]}
 
 
-def bench_rows(engine, target: str, outtype: str = "f32") -> list[Row]:
-    """llama.cpp plain on the benchmark's requests; with the engine's text drafter (if loaded) as
-    llama.cpp's draft model, plain and speculative rows on the requests' text."""
+class Phase:
+    """llama.cpp rows that run together on one server, which is closed before the next phase
+    starts: two llama.cpp servers alive in one process (or torch's OpenMP pools beside one) slow
+    both down about 6x (engine/threads.py: 1,400 tok/s on the demo alone, 220 with a second
+    server idle beside it), so each figure is taken with only its own server alive."""
+
+    def __init__(self, start_backend, rows: list[tuple[str | None, str | None, bool]]):
+        self.start_backend, self.specs, self.rows = start_backend, rows, []
+
+    def start(self) -> list[Row]:
+        backend = self.start_backend()
+        self.rows = [Row(backend, drafter, label, text_turns) for drafter, label, text_turns in self.specs]
+        return self.rows
+
+    def close(self) -> None:
+        import gc
+
+        for row in self.rows:
+            row.backend = None
+        gc.collect()  # the server's threads end with its last reference
+
+
+def bench_phases(engine, target: str, outtype: str = "f32") -> list[Phase]:
+    """llama.cpp plain on the benchmark's requests and on their text alone (a server without a
+    draft model); then, with the engine's text drafter (if loaded) as llama.cpp's draft model,
+    speculative on their text (llama.cpp drafts on text turns only)."""
     draft = next((d.name for d in engine.drafters.values() if d.kind == "text_lm"), None)
-    backend = start(target, draft, outtype)
-    rows = [Row(backend, None, None if outtype in ("f32", "bf16") else outtype)]
+    suffix = "" if outtype in ("f32", "bf16") else f", {outtype}"
+    phases = [Phase(lambda: start(target, None, outtype),
+                    [(None, None if outtype in ("f32", "bf16") else outtype, False)]
+                    + ([(None, f"text turns{suffix}", True)] if draft else []))]
     if draft:
-        suffix = "" if outtype in ("f32", "bf16") else f", {outtype}"
-        rows += [Row(backend, None, f"text turns{suffix}", True),
-                 Row(backend, "text", f"text_drafter, text turns{suffix}", True)]
-    return rows
+        phases.append(Phase(lambda: start(target, draft, outtype), [("text", f"text_drafter, text turns{suffix}", True)]))
+    return phases
 
 
 def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
@@ -128,7 +155,7 @@ def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
             summary["identical_to_plain"] = sum(m.token_ids == ours.get(m.request) for m in runs)
             summary["differing"] = [m.request for m in runs if m.token_ids != ours.get(m.request)]
             lines.append(f"{row.title}: token ids compared with this engine's plain answers (stop token aside); "
-                         + bound(gguf_weight_bytes(row.backend.paths["model"]), bandwidth))
+                         + bound(gguf_weight_bytes(row.model_path), bandwidth))
             continue
         plain = {m.request: m for m in text_plain.runs if m.error is None}
         summary["identical_to_plain"] = sum(m.text == plain[m.request].text for m in runs if m.request in plain)
@@ -139,7 +166,7 @@ def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
             summary["speedup_vs_plain"] = {"min": min(speedups), "median": statistics.median(speedups),
                                            "max": max(speedups)}
         lines.append(f"{row.title}: text compared with, and speedup against, llama.cpp plain (text turns)"
-                     + ("" if row.drafter else "; " + bound(gguf_weight_bytes(row.backend.paths["model"]), bandwidth)))
+                     + ("" if row.drafter else "; " + bound(gguf_weight_bytes(row.model_path), bandwidth)))
     return lines
 
 
@@ -148,19 +175,30 @@ def realscale_figures(engine, target_dir, drafter_dir, outtype: str, messages, d
     (`outtype`), threads as torch's: plain decoding of the image request with its bound beside the
     built-in engine's, and on the request's text alone plain and with the preset's text drafter as
     llama.cpp's draft model (it refuses to draft on images)."""
-    backend = start(str(target_dir), str(drafter_dir), outtype)
+    import gc
+
+    release_thread_pool()  # this engine's idle OpenMP pool would slow llama.cpp's (measure/bench.py says why)
     text_only = [{"role": m["role"], "content": [p for p in m["content"] if p["type"] == "text"]} for m in messages]
+    backend = start(str(target_dir), None, outtype)  # one server alive at a time (Phase)
+    model_path = backend.paths["model"]
     answer(backend, text_only, None, replace(decode, max_new_tokens=2))  # warm-up: pages the weights in
-    text_plain, text_draft = answer(backend, text_only, None, decode), answer(backend, text_only, "text", decode)
+    text_plain = answer(backend, text_only, None, decode)
     try:
         plain, image_error = answer(backend, messages, None, decode), None
     except RequestError as error:  # llama.cpp's processor refuses some random-weight shapes' images ("Invalid token")
         plain, image_error = None, str(error)
+    del backend
+    gc.collect()
+    drafting = start(str(target_dir), str(drafter_dir), outtype)
+    text_draft = answer(drafting, text_only, "text", decode)
+    threads = drafting.threads
+    del drafting
+    gc.collect()
     bandwidth = measured_bandwidth()
     ours = sum(p.numel() * p.element_size() for name, p in engine.target.model.named_parameters()
                if "visual" not in name and "vision" not in name)
-    theirs = gguf_weight_bytes(backend.paths["model"])
-    return {"outtype": outtype, "bandwidth_gb_s": bandwidth, "threads": backend.threads,
+    theirs = gguf_weight_bytes(model_path)
+    return {"outtype": outtype, "bandwidth_gb_s": bandwidth, "threads": threads,
             "plain_tok_s": plain and plain.stats.decode_tok_s, "image_error": image_error,
             "text_plain_tok_s": text_plain.stats.decode_tok_s, "text_draft_tok_s": text_draft.stats.decode_tok_s,
             "text_drafted": text_draft.stats.drafted, "text_accepted": text_draft.stats.accepted,
