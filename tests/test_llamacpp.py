@@ -188,3 +188,19 @@ def test_bench_rows_for_llama_cpp(tmp_path, capsys):
     assert speculative["identical_to_plain"] == 2 and speculative["acceptance"] is not None
     printed = capsys.readouterr().out
     assert printed.count("bound: ") == 3 and "| llama.cpp plain |" in printed
+
+
+def test_tokens_the_stream_held_back_are_counted_from_the_servers_timings(backend):
+    """llama-server holds back a piece that is not yet whole UTF-8 (random weights write such
+    tokens), so a 24-token answer can stream as one chunk: its count and decode speed come from
+    the server's `timings` (predicted_n, predicted_ms), not from the chunks seen."""
+    piece = {"choices": [{"delta": {"content": "a"}, "logprobs": {"content": [{"id": 7}]}}]}
+    last = {"choices": [{"delta": {}, "finish_reason": "length"}],
+            "timings": {"prompt_n": 5, "prompt_ms": 2.0, "predicted_n": 24, "predicted_ms": 46.0}}
+    plain_server = backend.plain_server
+    backend.plain_server = GarbageServer([piece, last])
+    try:
+        *_, done = backend.stream(Request(user()))
+    finally:
+        backend.plain_server = plain_server
+    assert done.stats.new_tokens == 24 and done.stats.decode_tok_s == pytest.approx(23 / 0.046)

@@ -235,7 +235,7 @@ class _Answer:
         chunks.close()
         if reason is None:
             raise RequestError("llama.cpp ended the answer without a finish reason")
-        self._server_counts(timings)
+        self._server_counts(timings, reason)
         yield Done(text, token_ids if ids_known else [], self._finished(FINISH_REASONS.get(reason, reason), first_at))
 
     def _serve(self, server) -> Iterator[dict]:
@@ -262,13 +262,20 @@ class _Answer:
         finally:
             stopped.set()
 
-    def _server_counts(self, timings: dict | None) -> None:
-        """What llama-server reported in the last chunk's `timings`."""
+    def _server_counts(self, timings: dict | None, reason: str | None = None) -> None:
+        """What llama-server reported in the last chunk's `timings` (`reason`: its finish reason)."""
         if not timings:
             self.stats.unknown += ("prefill_s", "prefill_tokens", "drafted", "accepted", "acceptance")
             return
         self.stats.prefill_s = timings.get("prompt_ms", 0.0) / 1000
         self.stats.prefill_tokens = timings.get("prompt_n", 0) + timings.get("cache_n", 0)
+        predicted = timings.get("predicted_n", 0) - (reason == "stop")  # the stop token is never sent
+        if predicted > self.stats.new_tokens and timings.get("predicted_ms"):
+            # tokens the stream never showed one by one (llama-server holds back a piece that is not
+            # yet whole UTF-8, as random weights write): the server's own count and decode time
+            self.stats.new_tokens, self.stats.decode_tokens = predicted, predicted - 1
+            self.stats.decode_s = timings["predicted_ms"] / 1000
+            self.stats.decode_tok_s = self.stats.decode_tokens / self.stats.decode_s
         if self.stats.mode == "speculative":
             self.stats.drafted, self.stats.accepted = timings.get("draft_n", 0), timings.get("draft_n_accepted", 0)
             self.stats.acceptance = self.stats.accepted / self.stats.drafted if self.stats.drafted else None
