@@ -14,6 +14,7 @@ The main thread's pool is idle by then (it loaded the model), so it gives it bac
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 
@@ -26,23 +27,17 @@ def release_thread_pool() -> bool:
     return runtime is not None and runtime.omp_pause_resource_all(OMP_PAUSE_HARD) == 0
 
 
-_RUNTIME: list = []
-
-
+@functools.cache
 def _openmp():
-    """The OpenMP runtime torch runs on (its bundled libgomp, or the system's), once; None if none."""
-    if not _RUNTIME:
-        import torch
+    """The OpenMP runtime torch runs on (its bundled libgomp, or the system's); None if none."""
+    import torch
 
-        candidates = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*")) + [
-            "libgomp.so.1", "libiomp5.so"]
-        runtime = None
-        for name in candidates:
-            try:
-                runtime = ctypes.CDLL(name)
-                runtime.omp_pause_resource_all.argtypes = [ctypes.c_int]
-                break
-            except (OSError, AttributeError):
-                runtime = None
-        _RUNTIME.append(runtime)
-    return _RUNTIME[0]
+    for name in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*")) + [
+            "libgomp.so.1", "libiomp5.so"]:
+        try:
+            runtime = ctypes.CDLL(name)
+            runtime.omp_pause_resource_all.argtypes = [ctypes.c_int]
+            return runtime
+        except (OSError, AttributeError):
+            continue
+    return None

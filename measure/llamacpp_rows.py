@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 
+from engine.backend import Request
 from engine.loop import DecodeSettings, Done
 from engine.settings import RequestError
 from engine.threads import release_thread_pool
@@ -57,16 +58,6 @@ class Row:
         return measurement
 
 
-class _Request:
-    """engine/backend.py's Request fields, for a backend (that module lives on the worker branch)."""
-
-    def __init__(self, messages, drafter=None, decode: DecodeSettings = DecodeSettings()):
-        from engine.sampling import SamplingSettings
-
-        self.messages, self.drafter, self.decode = messages, drafter, decode
-        self.sampling, self.stop, self.started, self.max_image_tokens = SamplingSettings(), None, None, None
-
-
 def start(target: str, draft: str | None, outtype: str = "f32"):
     """The llama.cpp backend on `target` (and `draft`), converted once, threads as torch's."""
     from engine.backends.llamacpp import LlamaCpp
@@ -79,7 +70,7 @@ def answer(backend, messages, drafter: str | None, decode: DecodeSettings) -> Do
     """The backend's final event for one request, this thread's idle OpenMP pool given back first
     (llama.cpp shares torch's OpenMP runtime: engine/threads.py, measure/bench.py)."""
     release_thread_pool()
-    return [e for e in backend.stream(_Request(messages, drafter, decode)) if isinstance(e, Done)][0]
+    return [e for e in backend.stream(Request(messages, drafter, decode=decode)) if isinstance(e, Done)][0]
 
 
 def without_stop(engine, token_ids: list[int]) -> list[int]:
@@ -133,7 +124,8 @@ def bench_phases(engine, target: str, outtype: str = "f32") -> list[Phase]:
                     [(None, None if outtype in ("f32", "bf16") else outtype, False)]
                     + ([(None, f"text turns{suffix}", True)] if draft else []))]
     if draft:
-        phases.append(Phase(lambda: start(target, draft, outtype), [("text", f"text_drafter, text turns{suffix}", True)]))
+        phases.append(Phase(lambda: start(target, draft, outtype),
+                            [("text", f"text_drafter, text turns{suffix}", True)]))
     return phases
 
 
@@ -160,7 +152,7 @@ def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
         plain = {m.request: m for m in text_plain.runs if m.error is None}
         summary["identical_to_plain"] = sum(m.text == plain[m.request].text for m in runs if m.request in plain)
         summary["differing"] = [m.request for m in runs if m.request in plain and m.text != plain[m.request].text]
-        speedups = [m.decode_tok_s / plain[m.request].decode_tok_s for m in runs  # an answer of one token has no decode speed
+        speedups = [m.decode_tok_s / plain[m.request].decode_tok_s for m in runs  # one-token answers: no speed
                     if m.request in plain and m.decode_tok_s and plain[m.request].decode_tok_s]
         if speedups:
             summary["speedup_vs_plain"] = {"min": min(speedups), "median": statistics.median(speedups),

@@ -6,36 +6,23 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass, field
 
 import pytest
-
 import xllamacpp  # noqa: E402,F401  (in requirements.txt: a missing install fails here, never skips)
 
+from engine.backend import Request as backend_request  # noqa: E402
 from engine.backends.llamacpp import DRAFTER, FALLBACK, LlamaCpp  # noqa: E402
 from engine.backends.messages import openai_content  # noqa: E402
 from engine.engine import RequestError  # noqa: E402
 from engine.loop import Chunk, DecodeSettings, Done  # noqa: E402
-from engine.sampling import SamplingSettings  # noqa: E402
 from models.demo.world import eval_questions  # noqa: E402
-from tests.helpers import DEMO_TARGET as TARGET, DEMO_TEXT_DRAFTER as TEXT_DRAFTER  # noqa: E402
-from tests.helpers import GarbageServer  # noqa: E402
+from tests.helpers import DEMO_TARGET as TARGET, DEMO_TEXT_DRAFTER as TEXT_DRAFTER, GarbageServer  # noqa: E402
 
 DECODE = DecodeSettings(max_new_tokens=40)
 
 
-@dataclass(frozen=True)
-class Request:
-    """engine/backend.py's Request, the fields the backend reads (that module is the worker branch's)."""
-
-    messages: list[dict]
-    drafter: str | None = None
-    sampling: SamplingSettings = SamplingSettings()
-    decode: DecodeSettings = DECODE
-    stop: threading.Event | None = None
-    started: float | None = None
-    max_image_tokens: int | None = None
-    extra: dict = field(default_factory=dict)
+def Request(messages, **fields) -> backend_request:  # noqa: N802 (engine/backend.py's Request at DECODE)
+    return backend_request(messages, **{"decode": DECODE} | fields)
 
 
 @pytest.fixture(scope="module")
