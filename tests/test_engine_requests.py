@@ -11,6 +11,7 @@ from engine.engine import Engine, RequestError
 from engine.loop import Chunk, DecodeSettings, Done
 from engine.sampling import SamplingSettings
 from measure.exactness import conversation
+from tests.helpers import Gate
 
 DECODE = DecodeSettings(max_new_tokens=16, draft_tokens=3, stop_token_ids=frozenset({-1}))
 WAIT_S = 120  # the longest a test waits for another thread's request
@@ -42,10 +43,13 @@ def test_abandoned_and_stopped_streams_leave_the_engine_ready(engine):
     next(stream), next(stream)
     stream.close()  # the consumer walks away mid-answer
     stop = threading.Event()
-    for i, event in enumerate(engine.stream(conversation(2), "vlm", decode=DECODE, stop=stop)):
-        if i == 1:
-            stop.set()
-    assert event.stats.finish_reason == "stopped"
+    with Gate(engine.target.runner, at=2) as gate:  # the worker decodes ahead of this reader: hold it mid-answer
+        stopped = engine.stream(conversation(2), "vlm", decode=DECODE, stop=stop)
+        next(stopped)
+        gate.wait()
+        stop.set()
+    events = list(stopped)
+    assert events[-1].stats.finish_reason == "stopped" and len(events[-1].token_ids) < DECODE.max_new_tokens
     assert final(engine.stream(conversation(1), "text", decode=DECODE)).token_ids == fresh
     assert not engine.lock.locked()
 
