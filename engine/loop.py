@@ -176,36 +176,27 @@ def _finished(generated: list[int], decode: DecodeSettings, stats: Stats, stop, 
 
 class TextStream:
     """Incremental detokenization at a cost per chunk independent of the answer's length (as
-    vLLM's detokenizer): decode a window of the latest tokens that starts a few tokens before
-    the new ones, so that the tokenizer sees their left neighbours, and emit what the new tokens
-    add to the window's text emitted so far (kept, so one decode a chunk; the window restarts
-    every WINDOW_TOKENS, LEFT_TOKENS before the emitted end). An incomplete UTF-8 sequence
-    (shown as U+FFFD) is held back until its bytes arrive. `full()` decodes the whole answer
-    once, at the end."""
-
-    WINDOW_TOKENS = 16
-    LEFT_TOKENS = 4
+    vLLM's detokenizer): decode a window that starts at the previous chunk's tokens, so that
+    the tokenizer sees the new tokens' left neighbours, and emit what the new tokens add to it.
+    An incomplete UTF-8 sequence (shown as U+FFFD) is held back until its bytes arrive.
+    `full()` decodes the whole answer once, at the end."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.token_ids: list[int] = []
         self.window_start = 0  # first token of the decoding window
         self.emitted_end = 0  # tokens whose text has been emitted
-        self.window_text = ""  # tokens window_start .. emitted_end decoded
 
     def push(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
         self.token_ids += token_ids
-        if self.emitted_end - self.window_start > self.WINDOW_TOKENS:
-            self.window_start = self.emitted_end - self.LEFT_TOKENS
-            self.window_text = self._decode(self.token_ids[self.window_start:self.emitted_end])
+        before = self._decode(self.token_ids[self.window_start:self.emitted_end])
         text = self._decode(self.token_ids[self.window_start:])
-        if text.endswith("\ufffd") or len(text) <= len(self.window_text):
+        if text.endswith("\ufffd") or len(text) <= len(before):
             return ""
-        piece = text[len(self.window_text):]
-        self.emitted_end, self.window_text = len(self.token_ids), text
-        return piece
+        self.window_start, self.emitted_end = self.emitted_end, len(self.token_ids)
+        return text[len(before):]
 
     def full(self) -> str:
         return self._decode(self.token_ids)
