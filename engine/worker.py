@@ -12,15 +12,13 @@ between events is not decode time, and a caller that walks away does not hold th
   stream ends with the same stopped Done that `Engine.run` gives a request stopped before it
   started).
 The thread starts with the first request and ends when the queue is empty, so an idle engine
-holds no thread. A reader that keeps up with the decoder takes its events at most every
-HANDOFF_S, so that it is not woken once a token (`Worker.events`).
+holds no thread.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -34,7 +32,6 @@ if TYPE_CHECKING:
     from engine.loop import Chunk, Done
 
 STOP_POLL_S = 0.05  # how often a reader whose request waits in the queue looks at its stop flag
-HANDOFF_S = 0.01  # a reader that has caught up looks for new events at most this often
 _END = object()  # the last item of a request's event queue
 
 
@@ -100,16 +97,8 @@ class Worker:
             return False
 
     def events(self, job: Job) -> Iterator[Chunk | Done]:
-        """The request's events, in order. A reader woken once a token would take the GIL from the
-        worker once a token (docs/performance.md, "Per-token overhead"), so a reader that has
-        caught up sleeps until HANDOFF_S after it last caught up: the events that come meanwhile
-        are then taken without waking it, and none reaches it more than HANDOFF_S late."""
-        caught_up_at = float("-inf")
         try:
             while True:
-                if job.events.empty():
-                    time.sleep(max(0.0, caught_up_at + HANDOFF_S - time.perf_counter()))
-                    caught_up_at = time.perf_counter()
                 try:
                     item = job.events.get(timeout=STOP_POLL_S)
                 except queue.Empty:

@@ -163,22 +163,3 @@ def test_the_callers_openmp_pool_is_given_back_before_the_worker_computes():
 
     torch.randn(1 << 20).add_(1)  # a parallel region on this thread: its pool exists
     assert release_thread_pool()
-
-
-def test_a_reader_that_caught_up_gets_every_event_made_before_the_worker_is_held(engine, monkeypatch):
-    """A reader that has caught up sleeps up to HANDOFF_S before it looks again (engine/worker.py):
-    the events made meanwhile reach it without a later event to wake it. The worker is held in
-    its fourth verify pass, after the first token's event and three rounds' events."""
-    gate = Gate(monkeypatch, engine.target.runner, at_call=4)
-    stream = engine.worker.submit(ask("held"), decode=DECODE)
-    read, events = threading.Event(), []
-
-    def reader():
-        events.extend(next(stream) for _ in range(4))
-        read.set()
-
-    threading.Thread(target=reader, daemon=True).start()
-    assert gate.reached.wait(WAIT_S) and read.wait(WAIT_S)
-    assert [event.stats.new_tokens for event in events] == [1, 2, 3, 4] and not gate.released.is_set()
-    gate.released.set()
-    assert list(stream)[-1].stats.new_tokens == 12
