@@ -10,7 +10,7 @@ thread of its own as the engine's worker runs them:
 - `kept`: the same `Engine.run` on a thread whose events stay there (the caller waits on the
   thread's end): no hand-off per event. stream / kept is the hand-off's cost;
 - `split`: `kept` with a timer around each stage's function (a stage's time excludes the
-  stages called inside it): the forward's operators (FastDecoder.forward), the runner around
+  stages called inside it): the forward (FastDecoder.forward: its Python and operators), the runner around
   it, accepting (the argmax and its host sync), detokenizing, snapshots of the statistics, the
   statistics, the draft length and pass costs, the (empty) drafter calls; the rest of the
   loop is what is left of the time per token. Once more with cProfile (Python calls per token)
@@ -44,7 +44,7 @@ from engine.threads import release_thread_pool
 from measure.bench import demo_requests, messages_of
 
 STAGES = [  # (owner, function, stage)
-    (fast_decode.FastDecoder, "forward", "forward operators"),
+    (fast_decode.FastDecoder, "forward", "forward: its Python and operators"),
     (runner.Runner, "extend", "runner around the forward"),
     (tree, "verify", "runner around the forward"),
     (tree, "keep", "runner around the forward"),
