@@ -184,9 +184,9 @@ def main(argv=None) -> int:
     torch_calls = {stage: (calls - prefill_counted.torch_calls[stage]) / tokens
                    for stage, calls in counted.torch_calls.items()}
     print(f"\nsplit of one decoded token ({split_tokens} tokens timed, {per_token_us:.0f} us/token with timers):")
-    print(f"    {'stage':<30} {'us/token':>9} {'share':>6} {'torch calls/token':>18}")
+    print(f"    {'stage':<34} {'us/token':>9} {'share':>6} {'torch calls/token':>18}")
     for stage, us in sorted(staged.items(), key=lambda item: -item[1]):
-        print(f"    {stage:<30} {us:9.1f} {us / per_token_us:6.1%} {torch_calls.get(stage, 0.0):18.1f}")
+        print(f"    {stage:<34} {us:9.1f} {us / per_token_us:6.1%} {torch_calls.get(stage, 0.0):18.1f}")
     (_, profiler), (_, prefill_profiler) = (answer(engine, requests[0], d, "python") for d in (decode, one))
     functions = pstats.Stats(profiler)
     (_, averages), (_, prefill_averages) = (answer(engine, requests[0], d, "torch") for d in (decode, one))
