@@ -1,0 +1,23 @@
+"""measure/kernels.py: every candidate kernel computes the product it is timed for (bfloat16
+y = x W^T within bf16 rounding of a float64 product, for 1 and 5 rows)."""
+
+from __future__ import annotations
+
+import torch
+
+from measure import kernels
+
+KINDS = ("in", "out", "in-nodnnl", "out-nodnnl", "packed", "packed:5", "ip", "ip-in", "rows", "upcast",
+         "upcast:16")
+
+
+def test_every_kind_computes_the_bfloat16_product(one_thread):
+    torch.manual_seed(0)
+    weight = torch.randn(100, 48).bfloat16()  # upcast:16 (16 KB tiles): blocks of 80 columns, the last of 20
+    for n in (1, 5):
+        x = torch.randn(n, 48).bfloat16()
+        exact = x.double() @ weight.double().t()
+        for kind in KINDS:
+            y = kernels.make(kind, weight)(x)
+            assert y.dtype == torch.bfloat16 and y.shape == (n, 100), kind
+            assert ((y.double() - exact).abs() <= exact.abs() * 2 ** -7 + 1e-3).all(), kind
