@@ -45,8 +45,7 @@ class Row:
         from measure.bench_rows import Measurement
 
         if self.text_turns:
-            messages = [{"role": m["role"], "content": [p for p in m["content"] if p["type"] == "text"]}
-                        for m in messages]
+            messages = text_only(messages)
         try:
             done = answer(self.backend, messages, self.drafter, decode)
         except Exception as error:  # a crash is a result: the row reports it
@@ -56,6 +55,11 @@ class Row:
                                   s.drafted, s.accepted)
         measurement.text = done.text
         return measurement
+
+
+def text_only(messages: list[dict]) -> list[dict]:
+    """The messages with their text parts only (llama.cpp drafts on text turns only)."""
+    return [{"role": m["role"], "content": [p for p in m["content"] if p["type"] == "text"]} for m in messages]
 
 
 def start(target: str, draft: str | None, outtype: str = "f32"):
@@ -138,9 +142,7 @@ def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
     by_title = {r["engine"] + " " + r["mode"] + (f" ({r['drafter']})" if r["drafter"] else ""): r for r in table}
     text_plain = next((row for row in rows if row.text_turns and row.drafter is None), None)
     bandwidth = measured_bandwidth()
-    weights = sum(p.numel() * p.element_size() for name, p in engine.target.model.named_parameters()
-                  if "visual" not in name and "vision" not in name)  # a decode step reads the LM only
-    lines = [f"this plain: {bound(weights, bandwidth)}"]
+    lines = [f"this plain: {bound(weight_bytes(engine.target), bandwidth)}"]
     for row in rows:
         summary, runs = by_title[row.title], [m for m in row.runs if m.error is None]
         if not row.text_turns:
@@ -162,19 +164,20 @@ def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
     return lines
 
 
-def realscale_figures(engine, target_dir, drafter_dir, outtype: str, messages, decode: DecodeSettings) -> dict:
+def realscale_figures(target_dir, drafter_dir, outtype: str, messages, decode: DecodeSettings) -> dict:
     """measure/realscale.py's llama.cpp figures for one preset, on its weights converted to GGUF
-    (`outtype`), threads as torch's: plain decoding of the image request with its bound beside the
-    built-in engine's, and on the request's text alone plain and with the preset's text drafter as
-    llama.cpp's draft model (it refuses to draft on images)."""
+    (`outtype`), threads as torch's: plain decoding of the image request with its bound, and on the
+    request's text alone plain and with the preset's text drafter as llama.cpp's draft model (it
+    refuses to draft on images). One server alive at a time (Phase); the caller frees its own
+    engine first (memory: a 3B model and its GGUF side by side need both)."""
     import gc
 
     release_thread_pool()  # this engine's idle OpenMP pool would slow llama.cpp's (measure/bench.py says why)
-    text_only = [{"role": m["role"], "content": [p for p in m["content"] if p["type"] == "text"]} for m in messages]
-    backend = start(str(target_dir), None, outtype)  # one server alive at a time (Phase)
+    text_turn = text_only(messages)
+    backend = start(str(target_dir), None, outtype)
     model_path = backend.paths["model"]
-    answer(backend, text_only, None, replace(decode, max_new_tokens=2))  # warm-up: pages the weights in
-    text_plain = answer(backend, text_only, None, decode)
+    answer(backend, text_turn, None, replace(decode, max_new_tokens=2))  # warm-up: pages the weights in
+    text_plain = answer(backend, text_turn, None, decode)
     try:
         plain, image_error = answer(backend, messages, None, decode), None
     except RequestError as error:  # llama.cpp's processor refuses some random-weight shapes' images ("Invalid token")
@@ -182,20 +185,35 @@ def realscale_figures(engine, target_dir, drafter_dir, outtype: str, messages, d
     del backend
     gc.collect()
     drafting = start(str(target_dir), str(drafter_dir), outtype)
-    text_draft = answer(drafting, text_only, "text", decode)
+    text_draft = answer(drafting, text_turn, "text", decode)
     threads = drafting.threads
     del drafting
     gc.collect()
     bandwidth = measured_bandwidth()
-    ours = sum(p.numel() * p.element_size() for name, p in engine.target.model.named_parameters()
-               if "visual" not in name and "vision" not in name)
     theirs = gguf_weight_bytes(model_path)
     return {"outtype": outtype, "bandwidth_gb_s": bandwidth, "threads": threads,
             "plain_tok_s": plain and plain.stats.decode_tok_s, "image_error": image_error,
             "text_plain_tok_s": text_plain.stats.decode_tok_s, "text_draft_tok_s": text_draft.stats.decode_tok_s,
             "text_drafted": text_draft.stats.drafted, "text_accepted": text_draft.stats.accepted,
-            "weights_bytes": theirs, "bound_tok_s": bandwidth * 1e9 / theirs,
-            "our_weights_bytes": ours, "our_bound_tok_s": bandwidth * 1e9 / ours}
+            "weights_bytes": theirs, "bound_tok_s": bandwidth * 1e9 / theirs}
+
+
+def weight_bytes(target) -> int:
+    """Bytes of weights a decode step of this engine reads: the language model's parameters (the
+    vision tower runs at prefill only), each product that the fast path reads as int8
+    (`--quantization int8`: engine/fast_decode.py, Int8Weight) counted at its int8 size with its
+    scales. Like gguf_weight_bytes, the whole embedding counts (a step reads one row of it)."""
+    from engine.fast_decode import Int8Weight
+
+    total = sum(p.numel() * p.element_size() for name, p in target.model.named_parameters()
+                if "visual" not in name and "vision" not in name)
+    fast = target.runner.fast
+    if fast is None:
+        return total
+    products = [w for layer in fast.stack.layers for w in vars(layer).values()] + [fast.head_weight]
+    saved = sum(w.values.numel() * (w.scales.element_size() - 1) - w.scales.numel() * w.scales.element_size()
+                for w in products if isinstance(w, Int8Weight))  # each weight read as int8 and scales
+    return total - saved
 
 
 def bound(weights: int, bandwidth: float) -> str:

@@ -1,0 +1,68 @@
+"""`python -m measure.realscale --int8 --llamacpp` at the shrunken Qwen2.5-VL-3B shape, end to end
+(figures not asserted: the machine is noisy). The int8 rows run on int8 weights, and their
+greedy answers with the replay drafter equal plain decoding's on the same int8 weights: in
+float32, where a verify pass over k+1 tokens picks the tokens a one-token pass picks (in
+bfloat16, random weights' near-ties can part them: measure/replay.py). llama.cpp runs last, once
+this engine is freed, beside the unquantized rows in their dtype and beside the int8 rows in
+Q8_0; here a recorder stands in for it (converting to GGUF and llama-server are
+tests/test_gguf.py's and tests/test_llamacpp.py's)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import json
+
+import pytest
+
+from engine.target import Target
+from measure import llamacpp_rows, realscale, shapes
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, one_thread):
+    """(the preset's figures, llama.cpp's calls, what was printed) of one quick run."""
+    folder = tmp_path_factory.mktemp("realscale")
+    calls = []
+
+    def recorder(target_dir, drafter_dir, outtype, messages, decode):
+        alive = [o for o in gc.get_objects() if type(o) is Target and o.name == str(target_dir)]
+        calls.append({"outtype": outtype, "targets_alive": len(alive)})
+        return {"outtype": outtype, "bandwidth_gb_s": 1.0, "threads": 1, "plain_tok_s": 1.0, "image_error": None,
+                "text_plain_tok_s": 1.0, "text_draft_tok_s": 1.0, "text_drafted": 0, "text_accepted": 0,
+                "weights_bytes": 1, "bound_tok_s": 1.0}
+
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(shapes, "CACHE", folder / "cache")
+        patch.setattr(llamacpp_rows, "realscale_figures", recorder)
+        assert realscale.main(["--quick", "--preset", "qwen2.5-vl-3b", "--dtype", "float32", "--int8", "--llamacpp",
+                               "--max-new-tokens", "12", "--image-size", "56", "--acceptances", "1.0,0.8",
+                               "--json", str(folder / "realscale.json")]) == 0
+    (result,) = json.loads((folder / "realscale.json").read_text(), object_hook=realscale._int_keys)["results"]
+    return result, calls, printed.getvalue()
+
+
+def test_int8_rows_read_int8_weights_and_replay_their_own_plain_answer(run):
+    result, _, _ = run
+    int8 = result["int8"]
+    assert int8["weights_bytes"] < result["weights_bytes"] / 3  # float32 products read as int8 (and scales)
+    assert set(int8["t_s"]) == set(range(1, 10)) and int8["draft_step_s"] > 0
+    assert len(int8["answer"]) == 12
+    assert int8["replay_answer_is_plain"]  # the fixed point is the int8 plain answer itself
+    replay = {(r["acceptance"], r["k"]): r for r in int8["replay"]}
+    assert set(replay) == {(1.0, 4), (1.0, "cost"), (0.8, 4), (0.8, "cost")}
+    assert all(r["equals_plain"] for r in replay.values()), replay
+    assert int8["text_drafter"]["equals_plain"]
+    assert replay[(1.0, 4)]["measured_acceptance"] == 1.0
+    assert replay[(0.8, 4)]["measured_acceptance"] < 1.0  # some proposals corrupted, and rejected
+
+
+def test_llamacpp_runs_last_once_this_engine_is_freed_beside_each_kind_of_weights(run):
+    result, calls, printed = run
+    assert calls == [{"outtype": "f32", "targets_alive": 0}, {"outtype": "q8_0", "targets_alive": 0}]
+    assert result["llamacpp"]["outtype"] == "f32" and result["int8"]["llamacpp"]["outtype"] == "q8_0"
+    assert "| float32 + int8 weights (drafter" in printed  # the int8 row of the first table
+    assert "qwen2.5-vl-3b: float32 + int8 weights / q8_0" in printed  # beside llama.cpp Q8_0
+    assert "qwen2.5-vl-3b: float32 / f32" in printed
