@@ -140,7 +140,7 @@ def measure_shape(name: str, out: int, inp: int, kinds: list[str], rows: list[in
                 us = cells[kind, n, threads] = min(samples[kind, threads])
                 parts.append(f"{kind} {us:,.0f} ({base / us:.2f}x)")
             print(f"  {name}, {n} row(s), {threads} thr: " + "; ".join(parts), flush=True)
-        print(f"    max |y - exact| / max |y|: " + ", ".join(f"{kind} {errors[kind]:.1e}" for kind in kinds))
+        print("    max |y - exact| / max |y|: " + ", ".join(f"{kind} {errors[kind]:.1e}" for kind in kinds))
     return cells
 
 
