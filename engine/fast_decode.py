@@ -9,11 +9,15 @@ fewer operations, over a StaticKVCache (engine/static_cache.py):
   one-row product then streams it about 1.4-2.9x faster on this CPU than the (out, in) layout
   (docs/performance.md). The model's own Linear weights become views of these buffers (same
   values, no second copy), so transformers' forward (prefill) reads the same memory;
+- every product is one `torch.mm` / `addmm` on an (in, out) weight: the kernel F.linear calls,
+  without its wrappers (four fewer dispatches a product);
 - rotary cos / sin come from a table indexed by position, applied to q and k in one go, with
-  rotate_half(x) * sin written as flip(halves of x) * signed_sin (the same products, exactly);
+  rotate_half(x) * sin written as x rolled by half its width times signed_sin (the same
+  products, exactly);
 - RMSNorm is torch's fused `rms_norm` (bitwise equal to transformers' float32 arithmetic; for
   16-bit weights the scale is applied after the cast back, as transformers does);
-- a pass writes its K/V into the cache's slots; attention reads slots 0 .. length - 1;
+- a pass writes its K/V into the cache's slots; attention reads slots 0 .. length - 1; for 16-bit
+  weights on a CPU the cache and attention are float32 (`attention_dtype`);
 - with `--quantization int8` (`quantize_int8`), the products and the output layer read int8
   weights with per-row scales (`Int8Weight`, torch's `_weight_int8pack_mm`): half the bytes.
 
@@ -82,16 +86,18 @@ def stack_unsupported(config, layers: torch.nn.ModuleList, rotary: torch.nn.Modu
 
 @dataclass
 class Layer:
-    """One decoder layer's weights: the fused products' weights are (out, in)."""
+    """One decoder layer's weights: the fused products' weights are (in, out), what `linear`
+    multiplies x (n, in) by (a transposed view where the buffer is nn.Linear's (out, in)), or
+    Int8Weight."""
 
     input_norm: torch.Tensor  # (H,)
-    qkv_weight: torch.Tensor  # ((heads + 2 kv_heads) * D, H)
+    qkv_weight: torch.Tensor  # (H, (heads + 2 kv_heads) * D)
     qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor  # (H, heads * D)
+    o_weight: torch.Tensor  # (heads * D, H)
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # (H,)
-    gate_up_weight: torch.Tensor  # (2 I, H)
-    down_weight: torch.Tensor  # (H, I)
+    gate_up_weight: torch.Tensor  # (H, 2 I)
+    down_weight: torch.Tensor  # (I, H)
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,8 @@ class Int8Weight:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Weight:
-        """weight (out, in), any float dtype; the scales keep its dtype."""
+        """weight (in, out), as `linear` takes it, any float dtype; the scales keep its dtype."""
+        weight = weight.t()  # (out, in)
         if weight.dtype == torch.bfloat16 and weight.shape[1] % 16:
             # torch 2.13's bfloat16 kernel reads past the row (wrong values, or a crash) otherwise
             raise ValueError(f"int8 weights in bfloat16 need an input width that is a multiple of 16, not "
@@ -127,11 +134,12 @@ class Int8Weight:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for x (n, in) and a weight (out, in), stored as a float tensor or an Int8Weight."""
+    """x (n, in) times a weight (in, out) (plus bias): F.linear(x, weight.t(), bias) in the one
+    matrix-product call F.linear would make (same kernel, same result), without its wrappers."""
     if isinstance(weight, Int8Weight):
         y = torch._weight_int8pack_mm(x, weight.values, weight.scales)
         return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
+    return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
 def _cat(*tensors):
@@ -139,17 +147,17 @@ def _cat(*tensors):
 
 
 def share(modules: list[torch.nn.Module], input_major: bool) -> torch.Tensor:
-    """The modules' weights side by side in one buffer, (sum out, in), which each module's weight
-    becomes a view of (same values; the old storage is freed). input_major: the buffer is stored
-    (in, sum out) contiguous and the (sum out, in) tensor returned is its transpose."""
-    fused = torch.cat([module.weight for module in modules])
+    """The modules' weights side by side in one buffer, which each module's weight becomes a view
+    of (same values; the old storage is freed). Returns it (in, sum out), as `linear` takes it:
+    contiguous where input_major, else the transposed view of a (sum out, in) buffer."""
+    fused = torch.cat([module.weight for module in modules])  # (sum out, in)
     fused = fused.t().contiguous().t() if input_major else fused
     start = 0
     for module in modules:
         rows = module.weight.shape[0]
         module.weight.data = fused[start:start + rows]
         start += rows
-    return fused
+    return fused.t()
 
 
 def default_input_major(weight: torch.Tensor) -> bool:
@@ -166,8 +174,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class RotaryTable:
     """Rotary cos and signed sin by position, as transformers computes them: in float32, then
-    cast. signed_sin = sin with its first half negated: with x's halves swapped,
-    swapped(x) * signed_sin == rotate_half(x) * sin."""
+    cast. signed_sin = sin with its first half negated: with x's halves swapped (x rolled by
+    half its width), swapped(x) * signed_sin == rotate_half(x) * sin."""
 
     def __init__(self, rotary: torch.nn.Module, head_dim: int, dtype: torch.dtype):
         """rotary: the model's rotary embedding module (its inv_freq, and mrope_section if M-RoPE)."""
@@ -202,21 +210,33 @@ def decoder_layer(layer: Layer, sizes: Attention, x: torch.Tensor, cos: torch.Te
     """One llama-style decoder layer over x (n, H) at slots start .. start + n - 1 of a cache
     layer's keys / values (1, kv_heads, capacity, D), which it writes; attends to slots
     0 .. start + n - 1 under mask (None, or (1, 1, n, start + n): bool, True = attend, or
-    additive). cos, signed_sin (n, 1, D) from RotaryTable. Returns the layer's output (n, H)."""
+    additive in the cache's dtype). cos, signed_sin (n, 1, D) from RotaryTable. Attention runs
+    in the cache's dtype (float32 for 16-bit weights on a CPU: `attention_dtype`). Returns the
+    layer's output (n, H)."""
     n, end = len(x), start + len(x)
     q_width, kv_width = sizes.heads * sizes.head_dim, sizes.kv_heads * sizes.head_dim
     qkv = linear(rms_norm(x, layer.input_norm, sizes.eps), layer.qkv_weight, layer.qkv_bias)  # (n, q + 2 kv)
     qk = qkv[:, :q_width + kv_width].view(n, sizes.heads + sizes.kv_heads, sizes.head_dim)
-    swapped = qk.view(n, -1, 2, sizes.head_dim // 2).flip(-2).view(qk.shape)  # halves swapped
-    qk = qk * cos + swapped * signed_sin
-    queries = qk[:, :sizes.heads].transpose(0, 1)[None]  # (1, heads, n, D)
+    qk = qk * cos + qk.roll(sizes.head_dim // 2, -1) * signed_sin  # roll by half: the halves swapped
     keys[0, :, start:end] = qk[:, sizes.heads:].transpose(0, 1)
     values[0, :, start:end] = qkv[:, q_width + kv_width:].view(n, sizes.kv_heads, sizes.head_dim).transpose(0, 1)
+    queries = qk[:, :sizes.heads].transpose(0, 1)[None]  # (1, heads, n, D)
+    if queries.dtype != keys.dtype:
+        queries = queries.to(keys.dtype)
     attended = F.scaled_dot_product_attention(queries, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
-                                              scale=sizes.scaling, enable_gqa=True)
-    x = x + linear(attended[0].transpose(0, 1).reshape(n, q_width), layer.o_weight, layer.o_bias)
+                                              scale=sizes.scaling, enable_gqa=True)  # (1, heads, n, D)
+    attended = attended.view(n, q_width) if n == 1 else attended[0].transpose(0, 1).reshape(n, q_width)
+    x = x + linear(attended.to(x.dtype), layer.o_weight, layer.o_bias)
     gate, up = linear(rms_norm(x, layer.post_norm, sizes.eps), layer.gate_up_weight).chunk(2, dim=-1)
     return x + linear(F.silu(gate) * up, layer.down_weight)
+
+
+def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's and attention's dtype: float32 for 16-bit weights on a CPU. The cache holds
+    the same (16-bit) values; float32 attention there costs a third of bfloat16's at a short
+    context (no native bfloat16 arithmetic: docs/performance.md) and accumulates in float32 as
+    SDPA's 16-bit kernel does."""
+    return torch.float32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 class FastStack:
@@ -233,6 +253,7 @@ class FastStack:
         norm = layers[0].input_layernorm.weight
         self.rotary = RotaryTable(rotary, attn.head_dim, norm.dtype)
         self.dtype, self.device = norm.dtype, norm.device
+        self.cache_dtype = attention_dtype(norm.dtype, norm.device)
 
     @staticmethod
     def _layer(layer, input_major: bool) -> Layer:
@@ -244,7 +265,7 @@ class FastStack:
                      share([mlp.gate_proj, mlp.up_proj], input_major), share([mlp.down_proj], input_major))
 
     def new_cache(self, capacity: int) -> StaticKVCache:
-        return StaticKVCache(len(self.layers), self.sizes.kv_heads, self.sizes.head_dim, capacity, self.dtype,
+        return StaticKVCache(len(self.layers), self.sizes.kv_heads, self.sizes.head_dim, capacity, self.cache_dtype,
                              self.device)
 
     def forward(self, cache: StaticKVCache, x: torch.Tensor, positions: torch.Tensor,
@@ -258,6 +279,8 @@ class FastStack:
         cos, signed_sin = self.rotary(positions)
         if attention_mask is None and n > 1:  # causal: row i sees slots 0 .. start + i
             attention_mask = torch.ones(n, start + n, dtype=torch.bool, device=x.device).tril(start)
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.to(self.cache_dtype)  # additive: in the attention's dtype
         mask = None if attention_mask is None else attention_mask[None, None]
         hidden = {0: x} if 0 in keep else {}
         for index, layer in enumerate(self.layers):
@@ -283,7 +306,7 @@ class FastDecoder:
         self.eps = config.rms_norm_eps
         self.input_major = default_input_major(self.final_norm) if input_major is None else input_major
         self.stack = FastStack(stack.layers, config, stack.rotary_emb, self.input_major)
-        self.head_weight = share([self.lm_head], self.input_major)  # (V, H), or an Int8Weight
+        self.head_weight = share([self.lm_head], self.input_major)  # (H, V), or an Int8Weight
 
     @torch.no_grad()
     def quantize_int8(self) -> None:

@@ -16,9 +16,8 @@ forward; `unsupported` says why.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from engine.fast_decode import FastStack, default_input_major, rms_norm, share, stack_unsupported
+from engine.fast_decode import FastStack, default_input_major, linear, rms_norm, share, stack_unsupported
 from engine.static_cache import HEADROOM, StaticKVCache
 
 
@@ -61,12 +60,12 @@ class FastMtpHead(FastHead):
     def __init__(self, module, input_major: bool | None = None):
         super().__init__(module, input_major)
         self.enorm, self.hnorm = module.enorm.weight, module.hnorm.weight
-        self.fc = share([module.fc], self.input_major)  # (H, 2 H)
+        self.fc = share([module.fc], self.input_major)  # (2 H, H)
 
     def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                  mask: torch.Tensor | None, cache: StaticKVCache) -> torch.Tensor:
         """MtpHead.forward: embeds, hidden (1, n, H); position_ids (3, 1, n). Returns (1, n, H)."""
-        x = F.linear(torch.cat([rms_norm(embeds[0], self.enorm, self.eps),
+        x = linear(torch.cat([rms_norm(embeds[0], self.enorm, self.eps),
                                 rms_norm(hidden[0], self.hnorm, self.eps)], dim=-1), self.fc)
         return self.run_stack(x, position_ids, mask, cache)
 
@@ -76,11 +75,11 @@ class FastBlock(FastHead):
     def __init__(self, module, input_major: bool | None = None):
         super().__init__(module, input_major)
         self.context_norm = module.context_norm.weight  # (L * H,)
-        self.context_fc = share([module.context_fc], self.input_major)  # (H, L * H)
+        self.context_fc = share([module.context_fc], self.input_major)  # (L * H, H)
 
     def __call__(self, context: torch.Tensor, block: torch.Tensor, position_ids: torch.Tensor,
                  mask: torch.Tensor | None, cache: StaticKVCache) -> torch.Tensor:
         """BlockDrafter.forward: context (1, m, L * H), block (1, b, H) from `block_embeds`,
         position_ids (3, 1, m + b). Returns the outputs of every row (1, m + b, H)."""
-        rows = F.linear(rms_norm(context[0], self.context_norm, self.eps), self.context_fc).to(block.dtype)
+        rows = linear(rms_norm(context[0], self.context_norm, self.eps), self.context_fc).to(block.dtype)
         return self.run_stack(torch.cat([rows, block[0]]), position_ids, mask, cache)

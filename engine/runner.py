@@ -109,7 +109,7 @@ class Runner:
                          use_cache=True, logits_to_keep=1, **self._hidden_request(state))
         self._keep_hidden(state, out, seq_len)
         if self.fast is not None:
-            state.cache = StaticKVCache.from_dynamic(cache)
+            state.cache = StaticKVCache.from_dynamic(cache, self.fast.stack.cache_dtype)
         self.rollback(state, 0)  # trims sliding-window layers back to their window
         return self._vocab(out.logits[0, -1]), state
 

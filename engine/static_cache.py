@@ -23,11 +23,12 @@ class StaticKVCache:
         self.length = 0
 
     @classmethod
-    def from_dynamic(cls, cache: DynamicCache) -> StaticKVCache:
-        """The entries of a prefilled DynamicCache (full-attention layers only), copied into buffers."""
+    def from_dynamic(cls, cache: DynamicCache, dtype: torch.dtype | None = None) -> StaticKVCache:
+        """The entries of a prefilled DynamicCache (full-attention layers only), copied into buffers
+        of `dtype` (default: the entries')."""
         first = cache.layers[0].keys  # (1, kv_heads, S, head_dim)
         _, kv_heads, length, head_dim = first.shape
-        static = cls(len(cache.layers), kv_heads, head_dim, length + HEADROOM, first.dtype, first.device)
+        static = cls(len(cache.layers), kv_heads, head_dim, length + HEADROOM, dtype or first.dtype, first.device)
         for index, layer in enumerate(cache.layers):
             static.keys[index][:, :, :length] = layer.keys
             static.values[index][:, :, :length] = layer.values

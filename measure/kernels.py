@@ -83,7 +83,7 @@ def make(kind: str, weight: torch.Tensor):
     if kind.startswith("upcast:"):  # upcast_linear for every n, tiles of KB of float32
         return lambda x, size=int(kind.partition(":")[2]) * 1024: upcast_linear(x, input_major, size)
     if kind == "int8":
-        return lambda x, w=fast_decode.Int8Weight.quantize(weight): fast_decode.linear(x, w)
+        return lambda x, w=fast_decode.Int8Weight.quantize(weight.t()): fast_decode.linear(x, w)
     raise SystemExit(f"unknown kind {kind!r}")
 
 

@@ -134,7 +134,7 @@ def layout_products(weight: torch.Tensor, kinds: list[str]) -> dict:
     stored = {"f32": weight, "f32-in": weight.t().contiguous().t(), "bf16": bf16, "bf16-in": bf16.t().contiguous().t()}
     products = {kind: (lambda x, w=stored[kind]: F.linear(x, w)) for kind in kinds if kind in stored}
     if "int8" in kinds:
-        products["int8"] = lambda x, w=fast_decode.Int8Weight.quantize(bf16): fast_decode.linear(x, w)
+        products["int8"] = lambda x, w=fast_decode.Int8Weight.quantize(bf16.t()): fast_decode.linear(x, w)
     if "torchao" in kinds:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 

@@ -134,6 +134,6 @@ def test_bfloat16_weights_become_views_of_input_major_buffers(zoo):
     before = attn.k_proj.weight.clone()
     decoder = fast_decode.FastDecoder(model)
     fused = decoder.stack.layers[0].qkv_weight
-    assert decoder.input_major and fused.t().is_contiguous()
+    assert decoder.input_major and fused.is_contiguous()  # (in, out)
     assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     assert torch.equal(attn.k_proj.weight, before)

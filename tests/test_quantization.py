@@ -86,5 +86,5 @@ def test_int8_is_refused_in_one_line_where_the_fast_path_does_not_reach(zoo):
 
 def test_bfloat16_int8_weights_of_a_width_the_kernel_misreads_are_refused():
     with pytest.raises(ValueError, match="multiple of 16"):  # torch's kernel would crash or misread
-        Int8Weight.quantize(torch.randn(8, 19, dtype=torch.bfloat16))
-    assert Int8Weight.quantize(torch.randn(8, 19)).values.shape == (8, 19)  # float32 reads any width
+        Int8Weight.quantize(torch.randn(19, 8, dtype=torch.bfloat16))  # (in, out)
+    assert Int8Weight.quantize(torch.randn(19, 8)).values.shape == (8, 19)  # float32 reads any width
