@@ -259,14 +259,15 @@ def print_table(results: list[dict]) -> None:
         our_bound = ll["bandwidth_gb_s"] * 1e9 / r["weights_bytes"]
         print(f"| {r['preset']}: {r['dtype']} / {ll['outtype']} ({ll['threads']} threads) "
               f"| {r['text_plain_tok_s']:.2f} / {ll['text_plain_tok_s']:.2f} tok/s ({our_bound:.1f} / "
-              f"{ll['bound_tok_s']:.1f}) | {_ratio(r['text_plain_tok_s'], ll['text_plain_tok_s'])} "
+              f"{ll['bound_tok_s']:.1f} at {ll['bandwidth_gb_s']:.1f} GB/s) "
+              f"| {_ratio(r['text_plain_tok_s'], ll['text_plain_tok_s'])} "
               f"| {r['plain_tok_s']:.2f} / {image} "
               f"| {_ratio(replay and replay['decode_tok_s'], base)} "
               f"| {_ratio(drafted['decode_tok_s'], base)} ({acceptance}) "
               f"| {ll['text_draft_tok_s']:.2f} tok/s ({ll['text_accepted']} of {ll['text_drafted']}) |")
     if beside:
-        print(f"bounds: weights read per token / {beside[0]['llamacpp']['bandwidth_gb_s']:.1f} GB/s "
-              "(a float32 matrix-vector product's bandwidth, measured in the run); peak memory with llama.cpp: "
+        print("bounds: weights read per token / the bandwidth of a float32 matrix-vector product, measured "
+              "after that row's llama.cpp figures (it moves from run to run); peak memory with llama.cpp: "
               + ", ".join(f"{r['preset']} {r['process_peak_memory_gb']:.1f} GB" for r in results
                           if "process_peak_memory_gb" in r))
 

@@ -1,0 +1,93 @@
+"""Plain decoding of this engine and of llama.cpp on the same weights, in alternating processes.
+
+    python -m measure.alternate [--preset smolvlm-256m] [--int8] [--rounds 3] [--repeats 5]
+                                [--max-new-tokens 32] [--threads 2]
+
+One request's text turn (measure/realscale.py's request without its image: llama.cpp refuses the
+random SmolVLM shape's images), greedy, `--max-new-tokens` tokens that never stop early. Each
+round runs this engine in a fresh process, then llama.cpp in another (the GGUF that
+measure/realscale.py converts: bf16 for a bfloat16 target, Q8_0 with `--int8`), so neither
+shares an OpenMP runtime or memory with the other, and a machine that slows down or speeds up
+during the run moves both sides of a round alike. Each process warms up (pages its weights in),
+then decodes the turn `--repeats` times and reports the median decode tokens/s. Printed: every
+process's figure and the median of the rounds' ratios. A measurement, not a test: on a shared
+machine read the rounds' spread before the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import replace
+
+import torch
+
+
+def decode_speeds(side: str, preset: str, int8: bool, repeats: int, max_new_tokens: int) -> list[float]:
+    """Decode tokens/s of `repeats` runs of the text turn on `side` ("this" or "llama.cpp")."""
+    from engine.loop import DecodeSettings
+    from measure.llamacpp_rows import text_only
+    from measure.realscale import photo
+    from measure.shapes import build_preset
+
+    target_dir, _ = build_preset(preset, False)
+    messages = text_only([{"role": "user", "content": [{"type": "image", "image": photo(112)},
+                                                       {"type": "text", "text": "Describe this image in detail."}]}])
+    decode = DecodeSettings(max_new_tokens=max_new_tokens, stop_token_ids=frozenset({-1}))  # never stops early
+    if side == "this":
+        from engine.engine import Engine
+        from engine.target import load_target, quantize_int8
+        from measure.bench_rows import run_this
+        from models.loading import LoadOptions
+
+        target = load_target(str(target_dir), LoadOptions(dtype="bfloat16", device="cpu"))
+        if int8:
+            quantize_int8(target.runner, str(target_dir))
+        engine = Engine(target, {})
+        run_this(engine, None, messages, replace(decode, max_new_tokens=2), 0)  # warm-up
+        return [run_this(engine, None, messages, decode, i).decode_tok_s for i in range(repeats)]
+    from measure.llamacpp_rows import answer, start
+
+    backend = start(str(target_dir), None, "q8_0" if int8 else "bf16")
+    answer(backend, messages, None, replace(decode, max_new_tokens=2))  # warm-up
+    return [answer(backend, messages, None, decode).stats.decode_tok_s for _ in range(repeats)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m measure.alternate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="smolvlm-256m")
+    parser.add_argument("--int8", action="store_true", help="this engine with --quantization int8, llama.cpp Q8_0")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--side", choices=("this", "llama.cpp"), help=argparse.SUPPRESS)  # one process's part
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.side:
+        print(json.dumps(decode_speeds(args.side, args.preset, args.int8, args.repeats, args.max_new_tokens)))
+        return 0
+    ratios = []
+    for round_index in range(args.rounds):
+        medians = {}
+        for side in ("this", "llama.cpp"):
+            command = [sys.executable, "-m", "measure.alternate", "--side", side, "--preset", args.preset,
+                       "--repeats", str(args.repeats), "--max-new-tokens", str(args.max_new_tokens),
+                       "--threads", str(args.threads)] + (["--int8"] if args.int8 else [])
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            speeds = json.loads(done.stdout.strip().splitlines()[-1])
+            medians[side] = statistics.median(speeds)
+            print(f"round {round_index + 1}, {side}: {' '.join(f'{s:.2f}' for s in speeds)} tok/s "
+                  f"(median {medians[side]:.2f})", flush=True)
+        ratios.append(medians["this"] / medians["llama.cpp"])
+    print(f"{args.preset}, {'int8 / Q8_0' if args.int8 else 'bfloat16 / bf16'}, {args.threads} threads, "
+          f"{args.max_new_tokens} tokens: this engine / llama.cpp, median of rounds {statistics.median(ratios):.2f}x "
+          f"(rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
