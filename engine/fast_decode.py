@@ -111,6 +111,9 @@ class Attention:
     eps: float  # the RMSNorms'
 
 
+QUANTIZE_ROWS = 4096  # rows of a weight quantized at once (a 2048-wide block: 32 MB of float32)
+
+
 @dataclass
 class Int8Weight:
     """A weight (out, in) as int8 values with one scale per output row (symmetric: the row's
@@ -128,9 +131,14 @@ class Int8Weight:
             # torch 2.13's bfloat16 kernel reads past the row (wrong values, or a crash) otherwise
             raise ValueError(f"int8 weights in bfloat16 need an input width that is a multiple of 16, not "
                              f"{weight.shape[1]}")
-        scales = (weight.float().abs().amax(dim=1) / 127).clamp(min=1e-12).to(weight.dtype)
-        values = (weight.float() / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
-        return cls(values.contiguous(), scales)
+        values = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+        scales = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device)
+        for start in range(0, len(weight), QUANTIZE_ROWS):  # a block of rows at a time: float32 copies stay small
+            rows = weight[start:start + QUANTIZE_ROWS].float()
+            block_scales = (rows.abs().amax(dim=1) / 127).clamp(min=1e-12).to(weight.dtype)
+            values[start:start + len(rows)] = (rows / block_scales.float()[:, None]).round().clamp(-127, 127)
+            scales[start:start + len(rows)] = block_scales
+        return cls(values, scales)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

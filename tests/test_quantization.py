@@ -88,3 +88,17 @@ def test_bfloat16_int8_weights_of_a_width_the_kernel_misreads_are_refused():
     with pytest.raises(ValueError, match="multiple of 16"):  # torch's kernel would crash or misread
         Int8Weight.quantize(torch.randn(19, 8, dtype=torch.bfloat16))  # (in, out)
     assert Int8Weight.quantize(torch.randn(19, 8)).values.shape == (8, 19)  # float32 reads any width
+
+
+def test_quantizing_in_blocks_of_rows_gives_the_same_weights(monkeypatch):
+    """Int8Weight.quantize works a block of rows at a time (memory); the blocks change nothing."""
+    from engine import fast_decode
+
+    weight = torch.randn(64, 37, dtype=torch.bfloat16)  # (in, out): 37 output rows
+    whole = Int8Weight.quantize(weight)
+    monkeypatch.setattr(fast_decode, "QUANTIZE_ROWS", 5)  # 8 blocks, the last of 2 rows
+    blocks = Int8Weight.quantize(weight)
+    assert torch.equal(blocks.values, whole.values) and torch.equal(blocks.scales, whole.scales)
+    assert blocks.values.shape == (37, 64) and blocks.values.is_contiguous()
+    expected = (weight.t().float() / whole.scales.float()[:, None]).round().clamp(-127, 127)
+    assert torch.equal(whole.values.float(), expected)
