@@ -21,6 +21,10 @@ fewer operations, over a StaticKVCache (engine/static_cache.py):
 - with `--quantization int8` (`quantize_int8`), the products and the output layer read int8
   weights with per-row scales (`Int8Weight`, torch's `_weight_int8pack_mm`): half the bytes.
 
+On a CPU the layer runs compiled where the machine can build it (engine/fast_native.py,
+engine/fast_layer.cpp: the same ATen calls from C++, bitwise the same results, no Python per
+operation); `decoder_layer` below is its reference and the fallback (and int8 weights' layer).
+
 One decoder-layer function (`decoder_layer`) and one stack of them (`FastStack`) serve every
 user: the target's and model drafters' forward (`FastDecoder`, through engine/runner.py) and
 the drafter heads' (engine/fast_heads.py: the MTP head and the block drafter, whose entries
@@ -43,6 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import fast_native
 from engine.static_cache import StaticKVCache
 
 TEXT_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen2_vl", "qwen2_5_vl", "llama", "qwen2")
@@ -258,10 +263,13 @@ class FastStack:
         self.sizes = Attention(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, attn.scaling,
                                config.rms_norm_eps)
         self.layers = [self._layer(layer, input_major) for layer in layers]
+        self.sizes_args = (self.sizes.heads, self.sizes.kv_heads, self.sizes.head_dim, self.sizes.scaling,
+                           self.sizes.eps)  # the compiled layer's last arguments
         norm = layers[0].input_layernorm.weight
         self.rotary = RotaryTable(rotary, attn.head_dim, norm.dtype)
         self.dtype, self.device = norm.dtype, norm.device
         self.cache_dtype = attention_dtype(norm.dtype, norm.device)
+        self.native = fast_native.layer() if norm.device.type == "cpu" else None  # engine/fast_layer.cpp
 
     @staticmethod
     def _layer(layer, input_major: bool) -> Layer:
@@ -291,9 +299,15 @@ class FastStack:
             attention_mask = attention_mask.to(self.cache_dtype)  # additive: in the attention's dtype
         mask = None if attention_mask is None else attention_mask[None, None]
         hidden = {0: x} if 0 in keep else {}
+        native = self.native if not isinstance(self.layers[0].qkv_weight, Int8Weight) else None
         for index, layer in enumerate(self.layers):
-            x = decoder_layer(layer, self.sizes, x, cos, signed_sin, cache.keys[index], cache.values[index], start,
-                              mask)
+            keys, values = cache.keys[index], cache.values[index]
+            if native is not None:  # the same calls from C++ (engine/fast_layer.cpp)
+                x = native.decoder_layer(x, layer.input_norm, layer.qkv_weight, layer.qkv_bias, layer.o_weight,
+                                         layer.o_bias, layer.post_norm, layer.gate_up_weight, layer.down_weight, cos,
+                                         signed_sin, keys, values, start, mask, *self.sizes_args)
+            else:
+                x = decoder_layer(layer, self.sizes, x, cos, signed_sin, keys, values, start, mask)
             if index + 1 in keep:
                 hidden[index + 1] = x
         cache.length = start + n

@@ -9,7 +9,7 @@ round runs this engine in a fresh process, then llama.cpp in another (the GGUF t
 measure/realscale.py converts: bf16 for a bfloat16 target, Q8_0 with `--int8`), so neither
 shares an OpenMP runtime or memory with the other, and a machine that slows down or speeds up
 during the run moves both sides of a round alike. Each process warms up (pages its weights in),
-then decodes the turn `--repeats` times and reports the median decode tokens/s. Printed: every
+decodes the turn once untimed (warm-up), then `--repeats` times and reports the median decode tokens/s. Printed: every
 process's figure and the median of the rounds' ratios. A measurement, not a test: on a shared
 machine read the rounds' spread before the median.
 """
@@ -21,7 +21,6 @@ import json
 import statistics
 import subprocess
 import sys
-from dataclasses import replace
 
 import torch
 
@@ -47,12 +46,12 @@ def decode_speeds(side: str, preset: str, int8: bool, repeats: int, max_new_toke
         if int8:
             quantize_int8(target.runner, str(target_dir))
         engine = Engine(target, {})
-        run_this(engine, None, messages, replace(decode, max_new_tokens=2), 0)  # warm-up
+        run_this(engine, None, messages, decode, 0)  # warm-up: one whole untimed answer
         return [run_this(engine, None, messages, decode, i).decode_tok_s for i in range(repeats)]
     from measure.llamacpp_rows import answer, start
 
     backend = start(str(target_dir), None, "q8_0" if int8 else "bf16")
-    answer(backend, messages, None, replace(decode, max_new_tokens=2))  # warm-up
+    answer(backend, messages, None, decode)  # warm-up: one whole untimed answer
     return [answer(backend, messages, None, decode).stats.decode_tok_s for _ in range(repeats)]
 
 

@@ -4,9 +4,10 @@
 
 On a measure/shapes.py architecture with random weights (or `--shape demo`, the bundled model),
 one process, interleaved round by round, 20 passes of one token after a 64-token prompt each:
-- `full`: the fast path's pass (engine/fast_decode.py) as the engine runs it (`Runner.extend`,
-  then a rollback);
-- `without X`: the same pass with one part of every decoder layer left out (its output
+- `compiled layer`: the fast path's pass as the engine runs it (`Runner.extend`, then a
+  rollback) with the compiled layer (engine/fast_native.py), where this machine builds it;
+- `full`: the same pass with the Python layer (engine/fast_decode.decoder_layer);
+- `without X`: the Python layer's pass with one part of every decoder layer left out (its output
   replaced by its input, so the products still run on tensors of the same shapes): `norm` (both
   RMSNorms), `rotary`, `write` (the K/V cache writes), `attention` (SDPA), `silu` (SiLU and the
   gate product), and `all` of them;
@@ -98,7 +99,9 @@ def main(argv=None) -> int:
         model, family = shape_target(args.shape, None, args.dtype)
     runner = Runner(model, family)
     ids = torch.randint(16, model.config.get_text_config().vocab_size, (1, 64))
-    variants = {"full": None, **{f"without {p}": layer_without({p}) for p in PARTS},
+    native = runner.fast.stack.native
+    variants = {**({"compiled layer": "compiled"} if native else {}), "full": None,
+                **{f"without {p}": layer_without({p}) for p in PARTS},
                 "without all": layer_without(set(PARTS))}
     eager = fast_decode.decoder_layer
     times = {name: [] for name in [*variants, "products"]}
@@ -120,7 +123,8 @@ def main(argv=None) -> int:
         products = products_of(runner.fast)
         for _ in range(args.rounds):
             for name, layer_fn in variants.items():
-                fast_decode.decoder_layer = layer_fn or eager
+                runner.fast.stack.native = native if layer_fn == "compiled" else None
+                fast_decode.decoder_layer = eager if layer_fn in (None, "compiled") else layer_fn
                 times[name].append(per_pass(step))
             fast_decode.decoder_layer = eager
             times["products"].append(per_pass(products))

@@ -15,7 +15,9 @@ from measure import layer_costs
 @pytest.fixture
 def runner(zoo):
     target = zoo.target("qwen2_vl")
-    return Runner(target.model, target.family)
+    runner = Runner(target.model, target.family)
+    runner.fast.stack.native = None  # the Python layer, which the tool's variants replace
+    return runner
 
 
 def logits_with(runner, layer_fn) -> torch.Tensor:

@@ -1,0 +1,55 @@
+"""The fast path's decoder layer compiled from C++ (engine/fast_layer.cpp), built once per machine.
+
+A decode pass of a small model spends most of its time outside its matrix products, about
+60 operator calls a layer, each costing Python and dispatch (docs/performance.md, "Fewer
+operations a layer"). engine/fast_layer.cpp makes the same ATen calls as
+`fast_decode.decoder_layer` from C++, so its results are bitwise the Python function's and a
+layer costs no Python per operation. torch's extension loader compiles it with the machine's
+C++ compiler and ninja the first time (about 25 s; then cached under
+~/.cache/torch_extensions, rebuilt when the source changes). Where it cannot be built (no
+compiler, a read-only home) or `VLM_NATIVE_LAYER=0`, the Python layer runs and `unavailable()`
+says why. int8 weights (`--quantization int8`) keep the Python layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import logging
+import os
+import sys
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("fast_layer.cpp")
+NAME = "vlm_fast_layer"
+
+log = logging.getLogger(__name__)
+
+
+def layer():
+    """The compiled module (its `decoder_layer`), or None where it is unavailable."""
+    return _build()[0]
+
+
+def unavailable() -> str | None:
+    """Why the compiled layer is not used (None when it is)."""
+    return _build()[1]
+
+
+@functools.cache
+def _build():
+    if os.environ.get("VLM_NATIVE_LAYER", "1") == "0":
+        return None, "turned off (VLM_NATIVE_LAYER=0)"
+    try:
+        from torch.utils.cpp_extension import _get_build_directory, load
+
+        if not glob.glob(os.path.join(_get_build_directory(NAME, False), "*.so")):
+            print("Compiling the fast decode layer (engine/fast_layer.cpp), once per machine: about 25 s ...",
+                  file=sys.stderr, flush=True)
+        return load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False), None
+    except Exception as error:  # no compiler, no ninja, an unwritable cache: the Python layer runs
+        lines = str(error).splitlines() or [""]
+        first_error = next((line for line in lines if "error" in line.lower() and line is not lines[0]), lines[0])
+        reason = f"the compiled decoder layer could not be built ({type(error).__name__}: {first_error.strip()[:300]})"
+        log.warning("%s; the Python layer runs", reason)
+        return None, reason

@@ -1,0 +1,77 @@
+"""The compiled decoder layer (engine/fast_native.py, engine/fast_layer.cpp): bitwise the Python
+layer's results (float32 and bfloat16; decode, verify, draft-tree and rollback passes; the
+drafter heads' passes are checked against their modules in tests/test_own_drafters.py), and a
+clear fallback to the Python layer where it cannot be built."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import torch
+
+from engine import fast_native
+from engine.runner import Runner
+from tests.test_fast_decode import prompt_of
+
+
+def passes(runner, target) -> list[torch.Tensor]:
+    """Logits of a fixed run of passes over a one-image prompt: decode, verify, a draft tree and
+    its keep_path, rollback, decode again."""
+    logits, state = runner.prefill(prompt_of(target, 1).target_inputs)
+    token = int(logits.argmax())
+    out = [runner.extend(state, [token]), runner.extend(state, [7, 9, 11, 5])]
+    runner.rollback(state, 3)
+    out.append(runner.extend_tree(state, [token, 7, 9, 11], [-1, 0, 0, 1]))
+    runner.keep_path(state, [0, 2])
+    out.append(runner.extend(state, [5]))
+    return out
+
+
+def compiled_and_python(target) -> tuple[list, list]:
+    runner = Runner(target.model, target.family)
+    assert runner.fast.stack.native is not None, fast_native.unavailable()
+    compiled = passes(runner, target)
+    runner.fast.stack.native = None  # the Python layer, same weights
+    return compiled, passes(runner, target)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("family", ("qwen2_vl", "idefics3"))
+def test_compiled_layer_is_bitwise_the_python_layer(zoo, family, one_thread):
+    compiled, python = compiled_and_python(zoo.target(family))
+    for new, old in zip(compiled, python):
+        assert torch.equal(new, old)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
+def test_compiled_layer_is_bitwise_the_python_layer_in_bfloat16(zoo, one_thread):
+    """16-bit weights: input-major products and float32 attention over a float32 cache."""
+    target = copy.copy(zoo.target("qwen2_vl"))
+    target.model = copy.deepcopy(target.model).to(torch.bfloat16)
+    compiled, python = compiled_and_python(target)
+    assert Runner(target.model, target.family).fast.stack.cache_dtype == torch.float32
+    for new, old in zip(compiled, python):
+        assert torch.equal(new, old)
+
+
+def test_turned_off_or_unbuildable_the_python_layer_runs_and_says_why(zoo, monkeypatch, one_thread):
+    target = zoo.target("qwen2_vl")
+    monkeypatch.setattr(fast_native, "_build", fast_native._build.__wrapped__)  # no cached result
+    monkeypatch.setenv("VLM_NATIVE_LAYER", "0")
+    assert fast_native.layer() is None and "VLM_NATIVE_LAYER=0" in fast_native.unavailable()
+    assert Runner(target.model, target.family).fast.stack.native is None
+
+    def broken(**_):
+        raise RuntimeError("Error building extension 'vlm_fast_layer'\nfast_layer.cpp:1: error: no compiler")
+
+    monkeypatch.setenv("VLM_NATIVE_LAYER", "1")
+    monkeypatch.setattr("torch.utils.cpp_extension.load", broken)
+    assert fast_native.layer() is None
+    assert "could not be built" in fast_native.unavailable() and "no compiler" in fast_native.unavailable()
+    runner = Runner(target.model, target.family)
+    assert runner.fast.stack.native is None
+    logits, state = runner.prefill(prompt_of(target, 1).target_inputs)
+    assert runner.extend(state, [int(logits.argmax())]).isfinite().all()
+
