@@ -46,7 +46,7 @@ def _build():
         if not glob.glob(os.path.join(_get_build_directory(NAME, False), "*.so")):
             print("Compiling the fast decode layer (engine/fast_layer.cpp), once per machine: about 25 s ...",
                   file=sys.stderr, flush=True)
-        return load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False), None
+        return load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O2", "-ffp-contract=off"], verbose=False), None
     except Exception as error:  # no compiler, no ninja, an unwritable cache: the Python layer runs
         lines = str(error).splitlines() or [""]
         first_error = next((line for line in lines if "error" in line.lower() and line is not lines[0]), lines[0])

@@ -75,3 +75,16 @@ def test_turned_off_or_unbuildable_the_python_layer_runs_and_says_why(zoo, monke
     logits, state = runner.prefill(prompt_of(target, 1).target_inputs)
     assert runner.extend(state, [int(logits.argmax())]).isfinite().all()
 
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
+def test_a_cache_in_the_weights_dtype_takes_the_layers_aten_branch_bitwise(zoo, one_thread):
+    """bfloat16 activations over a bfloat16 cache (no rotary loop for that pair: ATen's calls)."""
+    target = copy.copy(zoo.target("qwen2_vl"))
+    target.model = copy.deepcopy(target.model).to(torch.bfloat16)
+    runner = Runner(target.model, target.family)
+    runner.fast.stack.cache_dtype = torch.bfloat16
+    compiled = passes(runner, target)
+    runner.fast.stack.native = None
+    python = passes(runner, target)
+    assert all(torch.equal(new, old) for new, old in zip(compiled, python))
