@@ -1,6 +1,7 @@
-// engine/fast_decode.py's decoder_layer, the same ATen calls made from C++ (engine/fast_native.py
-// builds it): a layer then costs no Python per operation, and its results are bitwise those of
-// the Python function (tests/test_fast_native.py). Keep the two in step.
+// engine/fast_decode.py's decoder_layer in C++ (engine/fast_native.py builds it): its ATen calls
+// made from C++, and rotary with the cache writes as one loop that rounds as those calls do, so a
+// layer costs no Python per operation and its results are bitwise those of the Python function
+// (tests/test_fast_native.py). Keep the two in step.
 #include <torch/extension.h>
 
 using at::Tensor;
