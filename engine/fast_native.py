@@ -17,11 +17,12 @@ import functools
 import glob
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("fast_layer.cpp")
-NAME = "vlm_fast_layer"
+NAME = "vlm_fast_layer"  # and torch's version: a build against another torch is never loaded
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +42,27 @@ def _build():
     if os.environ.get("VLM_NATIVE_LAYER", "1") == "0":
         return None, "turned off (VLM_NATIVE_LAYER=0)"
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load
+        import torch
+        from torch.utils.cpp_extension import load
 
-        if not glob.glob(os.path.join(_get_build_directory(NAME, False), "*.so")):
+        name = f"{NAME}_{re.sub(r'[^A-Za-z0-9]', '_', torch.__version__)}"
+        if not _built(name):
             print("Compiling the fast decode layer (engine/fast_layer.cpp), once per machine: about 25 s ...",
                   file=sys.stderr, flush=True)
-        return load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O2", "-ffp-contract=off"], verbose=False), None
+        return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O2", "-ffp-contract=off"], verbose=False), None
     except Exception as error:  # no compiler, no ninja, an unwritable cache: the Python layer runs
         lines = str(error).splitlines() or [""]
         first_error = next((line for line in lines if "error" in line.lower() and line is not lines[0]), lines[0])
         reason = f"the compiled decoder layer could not be built ({type(error).__name__}: {first_error.strip()[:300]})"
         log.warning("%s; the Python layer runs", reason)
         return None, reason
+
+
+def _built(name: str) -> bool:
+    """Whether a build of `name` is cached (only for the message; torch's loader decides)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return bool(glob.glob(os.path.join(_get_build_directory(name, False), "*.so")))
+    except Exception:  # a private helper of torch's: if it moves, say nothing
+        return True
