@@ -22,7 +22,7 @@ fewer operations, over a StaticKVCache (engine/static_cache.py):
   weights with per-row scales (`Int8Weight`, torch's `_weight_int8pack_mm`): half the bytes.
 
 On a CPU the layer runs compiled where the machine can build it (engine/fast_native.py,
-engine/fast_layer.cpp: the same ATen calls from C++, bitwise the same results, no Python per
+engine/fast_layer.cpp: the same arithmetic in C++, bitwise the same results, no Python per
 operation); `decoder_layer` below is its reference and the fallback (and int8 weights' layer).
 
 One decoder-layer function (`decoder_layer`) and one stack of them (`FastStack`) serve every
@@ -299,13 +299,13 @@ class FastStack:
             attention_mask = attention_mask.to(self.cache_dtype)  # additive: in the attention's dtype
         mask = None if attention_mask is None else attention_mask[None, None]
         hidden = {0: x} if 0 in keep else {}
-        native = self.native if not isinstance(self.layers[0].qkv_weight, Int8Weight) else None
         for index, layer in enumerate(self.layers):
             keys, values = cache.keys[index], cache.values[index]
-            if native is not None:  # the same calls from C++ (engine/fast_layer.cpp)
-                x = native.decoder_layer(x, layer.input_norm, layer.qkv_weight, layer.qkv_bias, layer.o_weight,
-                                         layer.o_bias, layer.post_norm, layer.gate_up_weight, layer.down_weight, cos,
-                                         signed_sin, keys, values, start, mask, *self.sizes_args)
+            if self.native is not None:  # the same arithmetic in C++ (engine/fast_layer.cpp)
+                x = self.native.decoder_layer(x, layer.input_norm, layer.qkv_weight, layer.qkv_bias,
+                                              layer.o_weight, layer.o_bias, layer.post_norm, layer.gate_up_weight,
+                                              layer.down_weight, cos, signed_sin, keys, values, start, mask,
+                                              *self.sizes_args)
             else:
                 x = decoder_layer(layer, self.sizes, x, cos, signed_sin, keys, values, start, mask)
             if index + 1 in keep:
@@ -339,6 +339,7 @@ class FastDecoder:
                                    Int8Weight.quantize(layer.gate_up_weight), Int8Weight.quantize(layer.down_weight))
                              for layer in self.stack.layers]
         self.head_weight = Int8Weight.quantize(self.head_weight)
+        self.stack.native = None  # the compiled layer takes float weights only
 
     def forward(self, cache: StaticKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
                 attention_mask: torch.Tensor | None, num_logits: int,

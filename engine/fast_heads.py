@@ -66,7 +66,7 @@ class FastMtpHead(FastHead):
                  mask: torch.Tensor | None, cache: StaticKVCache) -> torch.Tensor:
         """MtpHead.forward: embeds, hidden (1, n, H); position_ids (3, 1, n). Returns (1, n, H)."""
         x = linear(torch.cat([rms_norm(embeds[0], self.enorm, self.eps),
-                                rms_norm(hidden[0], self.hnorm, self.eps)], dim=-1), self.fc)
+                              rms_norm(hidden[0], self.hnorm, self.eps)], dim=-1), self.fc)
         return self.run_stack(x, position_ids, mask, cache)
 
 

@@ -2,11 +2,11 @@
 
 A decode pass of a small model spends most of its time outside its matrix products, about
 60 operator calls a layer, each costing Python and dispatch (docs/performance.md, "Fewer
-operations a layer"). engine/fast_layer.cpp makes the same ATen calls as
-`fast_decode.decoder_layer` from C++, so its results are bitwise the Python function's and a
-layer costs no Python per operation. torch's extension loader compiles it with the machine's
-C++ compiler and ninja the first time (about 25 s; then cached under
-~/.cache/torch_extensions, rebuilt when the source changes). Where it cannot be built (no
+operations a layer"). engine/fast_layer.cpp does `fast_decode.decoder_layer`'s arithmetic in C++
+(its ATen calls, and rotary with the cache writes as one loop that rounds as those calls do), so
+its results are bitwise the Python function's and a layer costs no Python per operation. torch's
+extension loader compiles it with the machine's C++ compiler and ninja the first time (about
+25 s; then cached under ~/.cache/torch_extensions, rebuilt when the source changes). Where it cannot be built (no
 compiler, a read-only home) or `VLM_NATIVE_LAYER=0`, the Python layer runs and `unavailable()`
 says why. int8 weights (`--quantization int8`) keep the Python layer.
 """
