@@ -5,8 +5,9 @@ wrapper's mask and cache bookkeeping), not to arithmetic: docs/performance.md. T
 the same arithmetic as transformers' (RMSNorm in float32, rotary embedding, SDPA, SiLU MLP) in
 fewer operations, over a StaticKVCache (engine/static_cache.py):
 - q, k, v are one matrix product (and gate, up another) on weights concatenated at load;
-- in bfloat16 / float16 on a CPU every product's weight is stored input-major, (in, out) contiguous: a
-  one-row product then streams it about 1.4-2.9x faster on this CPU than the (out, in) layout
+- on a CPU every product's weight is stored input-major, (in, out) contiguous: in bfloat16 /
+  float16 a one-row product then streams it about 1.4-2.9x faster on this CPU than the (out, in)
+  layout; in float32 one row costs the same and a verify pass's five rows up to 1.8x less
   (docs/performance.md). The model's own Linear weights become views of these buffers (same
   values, no second copy), so transformers' forward (prefill) reads the same memory;
 - every product is one `torch.mm` / `addmm` on an (in, out) weight: the kernel F.linear calls,
@@ -21,9 +22,10 @@ fewer operations, over a StaticKVCache (engine/static_cache.py):
 - with `--quantization int8` (`quantize_int8`), the products and the output layer read int8
   weights with per-row scales (`Int8Weight`, torch's `_weight_int8pack_mm`): half the bytes.
 
-On a CPU the layer runs compiled where the machine can build it (engine/fast_native.py,
-engine/fast_layer.cpp: the same arithmetic in C++, bitwise the same results, no Python per
-operation); `decoder_layer` below is its reference and the fallback (and int8 weights' layer).
+On a CPU the whole stack runs compiled where the machine can build it (engine/fast_native.py,
+engine/fast_layer.cpp: one call a pass; ATen's matrix products with the rest as loops, the same
+arithmetic as `decoder_layer` up to float rounding, no Python per operation); `decoder_layer`
+below is its reference and the fallback (and int8 weights' layer).
 
 One decoder-layer function (`decoder_layer`) and one stack of them (`FastStack`) serve every
 user: the target's and model drafters' forward (`FastDecoder`, through engine/runner.py) and
@@ -174,8 +176,9 @@ def share(modules: list[torch.nn.Module], input_major: bool) -> torch.Tensor:
 
 
 def default_input_major(weight: torch.Tensor) -> bool:
-    """(in, out) weights pay for 16-bit weights on a CPU (docs/performance.md)."""
-    return weight.dtype != torch.float32 and weight.device.type == "cpu"
+    """(in, out) weights pay on a CPU (docs/performance.md: 16-bit one-row products, float32
+    verify passes)."""
+    return weight.device.type == "cpu"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -200,10 +203,11 @@ class RotaryTable:
             rows = torch.cat([torch.full((size,), i % 3) for i, size in enumerate(section)])
             self.row_of = torch.cat([rows, rows]).to(self.inv_freq.device)  # (D,)
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin (n, 1, D) at positions (n,), or at M-RoPE positions (3, n): dimension
-        d reads row row_of[d] (transformers' recomposition by mrope_section)."""
-        end = int(positions.max()) + 1
+    def __call__(self, positions: torch.Tensor | range) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin (n, 1, D) at positions (n,) or a range of them (views of the table), or at
+        M-RoPE positions (3, n): dimension d reads row row_of[d] (transformers' recomposition by
+        mrope_section)."""
+        end = positions.stop if isinstance(positions, range) else int(positions.max()) + 1
         if end > len(self.cos):  # extend the table (doubling) to cover `end`
             table_len = max(end, 2 * len(self.cos), 1024)
             freqs = torch.arange(table_len, device=self.inv_freq.device)[:, None].float() * self.inv_freq
@@ -212,6 +216,8 @@ class RotaryTable:
             half = self.head_dim // 2
             self.cos = emb.cos().to(self.dtype)
             self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.dtype)
+        if isinstance(positions, range):  # consecutive: slices of the table
+            return self.cos[positions.start:end, None], self.signed_sin[positions.start:end, None]
         if positions.dim() == 1:
             return self.cos[positions][:, None], self.signed_sin[positions][:, None]
         index = self.row_of.expand(1, positions.shape[1], -1)  # (1, n, D)
@@ -280,13 +286,30 @@ class FastStack:
                      share([attn.o_proj], input_major), attn.o_proj.bias, layer.post_attention_layernorm.weight,
                      share([mlp.gate_proj, mlp.up_proj], input_major), share([mlp.down_proj], input_major))
 
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """rms_norm of x (n, H) with this stack's eps: compiled where the stack is (one call,
+        not five operators)."""
+        return rms_norm(x, weight, self.sizes.eps) if self.native is None else self.native.rms_norm(x, weight,
+                                                                                                  self.sizes.eps)
+
+    def _native_layers(self) -> list[list[torch.Tensor]]:
+        """The layers' weights as the compiled stack takes them (absent biases empty), made once
+        for the current `layers`."""
+        if getattr(self, "_packed_for", None) is not self.layers:
+            empty = torch.empty(0, dtype=self.dtype, device=self.device)
+            self._packed = [[layer.input_norm, layer.qkv_weight, empty if layer.qkv_bias is None else layer.qkv_bias,
+                             layer.o_weight, empty if layer.o_bias is None else layer.o_bias, layer.post_norm,
+                             layer.gate_up_weight, layer.down_weight] for layer in self.layers]
+            self._packed_for = self.layers
+        return self._packed
+
     def new_cache(self, capacity: int) -> StaticKVCache:
         return StaticKVCache(len(self.layers), self.sizes.kv_heads, self.sizes.head_dim, capacity, self.cache_dtype,
                              self.device)
 
-    def forward(self, cache: StaticKVCache, x: torch.Tensor, positions: torch.Tensor,
+    def forward(self, cache: StaticKVCache, x: torch.Tensor, positions: torch.Tensor | range,
                 attention_mask: torch.Tensor | None, keep: set[int] = frozenset()) -> tuple[torch.Tensor, dict]:
-        """Run x (n, H) at rotary positions (n,) or M-RoPE (3, n), appended after the cache's
+        """Run x (n, H) at rotary positions (n,) (or a range of them) or M-RoPE (3, n), appended after the cache's
         entries. attention_mask: None (causal over the new rows, every cached entry visible) or
         (n, length + n), bool (True = attend) or additive. Returns the last layer's output
         (n, H), not normed, and {i: (n, H)} for i in `keep` (0 = x, i = the output of layer i)."""
@@ -299,17 +322,17 @@ class FastStack:
             attention_mask = attention_mask.to(self.cache_dtype)  # additive: in the attention's dtype
         mask = None if attention_mask is None else attention_mask[None, None]
         hidden = {0: x} if 0 in keep else {}
-        for index, layer in enumerate(self.layers):
-            keys, values = cache.keys[index], cache.values[index]
-            if self.native is not None:  # the same arithmetic in C++ (engine/fast_layer.cpp)
-                x = self.native.decoder_layer(x, layer.input_norm, layer.qkv_weight, layer.qkv_bias,
-                                              layer.o_weight, layer.o_bias, layer.post_norm, layer.gate_up_weight,
-                                              layer.down_weight, cos, signed_sin, keys, values, start, mask,
-                                              *self.sizes_args)
-            else:
-                x = decoder_layer(layer, self.sizes, x, cos, signed_sin, keys, values, start, mask)
-            if index + 1 in keep:
-                hidden[index + 1] = x
+        if self.native is not None:  # every layer in one call (engine/fast_layer.cpp)
+            later = sorted(keep - {0})
+            x, *kept = self.native.stack(x, self._native_layers(), cos, signed_sin, cache.keys, cache.values, start,
+                                         mask, *self.sizes_args, later)
+            hidden.update(zip(later, kept))
+        else:
+            for index, layer in enumerate(self.layers):
+                x = decoder_layer(layer, self.sizes, x, cos, signed_sin, cache.keys[index], cache.values[index], start,
+                                  mask)
+                if index + 1 in keep:
+                    hidden[index + 1] = x
         cache.length = start + n
         return x, hidden
 
@@ -329,6 +352,8 @@ class FastDecoder:
         self.input_major = default_input_major(self.final_norm) if input_major is None else input_major
         self.stack = FastStack(stack.layers, config, stack.rotary_emb, self.input_major)
         self.head_weight = share([self.lm_head], self.input_major)  # (H, V), or an Int8Weight
+        bias = self.lm_head.bias
+        self.head_bias = torch.empty(0, dtype=self.final_norm.dtype) if bias is None else bias  # the compiled call's
 
     @torch.no_grad()
     def quantize_int8(self) -> None:
@@ -341,10 +366,11 @@ class FastDecoder:
         self.head_weight = Int8Weight.quantize(self.head_weight)
         self.stack.native = None  # the compiled layer takes float weights only
 
-    def forward(self, cache: StaticKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
+    def forward(self, cache: StaticKVCache, input_ids: torch.Tensor, positions: torch.Tensor | range,
                 attention_mask: torch.Tensor | None, num_logits: int,
                 hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run input_ids (n,) at rotary `positions` (n,), appended after the cache's entries.
+        """Run input_ids (n,) at rotary `positions` (n,) (or a range of them), appended after the
+        cache's entries.
 
         attention_mask: None (causal over the new tokens, all cached entries visible) or an
         additive (n, length + n) one (a draft tree's). Returns the logits of the last
@@ -353,8 +379,12 @@ class FastDecoder:
         """
         num_layers = len(self.stack.layers)
         keep = {num_layers if i == -1 else i for i in hidden_layers}
-        x, hidden = self.stack.forward(cache, self.embed(input_ids), positions, attention_mask, keep - {num_layers})
-        x = rms_norm(x[-num_logits:] if not keep else x, self.final_norm, self.eps)
+        x = F.embedding(input_ids, self.embed.weight)  # the covered families' embedding: a lookup
+        x, hidden = self.stack.forward(cache, x, positions, attention_mask, keep - {num_layers})
+        native = self.stack.native
+        if native is not None and not keep:  # final norm and output layer in one call
+            return native.logits(x, self.final_norm, self.head_weight, self.head_bias, self.eps, num_logits), {}
+        x = self.stack.norm(x[-num_logits:] if not keep else x, self.final_norm)
         if num_layers in keep:
             hidden[num_layers] = x
         hidden = {i: hidden[num_layers if i == -1 else i] for i in hidden_layers}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.fast_decode import FastStack, default_input_major, linear, rms_norm, share, stack_unsupported
+from engine.fast_decode import FastStack, default_input_major, linear, share, stack_unsupported
 from engine.static_cache import HEADROOM, StaticKVCache
 
 
@@ -35,7 +35,6 @@ class FastHead:
         """module: an MtpHead or BlockDrafter (check `unsupported` first); its Linear weights
         become views of the fast path's buffers (same values), so its own forward still runs."""
         self.final_norm = module.stack.norm.weight  # (H,)
-        self.eps = module.config.rms_norm_eps
         self.input_major = default_input_major(self.final_norm) if input_major is None else input_major
         self.stack = FastStack(module.stack.layers, module.config.decoder_config(), module.stack.rotary,
                                self.input_major)
@@ -52,7 +51,7 @@ class FastHead:
         positions = positions.reshape(-1, n)
         positions = positions[0] if len(positions) == 1 else positions
         x, _ = self.stack.forward(cache, x, positions, None if mask is None else mask[0, 0])
-        return rms_norm(x, self.final_norm, self.eps)[None]
+        return self.stack.norm(x, self.final_norm)[None]
 
 
 class FastMtpHead(FastHead):
@@ -65,8 +64,8 @@ class FastMtpHead(FastHead):
     def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                  mask: torch.Tensor | None, cache: StaticKVCache) -> torch.Tensor:
         """MtpHead.forward: embeds, hidden (1, n, H); position_ids (3, 1, n). Returns (1, n, H)."""
-        x = linear(torch.cat([rms_norm(embeds[0], self.enorm, self.eps),
-                              rms_norm(hidden[0], self.hnorm, self.eps)], dim=-1), self.fc)
+        x = linear(torch.cat([self.stack.norm(embeds[0], self.enorm), self.stack.norm(hidden[0], self.hnorm)], dim=-1),
+                   self.fc)
         return self.run_stack(x, position_ids, mask, cache)
 
 
@@ -81,5 +80,5 @@ class FastBlock(FastHead):
                  mask: torch.Tensor | None, cache: StaticKVCache) -> torch.Tensor:
         """BlockDrafter.forward: context (1, m, L * H), block (1, b, H) from `block_embeds`,
         position_ids (3, 1, m + b). Returns the outputs of every row (1, m + b, H)."""
-        rows = linear(rms_norm(context[0], self.context_norm, self.eps), self.context_fc).to(block.dtype)
+        rows = linear(self.stack.norm(context[0], self.context_norm), self.context_fc).to(block.dtype)
         return self.run_stack(torch.cat([rows, block[0]]), position_ids, mask, cache)

@@ -1,8 +1,16 @@
-// engine/fast_decode.py's decoder_layer in C++ (engine/fast_native.py builds it): its ATen calls
-// made from C++, and rotary with the cache writes as one loop that rounds as those calls do, so a
-// layer costs no Python per operation and its results are bitwise those of the Python function
-// (tests/test_fast_native.py). Keep the two in step.
+// engine/fast_decode.py's decode / verify pass in C++ (engine/fast_native.py builds it), two ways:
+// - `stack`: every decoder layer of a pass in one call, for float32 / bfloat16 / float16
+//   activations over a float32 cache (the fast path on a CPU): the matrix products are ATen's
+//   (MKL / oneDNN), everything between them (RMSNorm, rotary, cache writes, attention, SiLU,
+//   residual adds) is a loop here, each row computed on its own, so a pass costs a few Python-free
+//   calls a layer instead of about twenty operators. Its results differ from the Python layer's
+//   by float rounding only (sums in another order: tests/test_fast_native.py);
+// - `decoder_layer`: one layer as the Python function's ATen calls, bitwise its results; `stack`
+//   runs it for any other pair of types.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
+
+#include <cmath>
 
 using at::Tensor;
 
@@ -91,4 +99,191 @@ Tensor decoder_layer(Tensor x, const Tensor& input_norm, const Tensor& qkv_weigh
   return x + product(at::silu(gate_up[0]) * gate_up[1], down_weight, c10::nullopt);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decoder_layer", &decoder_layer); }
+// ---- `stack`: the whole pass, loops between ATen's products ----
+
+static c10::optional<Tensor> present(const Tensor& bias) { return bias.numel() ? c10::optional<Tensor>(bias) : c10::nullopt; }
+
+// Float value as T holds it (rounding to 16 bits where T is a 16-bit type).
+template <typename T>
+static inline float rounded(float value) { return static_cast<float>(static_cast<T>(value)); }
+
+// x (n, H) of T, weight (H,): fast_decode.rms_norm's arithmetic (float32; for 16-bit types the
+// normed value is rounded to T, then scaled and rounded again).
+template <typename T>
+static Tensor rms_norm_rows(const Tensor& x, const Tensor& weight, double eps) {
+  const int64_t n = x.size(0), width = x.size(1);
+  Tensor out = at::empty_like(x);
+  const T* in = x.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  for (int64_t r = 0; r < n; ++r) {
+    const T* row = in + r * width;
+    T* out_row = o + r * width;
+    float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < width; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+    const float inverse = 1.f / std::sqrt(squares / static_cast<float>(width) + static_cast<float>(eps));
+    for (int64_t i = 0; i < width; ++i) {
+      if constexpr (std::is_same_v<T, float>) {
+        out_row[i] = row[i] * inverse * w[i];
+      } else {
+        out_row[i] = static_cast<T>(static_cast<float>(w[i]) * rounded<T>(static_cast<float>(row[i]) * inverse));
+      }
+    }
+  }
+  return out;
+}
+
+// Attention of queries (heads, n, D) over cache slots 0 .. end - 1 of keys / values
+// (kv_heads, capacity, D), all float; mask: undefined (every slot visible), bool (n, end), True =
+// attend, or additive float (n, end). Query head h reads kv head h / (heads / kv_heads) (SDPA's
+// enable_gqa). Writes out (n, heads * D). Rows and heads run in parallel when the context is long.
+static void attend(const float* queries, const float* keys, const float* values, int64_t capacity, int64_t n,
+                   int64_t end, const Tensor& mask, int64_t heads, int64_t kv_heads, int64_t head_dim, float scaling,
+                   float* out) {
+  const int64_t group = heads / kv_heads, D = head_dim;
+  const bool* allowed = mask.defined() && mask.scalar_type() == at::kBool ? mask.data_ptr<bool>() : nullptr;
+  const float* added = mask.defined() && mask.scalar_type() == at::kFloat ? mask.data_ptr<float>() : nullptr;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, 2 * end * D));
+  at::parallel_for(0, heads * n, grain, [&](int64_t first, int64_t last) {
+    std::vector<float> weights(end);
+    for (int64_t pair = first; pair < last; ++pair) {
+      const int64_t h = pair / n, t = pair % n;
+      const float* q = queries + (h * n + t) * D;
+      const float* k = keys + (h / group) * capacity * D;
+      const float* v = values + (h / group) * capacity * D;
+      float top = -INFINITY;
+      for (int64_t s = 0; s < end; ++s) {
+        if (allowed && !allowed[t * end + s]) {
+          weights[s] = -INFINITY;
+          continue;
+        }
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += q[d] * k[s * D + d];
+        weights[s] = dot * scaling + (added ? added[t * end + s] : 0.f);
+        top = std::max(top, weights[s]);
+      }
+      float total = 0.f;
+      float* o = out + t * heads * D + h * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t s = 0; s < end; ++s) {
+        const float weight = weights[s] == -INFINITY ? 0.f : std::exp(weights[s] - top);
+        total += weight;
+        if (weight == 0.f) continue;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] += weight * v[s * D + d];
+      }
+      const float inverse = 1.f / total;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inverse;
+    }
+  });
+}
+
+// gate_up (n, 2 I) of T: silu(gate) * up, (n, I), each rounded to T as ATen's silu and mul round.
+template <typename T>
+static Tensor silu_times_up(const Tensor& gate_up) {
+  const int64_t n = gate_up.size(0), width = gate_up.size(1) / 2;
+  Tensor out = at::empty({n, width}, gate_up.options());
+  const T* in = gate_up.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t i = 0; i < width; ++i) {
+      const float gate = in[r * 2 * width + i], up = in[r * 2 * width + width + i];
+      o[r * width + i] = static_cast<T>(rounded<T>(gate / (1.f + std::exp(-gate))) * up);
+    }
+  return out;
+}
+
+// y += x in place (both (n, H) of T), rounded to T: the residual connection.
+template <typename T>
+static Tensor add_residual(Tensor y, const Tensor& x) {
+  T* out = y.data_ptr<T>();
+  const T* in = x.data_ptr<T>();
+  const int64_t size = y.numel();
+  for (int64_t i = 0; i < size; ++i) out[i] = static_cast<T>(static_cast<float>(out[i]) + static_cast<float>(in[i]));
+  return y;
+}
+
+// One decoder layer over x (n, H) of T, keys / values float (1, kv_heads, capacity, D); w: the
+// layer's weights as `stack` takes them. fast_decode.decoder_layer's arithmetic.
+template <typename T>
+static Tensor fused_layer(const Tensor& x, const std::vector<Tensor>& w, const Tensor& cos, const Tensor& signed_sin,
+                          Tensor& keys, Tensor& values, int64_t start, const Tensor& mask, int64_t heads,
+                          int64_t kv_heads, int64_t head_dim, double scaling, double eps) {
+  const int64_t n = x.size(0), end = start + n;
+  Tensor qkv = product(rms_norm_rows<T>(x, w[0], eps), w[1], present(w[2]));  // (n, q + 2 kv)
+  Tensor queries = at::empty({1, heads, n, head_dim}, keys.options());
+  rotate_and_write<T, float>(qkv, cos, signed_sin, queries, keys, values, start, heads, kv_heads, head_dim);
+  Tensor attended = at::empty({n, heads * head_dim}, keys.options());
+  attend(queries.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(2), n, end, mask,
+         heads, kv_heads, head_dim, static_cast<float>(scaling), attended.data_ptr<float>());
+  Tensor h = add_residual<T>(product(attended.to(x.scalar_type()), w[3], present(w[4])), x);
+  Tensor gate_up = product(rms_norm_rows<T>(h, w[5], eps), w[6], c10::nullopt);  // (n, 2 I)
+  return add_residual<T>(product(silu_times_up<T>(gate_up), w[7], c10::nullopt), h);
+}
+
+// Every layer of a pass: x (n, H) at slots start .. start + n - 1. layers[i] = {input_norm,
+// qkv_weight, qkv_bias, o_weight, o_bias, post_norm, gate_up_weight, down_weight} (weights
+// (in, out) as fast_decode.Layer, absent biases empty); keys[i] / values[i] (1, kv_heads, capacity,
+// D); mask: None (every slot visible) or (1, 1, n, start + n), bool or additive in the cache's
+// type. Returns {the last layer's output, then the output of layer i for each i in keep}.
+std::vector<Tensor> stack(Tensor x, const std::vector<std::vector<Tensor>>& layers, const Tensor& cos,
+                          const Tensor& signed_sin, std::vector<Tensor> keys, std::vector<Tensor> values, int64_t start,
+                          const c10::optional<Tensor>& mask, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                          double scaling, double eps, const std::vector<int64_t>& keep) {
+  const int64_t n = x.size(0);
+  const auto type = x.scalar_type();
+  const bool loops = keys[0].scalar_type() == at::kFloat && keys[0].is_contiguous() && values[0].is_contiguous() &&
+                     cos.is_contiguous() && signed_sin.is_contiguous() &&
+                     (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf) &&
+                     (!mask.has_value() || mask->scalar_type() == at::kBool || mask->scalar_type() == at::kFloat);
+  const Tensor rows_mask = mask.has_value() && loops ? mask->reshape({n, start + n}).contiguous() : Tensor();
+  x = x.contiguous();
+  std::vector<Tensor> out(1 + keep.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& w = layers[i];
+    if (!loops) {
+      x = decoder_layer(x, w[0], w[1], present(w[2]), w[3], present(w[4]), w[5], w[6], w[7], cos, signed_sin, keys[i],
+                        values[i], start, mask, heads, kv_heads, head_dim, scaling, eps);
+    } else if (type == at::kFloat) {
+      x = fused_layer<float>(x, w, cos, signed_sin, keys[i], values[i], start, rows_mask, heads, kv_heads, head_dim,
+                             scaling, eps);
+    } else if (type == at::kBFloat16) {
+      x = fused_layer<at::BFloat16>(x, w, cos, signed_sin, keys[i], values[i], start, rows_mask, heads, kv_heads,
+                                    head_dim, scaling, eps);
+    } else {
+      x = fused_layer<at::Half>(x, w, cos, signed_sin, keys[i], values[i], start, rows_mask, heads, kv_heads,
+                                head_dim, scaling, eps);
+    }
+    for (size_t j = 0; j < keep.size(); ++j)
+      if (keep[j] == static_cast<int64_t>(i) + 1) out[1 + j] = x;
+  }
+  out[0] = x;
+  return out;
+}
+
+// fast_decode.rms_norm over x (n, H) (the final norm), in the same loop as the layers'.
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  const Tensor rows = x.contiguous();
+  switch (x.scalar_type()) {
+    case at::kFloat: return rms_norm_rows<float>(rows, weight, eps);
+    case at::kBFloat16: return rms_norm_rows<at::BFloat16>(rows, weight, eps);
+    case at::kHalf: return rms_norm_rows<at::Half>(rows, weight, eps);
+    default: return normed(rows, weight, eps);
+  }
+}
+
+// The output layer: logits (num_logits, V) of the last num_logits rows of x (n, H), after the
+// final norm; weight (H, V) as fast_decode.linear takes it, bias empty where there is none.
+Tensor logits(const Tensor& x, const Tensor& norm, const Tensor& weight, const Tensor& bias, double eps,
+              int64_t num_logits) {
+  return product(rms_norm(x.narrow(0, x.size(0) - num_logits, num_logits), norm, eps), weight, present(bias));
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decoder_layer", &decoder_layer);
+  m.def("stack", &stack);
+  m.def("rms_norm", &rms_norm);
+  m.def("logits", &logits);
+}

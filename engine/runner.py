@@ -117,8 +117,10 @@ class Runner:
     def extend(self, state: CacheState, token_ids: list[int]) -> torch.Tensor:
         """Append `token_ids` (n,) to the cache; returns float32 logits for each of them, (n, V)."""
         num_tokens = len(token_ids)
-        position_ids = self.family.positions(state.rope_pos, num_tokens, self.device)
-        logits = self._forward(state, token_ids, position_ids)
+        if self.fast is not None:  # text tokens: consecutive rotary positions (family.positions' first row)
+            logits = self._fast_forward(state, token_ids, range(state.rope_pos, state.rope_pos + num_tokens), None)
+        else:
+            logits = self._forward(state, token_ids, self.family.positions(state.rope_pos, num_tokens, self.device))
         state.cache_len += num_tokens
         state.rope_pos += num_tokens
         return logits
@@ -182,8 +184,9 @@ class Runner:
                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run token_ids (n,) at position_ids over the cache; float32 logits (n, V)."""
         num_tokens = len(token_ids)
-        if self.fast is not None:
-            return self._fast_forward(state, token_ids, position_ids, attention_mask)
+        if self.fast is not None:  # text tokens move every M-RoPE row together: the first row is enough
+            return self._fast_forward(state, token_ids, position_ids.reshape(-1, num_tokens)[0],
+                                      None if attention_mask is None else attention_mask[0, 0])
         input_ids = torch.tensor([token_ids], device=self.device)
         if self.family.direct_text_steps and not state.reads:
             logits = self.family.text_step(self.model, input_ids, position_ids, state.cache, num_tokens,
@@ -196,17 +199,15 @@ class Runner:
             logits = out.logits
         return self._vocab(logits[0, -num_tokens:])
 
-    def _fast_forward(self, state: CacheState, token_ids: list[int], position_ids: torch.Tensor,
+    def _fast_forward(self, state: CacheState, token_ids: list[int], positions: torch.Tensor | range,
                       attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """_forward through engine/fast_decode.py: text tokens move every M-RoPE row together, so
-        the first row of position_ids, (n,), is their 1-D rotary position."""
+        """_forward through engine/fast_decode.py, at 1-D rotary positions (n,) (or a range of
+        them) under attention_mask (n, cache_len + n) or None (causal)."""
         if state.reads.shared_kv:
             raise ValueError("the fast forward computes no shared K/V; build the Runner with fast=False")
         num_tokens = len(token_ids)
-        logits, hidden = self.fast.forward(state.cache, torch.tensor(token_ids, device=self.device),
-                                           position_ids.reshape(-1, num_tokens)[0],
-                                           None if attention_mask is None else attention_mask[0, 0], num_tokens,
-                                           state.reads.hidden_layers)
+        logits, hidden = self.fast.forward(state.cache, torch.tensor(token_ids, device=self.device), positions,
+                                           attention_mask, num_tokens, state.reads.hidden_layers)
         if state.reads.hidden_layers:
             state.hidden = hidden
         return self._vocab(logits)

@@ -198,8 +198,8 @@ def test_speculation_equals_plain(zoo, drafters, name, longest, case):
 @pytest.mark.parametrize("case", ["0", "2", "second_turn"])
 def test_fast_path_drafts_equal_the_module_forward(zoo, drafters, name, case):
     """Forced drafts through the drafter on the fast path and through its module's forward:
-    the same rounds, every round's float32 logits within 1e-5 (images: entries at M-RoPE
-    positions whose rows differ)."""
+    the same rounds, every round's float32 logits within 5e-5, float rounding (the compiled stack
+    sums in another order; images: entries at M-RoPE positions whose rows differ)."""
     target, fast = zoo.target(FAMILY), drafters[name]
     assert fast.fast_fallback is None
     messages = conversation(case)
@@ -213,7 +213,7 @@ def test_fast_path_drafts_equal_the_module_forward(zoo, drafters, name, case):
         runs.append(forced.rounds)
     assert [length for length, _ in runs[0]] == [length for length, _ in runs[1]]
     for (_, fast_logits), (_, module_logits) in zip(*runs):
-        torch.testing.assert_close(torch.stack(fast_logits), torch.stack(module_logits), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.stack(fast_logits), torch.stack(module_logits), atol=5e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["mtp", "block"])
