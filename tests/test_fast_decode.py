@@ -124,8 +124,10 @@ def test_demo_model_greedy_decode_and_verify_match_transformers(one_thread):
         both(runners, (old, new), "extend", answer[-6:])
 
 
-def test_bfloat16_weights_become_views_of_input_major_buffers(zoo):
-    """Same values, one copy: the model's Linear weights view the fast path's (in, out) buffers."""
+@pytest.mark.parametrize("input_major", (True, False))
+def test_bfloat16_weights_become_views_of_the_fused_buffers(zoo, input_major):
+    """Same values, one copy: the model's Linear weights view the fast path's buffers, (in, out)
+    (torch's kernels) or (out, in) (the compiled stack's rows kernel)."""
     import copy
 
     from engine import fast_decode
@@ -133,8 +135,8 @@ def test_bfloat16_weights_become_views_of_input_major_buffers(zoo):
     model = copy.deepcopy(zoo.target("idefics3").model).to(torch.bfloat16)
     attn = fast_decode.text_stack(model).layers[0].self_attn
     before = attn.k_proj.weight.clone()
-    decoder = fast_decode.FastDecoder(model)
-    fused = decoder.stack.layers[0].qkv_weight
-    assert decoder.input_major and fused.is_contiguous()  # (in, out)
+    decoder = fast_decode.FastDecoder(model, input_major)
+    fused = decoder.stack.layers[0].qkv_weight  # (in, out) as linear takes it
+    assert fused.is_contiguous() == input_major and fused.t().is_contiguous() != input_major
     assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     assert torch.equal(attn.k_proj.weight, before)

@@ -15,7 +15,12 @@ import pytest
 import torch
 
 from engine import fast_native
-from engine.runner import Runner
+from engine.drafters.base import Draft
+from engine.engine import Engine
+from engine.loop import DecodeSettings
+from engine.runner import Runner, TargetReads
+from models import tiny
+from tests.mocks import corrupt
 from tests.test_fast_decode import prompt_of
 
 
@@ -89,6 +94,100 @@ def test_attention_split_across_threads_over_a_long_context(zoo):
         assert_same_answers(*results, FLOAT32)
     finally:
         torch.set_num_threads(threads)
+
+
+def bitwise_target(zoo, dtype):
+    target = copy.copy(zoo.target("qwen2_vl"))
+    target.model = copy.deepcopy(target.model).to(dtype)
+    native = fast_native.layer()
+    if native is None or not native.rows_kernel():
+        pytest.skip("no rows kernel on this machine (no AVX-512): ATen's products, which batch rows")
+    return target
+
+
+@NO_COMPILER
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_a_verify_pass_is_bitwise_the_decode_passes(zoo, dtype):
+    """Each row is summed alone, whatever the rows beside it and the threads: a pass over five
+    tokens on two threads gives, row for row, the logits of five one-token passes on one thread,
+    and leaves the same cache, in bfloat16 too (where batched kernels round differently:
+    ../shared/notes/transformers-facts.md)."""
+    target = bitwise_target(zoo, dtype)
+    runner = Runner(target.model, target.family)
+    threads = torch.get_num_threads()
+    try:
+        logits, state = runner.prefill(prompt_of(target, 1).target_inputs)
+        tokens = [int(logits.argmax()), 7, 9, 11, 5]
+        torch.set_num_threads(2)
+        batched = runner.extend(state, tokens)
+        cache = [keys[0, :, :state.cache_len].clone() for keys in state.cache.keys]
+        runner.rollback(state, len(tokens))
+        torch.set_num_threads(1)
+        one_by_one = torch.cat([runner.extend(state, [token]) for token in tokens])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batched, one_by_one)
+    assert all(torch.equal(before, keys[0, :, :state.cache_len]) for before, keys in zip(cache, state.cache.keys))
+
+
+@NO_COMPILER
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+def test_the_rows_kernel_sums_each_row_alone(dtype):
+    """The compiled product at a real model's width (2048 in, 1030 out: tail columns, a bias),
+    1 to 9 rows on two threads: each row bitwise its one-row product, all within the dtype's
+    rounding of a float64 product."""
+    native = fast_native.layer()
+    if native is None or not native.rows_kernel():
+        pytest.skip("no rows kernel on this machine (no AVX-512)")
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(1030, 2048, generator=generator).to(dtype).t()  # (in, out) view of (out, in)
+    bias = torch.randn(1030, generator=generator).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for n in (1, 2, 3, 4, 5, 9):
+            x = torch.randn(n, 2048, generator=generator).to(dtype)
+            y = native.product(x, weight, bias)
+            assert y.dtype == dtype and torch.equal(y, torch.cat([native.product(row[None], weight, bias) for row in x]))
+            exact = x.double() @ weight.double() + bias.double()
+            torch.testing.assert_close(y.double(), exact, rtol=1e-2 if dtype != torch.float32 else 1e-5,
+                                       atol=0.5 if dtype != torch.float32 else 1e-3)
+    finally:
+        torch.set_num_threads(threads)
+
+
+class Oracle:
+    """Drafts a fixed continuation, k tokens a round (a deterministic drafter)."""
+
+    name, kind, reads = "oracle", "test", TargetReads()
+
+    def __init__(self, continuation: list[int]):
+        self.continuation = continuation
+
+    def begin(self, prompt, target_state):
+        return self
+
+    def propose(self, generated, k, sampler):
+        return Draft(self.continuation[len(generated):len(generated) + k])
+
+    def accept(self, num_accepted):
+        pass
+
+
+@NO_COMPILER
+def test_bfloat16_speculative_answers_are_the_plain_answers(zoo, one_thread):
+    """With verify passes bitwise the decode passes, a bfloat16 target's speculative greedy
+    answer is its plain one, token for token, with rejections at every offset."""
+    target = bitwise_target(zoo, torch.bfloat16)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image} for image in tiny.tiny_images(2, seed=5)]
+                 + [{"type": "text", "text": "Describe both."}]}]
+    decode = DecodeSettings(max_new_tokens=24, draft_tokens=4, stop_token_ids=frozenset({-1}))
+    plain = list(Engine(target).stream(messages, decode=decode))[-1]
+    proposed = corrupt(plain.token_ids)
+    engine = Engine(target, {"oracle": Oracle(proposed)})
+    speculative = list(engine.stream(messages, drafter="oracle", decode=decode))[-1]
+    assert speculative.token_ids == plain.token_ids
+    assert speculative.stats.fallback_reason is None and speculative.stats.accepted > 0
 
 
 def test_turned_off_or_unbuildable_the_python_layer_runs_and_says_why(zoo, monkeypatch, one_thread):
