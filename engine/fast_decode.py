@@ -371,10 +371,10 @@ class FastDecoder:
         self.head_weight = Int8Weight.quantize(self.head_weight)
         self.stack.native = None  # the compiled layer takes float weights only
 
-    def forward(self, cache: StaticKVCache, input_ids: torch.Tensor, positions: torch.Tensor | range,
+    def forward(self, cache: StaticKVCache, token_ids: list[int], positions: torch.Tensor | range,
                 attention_mask: torch.Tensor | None, num_logits: int,
                 hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run input_ids (n,) at rotary `positions` (n,) (or a range of them), appended after the
+        """Run token_ids (n,) at rotary `positions` (n,) (or a range of them), appended after the
         cache's entries.
 
         attention_mask: None (causal over the new tokens, all cached entries visible) or an
@@ -384,9 +384,13 @@ class FastDecoder:
         """
         num_layers = len(self.stack.layers)
         keep = {num_layers if i == -1 else i for i in hidden_layers}
-        x = F.embedding(input_ids, self.embed.weight)  # the covered families' embedding: a lookup
-        x, hidden = self.stack.forward(cache, x, positions, attention_mask, keep - {num_layers})
         native = self.stack.native
+        weight = self.embed.weight  # the covered families' embedding: a lookup
+        if native is not None and weight.is_contiguous():
+            x = native.embed(weight, token_ids)
+        else:  # a GPU, or a tied embedding stored (in, out)
+            x = F.embedding(torch.tensor(token_ids, device=weight.device), weight)
+        x, hidden = self.stack.forward(cache, x, positions, attention_mask, keep - {num_layers})
         if native is not None and not keep:  # final norm and output layer in one call
             return native.logits(x, self.final_norm, self.head_weight, self.head_bias, self.eps, num_logits), {}
         x = self.stack.norm(x[-num_logits:] if not keep else x, self.final_norm)

@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstring>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -388,7 +389,22 @@ Tensor logits(const Tensor& x, const Tensor& norm, const Tensor& weight, const T
   return product(rms_norm(x.narrow(0, x.size(0) - num_logits, num_logits), norm, eps), weight, present(bias));
 }
 
+// The embedding rows (n, H) of token_ids (n,): a lookup.
+Tensor embed(const Tensor& weight, const std::vector<int64_t>& token_ids) {
+  const int64_t n = static_cast<int64_t>(token_ids.size()), width = weight.size(1), rows = weight.size(0);
+  Tensor x = at::empty({n, width}, weight.options());
+  const int64_t bytes = width * weight.element_size();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(token_ids[i] >= 0 && token_ids[i] < rows, "token id ", token_ids[i], " outside the vocabulary");
+    std::memcpy(static_cast<char*>(x.data_ptr()) + i * bytes,
+                static_cast<const char*>(weight.data_ptr()) + token_ids[i] * weight.stride(0) * weight.element_size(),
+                bytes);
+  }
+  return x;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("embed", &embed);
   m.def("decoder_layer", &decoder_layer);
   m.def("stack", &stack);
   m.def("rms_norm", &rms_norm);

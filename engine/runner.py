@@ -206,8 +206,8 @@ class Runner:
         if state.reads.shared_kv:
             raise ValueError("the fast forward computes no shared K/V; build the Runner with fast=False")
         num_tokens = len(token_ids)
-        logits, hidden = self.fast.forward(state.cache, torch.tensor(token_ids, device=self.device), positions,
-                                           attention_mask, num_tokens, state.reads.hidden_layers)
+        logits, hidden = self.fast.forward(state.cache, token_ids, positions, attention_mask, num_tokens,
+                                           state.reads.hidden_layers)
         if state.reads.hidden_layers:
             state.hidden = hidden
         return self._vocab(logits)
