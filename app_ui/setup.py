@@ -120,7 +120,7 @@ APP_VARIABLES = [("VLM_HOST", "--host"), ("VLM_PORT", "--port"), ("VLM_MAX_IMAGE
                  ("VLM_SHARE=1", "--share"), ("VLM_NO_BROWSER=1", "--no-browser"),
                  ("VLM_BACKEND", "--backend: a URL or llamacpp[:PATH]"), ("VLM_AB_BACKEND", "--ab-backend"),
                  ("VLM_BACKEND_API_KEY", "the servers' API key (sent to them only)"),
-                 ("VLM_NATIVE_LAYER=0", "decode with the Python layer, not the one compiled from C++ "
+                 ("VLM_NATIVE_LAYER=0", "decode with the Python layers, not the ones compiled from C++ "
                                         "(engine/fast_native.py)"),
                  ("GRADIO_SERVER_NAME, GRADIO_SERVER_PORT", "host and port, after VLM_HOST and VLM_PORT"),
                  ("SPACE_ID (set on a Hugging Face Space)", "serve on 0.0.0.0, open no browser")]

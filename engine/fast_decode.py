@@ -21,12 +21,13 @@ fewer operations, over a StaticKVCache (engine/static_cache.py):
 - a pass writes its K/V into the cache's slots; attention reads slots 0 .. length - 1; for 16-bit
   weights on a CPU the cache and attention are float32 (`attention_dtype`);
 - with `--quantization int8` (`quantize_int8`), the products and the output layer read int8
-  weights with per-row scales (`Int8Weight`, torch's `_weight_int8pack_mm`): half the bytes.
+  weights with per-row scales (`Int8Weight`; the compiled rows kernel, or torch's
+  `_weight_int8pack_mm`): half the bytes.
 
 On a CPU the whole stack runs compiled where the machine can build it (engine/fast_native.py,
 engine/fast_layer.cpp: one call a pass; ATen's matrix products with the rest as loops, the same
 arithmetic as `decoder_layer` up to float rounding, no Python per operation); `decoder_layer`
-below is its reference and the fallback (and int8 weights' layer).
+below is its reference and the fallback.
 
 One decoder-layer function (`decoder_layer`) and one stack of them (`FastStack`) serve every
 user: the target's and model drafters' forward (`FastDecoder`, through engine/runner.py) and
@@ -158,6 +159,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tenso
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
+def native_weight(weight: torch.Tensor | Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """A product's weight as the compiled stack takes it: (in, out) and its int8 scales (empty for
+    float weights)."""
+    if isinstance(weight, Int8Weight):
+        return weight.values.t(), weight.scales
+    return weight, torch.empty(0, dtype=weight.dtype, device=weight.device)
+
+
 def _cat(*tensors):
     return None if tensors[0] is None else torch.cat(tensors)
 
@@ -275,7 +284,7 @@ class FastStack:
                                config.rms_norm_eps)
         self.layers = [self._layer(layer, input_major) for layer in layers]
         self.sizes_args = (self.sizes.heads, self.sizes.kv_heads, self.sizes.head_dim, self.sizes.scaling,
-                           self.sizes.eps)  # the compiled layer's last arguments
+                           self.sizes.eps)  # the compiled stack's last arguments
         norm = layers[0].input_layernorm.weight
         self.rotary = RotaryTable(rotary, attn.head_dim, norm.dtype)
         self.dtype, self.device = norm.dtype, norm.device
@@ -298,15 +307,22 @@ class FastStack:
                                                                                                   self.sizes.eps)
 
     def _native_layers(self) -> list[list[torch.Tensor]]:
-        """The layers' weights as the compiled stack takes them (absent biases empty), made once
-        for the current `layers`."""
+        """The layers' weights as the compiled stack takes them (absent biases empty; int8 weights
+        as their values transposed, (in, out), and their scales), made once for the current `layers`."""
         if getattr(self, "_packed_for", None) is not self.layers:
-            empty = torch.empty(0, dtype=self.dtype, device=self.device)
-            self._packed = [[layer.input_norm, layer.qkv_weight, empty if layer.qkv_bias is None else layer.qkv_bias,
-                             layer.o_weight, empty if layer.o_bias is None else layer.o_bias, layer.post_norm,
-                             layer.gate_up_weight, layer.down_weight] for layer in self.layers]
+            self._packed = []
+            for layer in self.layers:
+                products = [native_weight(w) for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight,
+                                                       layer.down_weight)]
+                (qkv, qkv_scales), (o, o_scales), (gate_up, gate_up_scales), (down, down_scales) = products
+                self._packed.append([layer.input_norm, qkv, self._or_empty(layer.qkv_bias), o,
+                                     self._or_empty(layer.o_bias), layer.post_norm, gate_up, down,
+                                     qkv_scales, o_scales, gate_up_scales, down_scales])
             self._packed_for = self.layers
         return self._packed
+
+    def _or_empty(self, tensor: torch.Tensor | None) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype, device=self.device) if tensor is None else tensor
 
     def new_cache(self, capacity: int) -> StaticKVCache:
         return StaticKVCache(len(self.layers), self.sizes.kv_heads, self.sizes.head_dim, capacity, self.cache_dtype,
@@ -369,7 +385,6 @@ class FastDecoder:
                                    Int8Weight.quantize(layer.gate_up_weight), Int8Weight.quantize(layer.down_weight))
                              for layer in self.stack.layers]
         self.head_weight = Int8Weight.quantize(self.head_weight)
-        self.stack.native = None  # the compiled layer takes float weights only
 
     def forward(self, cache: StaticKVCache, token_ids: list[int], positions: torch.Tensor | range,
                 attention_mask: torch.Tensor | None, num_logits: int,
@@ -392,7 +407,8 @@ class FastDecoder:
             x = F.embedding(torch.tensor(token_ids, device=weight.device), weight)
         x, hidden = self.stack.forward(cache, x, positions, attention_mask, keep - {num_layers})
         if native is not None and not keep:  # final norm and output layer in one call
-            return native.logits(x, self.final_norm, self.head_weight, self.head_bias, self.eps, num_logits), {}
+            head, scales = native_weight(self.head_weight)
+            return native.logits(x, self.final_norm, head, self.head_bias, scales, self.eps, num_logits), {}
         x = self.stack.norm(x[-num_logits:] if not keep else x, self.final_norm)
         if num_layers in keep:
             hidden[num_layers] = x

@@ -122,6 +122,9 @@ static inline __m512 widen(const at::BFloat16* p) {  // 16 bfloat16: their bits 
 static inline __m512 widen(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+static inline __m512 widen(const int8_t* p) {  // int8 weights: their values, scaled per output after the sum
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 
 // out[r][c] = x row r (in floats) . weight row c (in of W), for R rows and C weight rows.
 template <int R, int C, typename W>
@@ -141,63 +144,94 @@ static inline void dot_block(const float* x, const W* weight, int64_t in, float 
     for (int c = 0; c < C; ++c) out[r][c] = _mm512_reduce_add_ps(sums[r][c]);
 }
 
-// Rows first .. first + R - 1 of y (n, out) of T, columns column .. column + C - 1 (plus bias).
-template <int R, int C, typename T, typename W>
-static inline void rows_block(const float* x, const W* weight, const T* bias, T* y, int64_t first, int64_t column,
-                              int64_t in, int64_t out) {
-  float sums[R][C];
-  dot_block<R, C, W>(x + first * in, weight + column * in, in, sums);
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c)
-      y[(first + r) * out + column + c] =
-          static_cast<T>(sums[r][c] + (bias ? static_cast<float>(bias[column + c]) : 0.f));
-}
-
-template <int C, typename T, typename W>
-static void columns(const float* x, const W* weight, const T* bias, T* y, int64_t n, int64_t column, int64_t in,
-                    int64_t out) {
-  int64_t r = 0;
-  for (; r + 4 <= n; r += 4) rows_block<4, C>(x, weight, bias, y, r, column, in, out);
-  switch (n - r) {
-    case 3: rows_block<3, C>(x, weight, bias, y, r, column, in, out); break;
-    case 2: rows_block<2, C>(x, weight, bias, y, r, column, in, out); break;
-    case 1: rows_block<1, C>(x, weight, bias, y, r, column, in, out); break;
-  }
-}
-
-// y (n, out) of T = x (n, in) times weight (out, in) of W, plus bias; in a multiple of 16.
+// Where y's rows first .. first + R - 1 and columns column .. column + C - 1 come from: the products
+// times the int8 weights' per-output scales (none for float weights), plus the bias (or none).
 template <typename T, typename W>
-static Tensor rows_product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias) {
+struct Product {
+  const float* x;  // (n, in)
+  const W* weight;  // (out, in)
+  const T* scales;  // (out,) or nullptr
+  const T* bias;  // (out,) or nullptr
+  T* y;  // (n, out)
+  int64_t n, in, out;
+
+  template <int R, int C>
+  void block(int64_t first, int64_t column) const {
+    float sums[R][C];
+    dot_block<R, C, W>(x + first * in, weight + column * in, in, sums);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) {
+        const float scaled = scales ? sums[r][c] * static_cast<float>(scales[column + c]) : sums[r][c];
+        y[(first + r) * out + column + c] =
+            static_cast<T>(scaled + (bias ? static_cast<float>(bias[column + c]) : 0.f));
+      }
+  }
+
+  template <int C>
+  void columns(int64_t column) const {  // every row, four at a time
+    int64_t r = 0;
+    for (; r + 4 <= n; r += 4) block<4, C>(r, column);
+    switch (n - r) {
+      case 3: block<3, C>(r, column); break;
+      case 2: block<2, C>(r, column); break;
+      case 1: block<1, C>(r, column); break;
+    }
+  }
+};
+
+// y (n, out) of T = x (n, in) times weight (out, in) of W (times scales), plus bias; in a multiple of 16.
+template <typename T, typename W>
+static Tensor rows_product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& scales,
+                           const c10::optional<Tensor>& bias) {
   const int64_t n = x.size(0), in = x.size(1), out = weight.size(0);
   const Tensor x_float = x.to(at::kFloat).contiguous();
   Tensor y = at::empty({n, out}, x.options());
-  const float* xs = x_float.data_ptr<float>();
-  const W* w = reinterpret_cast<const W*>(weight.data_ptr());
-  const T* b = bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
-  T* ys = reinterpret_cast<T*>(y.data_ptr());
+  const Product<T, W> product{x_float.data_ptr<float>(), reinterpret_cast<const W*>(weight.data_ptr()),
+                              scales ? reinterpret_cast<const T*>(scales->data_ptr()) : nullptr,
+                              bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
+                              reinterpret_cast<T*>(y.data_ptr()), n, in, out};
   const int64_t quads = out / 4;  // groups of four outputs; a thread takes a range of them
   at::parallel_for(0, quads, std::max<int64_t>(1, 4096 / in), [&](int64_t first, int64_t last) {
-    for (int64_t quad = first; quad < last; ++quad) columns<4>(xs, w, b, ys, n, 4 * quad, in, out);
+    for (int64_t quad = first; quad < last; ++quad) product.template columns<4>(4 * quad);
   });
-  for (int64_t column = 4 * quads; column < out; ++column) columns<1>(xs, w, b, ys, n, column, in, out);
+  for (int64_t column = 4 * quads; column < out; ++column) product.template columns<1>(column);
   return y;
 }
 #endif
 
-// x (n, in) times weight (in, out), plus bias: the rows kernel where it applies (the weight a
-// transposed view of an (out, in) buffer, fast_decode.default_input_major), else ATen's.
-static Tensor product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias) {
-#ifdef __AVX512F__
+static bool plain(const c10::optional<Tensor>& vector, at::ScalarType type) {
+  return !vector.has_value() || (vector->scalar_type() == type && vector->is_contiguous());
+}
+
+// x (n, in) times weight (in, out) (float, or int8 with scales (out,): fast_decode.Int8Weight's
+// values transposed), plus bias: the rows kernel where it applies (the weight a transposed view of
+// an (out, in) buffer, fast_decode.default_input_major), else ATen's.
+static Tensor product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias,
+                      const c10::optional<Tensor>& scales = c10::nullopt) {
   const int64_t in = weight.size(0);
-  const auto type = weight.scalar_type();
+  const auto type = x.scalar_type();
+#ifdef __AVX512F__
   if (x.size(0) <= ROWS_KERNEL_MAX && in % 16 == 0 && weight.stride(0) == 1 && weight.stride(1) == in &&
-      x.scalar_type() == type && (!bias.has_value() || (bias->scalar_type() == type && bias->is_contiguous()))) {
+      plain(bias, type) && plain(scales, type) && scales.has_value() == (weight.scalar_type() == at::kChar) &&
+      (weight.scalar_type() == type || weight.scalar_type() == at::kChar)) {
     const Tensor rows = weight.t();  // (out, in), contiguous
-    if (type == at::kFloat) return rows_product<float, float>(x, rows, bias);
-    if (type == at::kBFloat16) return rows_product<at::BFloat16, at::BFloat16>(x, rows, bias);
-    if (type == at::kHalf) return rows_product<at::Half, at::Half>(x, rows, bias);
+    switch (weight.scalar_type()) {
+      case at::kFloat: return rows_product<float, float>(x, rows, scales, bias);
+      case at::kBFloat16: return rows_product<at::BFloat16, at::BFloat16>(x, rows, scales, bias);
+      case at::kHalf: return rows_product<at::Half, at::Half>(x, rows, scales, bias);
+      case at::kChar:
+        if (type == at::kFloat) return rows_product<float, int8_t>(x, rows, scales, bias);
+        if (type == at::kBFloat16) return rows_product<at::BFloat16, int8_t>(x, rows, scales, bias);
+        if (type == at::kHalf) return rows_product<at::Half, int8_t>(x, rows, scales, bias);
+        break;
+      default: break;
+    }
   }
 #endif
+  if (scales.has_value()) {  // fast_decode.linear's int8 product
+    const Tensor y = at::_weight_int8pack_mm(x, weight.t(), *scales);
+    return bias.has_value() ? y + *bias : y;
+  }
   return aten_product(x, weight, bias);
 }
 
@@ -320,22 +354,23 @@ static Tensor fused_layer(const Tensor& x, const std::vector<Tensor>& w, const T
                           Tensor& keys, Tensor& values, int64_t start, const Tensor& mask, int64_t heads,
                           int64_t kv_heads, int64_t head_dim, double scaling, double eps) {
   const int64_t n = x.size(0), end = start + n;
-  Tensor qkv = product(rms_norm_rows<T>(x, w[0], eps), w[1], present(w[2]));  // (n, q + 2 kv)
+  Tensor qkv = product(rms_norm_rows<T>(x, w[0], eps), w[1], present(w[2]), present(w[8]));  // (n, q + 2 kv)
   Tensor queries = at::empty({1, heads, n, head_dim}, keys.options());
   rotate_and_write<T, float>(qkv, cos, signed_sin, queries, keys, values, start, heads, kv_heads, head_dim);
   Tensor attended = at::empty({n, heads * head_dim}, keys.options());
   attend(queries.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(2), n, end, mask,
          heads, kv_heads, head_dim, static_cast<float>(scaling), attended.data_ptr<float>());
-  Tensor h = add_residual<T>(product(attended.to(x.scalar_type()), w[3], present(w[4])), x);
-  Tensor gate_up = product(rms_norm_rows<T>(h, w[5], eps), w[6], c10::nullopt);  // (n, 2 I)
-  return add_residual<T>(product(silu_times_up<T>(gate_up), w[7], c10::nullopt), h);
+  Tensor h = add_residual<T>(product(attended.to(x.scalar_type()), w[3], present(w[4]), present(w[9])), x);
+  Tensor gate_up = product(rms_norm_rows<T>(h, w[5], eps), w[6], c10::nullopt, present(w[10]));  // (n, 2 I)
+  return add_residual<T>(product(silu_times_up<T>(gate_up), w[7], c10::nullopt, present(w[11])), h);
 }
 
 // Every layer of a pass: x (n, H) at slots start .. start + n - 1. layers[i] = {input_norm,
-// qkv_weight, qkv_bias, o_weight, o_bias, post_norm, gate_up_weight, down_weight} (weights
-// (in, out) as fast_decode.Layer, absent biases empty); keys[i] / values[i] (1, kv_heads, capacity,
-// D); mask: None (every slot visible) or (1, 1, n, start + n), bool or additive in the cache's
-// type. Returns {the last layer's output, then the output of layer i for each i in keep}.
+// qkv_weight, qkv_bias, o_weight, o_bias, post_norm, gate_up_weight, down_weight, then the four
+// products' int8 scales} (weights (in, out) as fast_decode.Layer, int8 ones as their values
+// transposed; absent biases and the scales of float weights empty); keys[i] / values[i] (1,
+// kv_heads, capacity, D); mask: None (every slot visible) or (1, 1, n, start + n), bool or additive
+// in the cache's type. Returns {the last layer's output, then the output of layer i for each i in keep}.
 std::vector<Tensor> stack(Tensor x, const std::vector<std::vector<Tensor>>& layers, const Tensor& cos,
                           const Tensor& signed_sin, std::vector<Tensor> keys, std::vector<Tensor> values, int64_t start,
                           const c10::optional<Tensor>& mask, int64_t heads, int64_t kv_heads, int64_t head_dim,
@@ -352,6 +387,7 @@ std::vector<Tensor> stack(Tensor x, const std::vector<std::vector<Tensor>>& laye
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& w = layers[i];
     if (!loops) {
+      TORCH_CHECK(w[8].numel() == 0, "int8 weights need a float32 cache (fast_decode.attention_dtype)");
       x = decoder_layer(x, w[0], w[1], present(w[2]), w[3], present(w[4]), w[5], w[6], w[7], cos, signed_sin, keys[i],
                         values[i], start, mask, heads, kv_heads, head_dim, scaling, eps);
     } else if (type == at::kFloat) {
@@ -383,10 +419,11 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
 }
 
 // The output layer: logits (num_logits, V) of the last num_logits rows of x (n, H), after the
-// final norm; weight (H, V) as fast_decode.linear takes it, bias empty where there is none.
-Tensor logits(const Tensor& x, const Tensor& norm, const Tensor& weight, const Tensor& bias, double eps,
-              int64_t num_logits) {
-  return product(rms_norm(x.narrow(0, x.size(0) - num_logits, num_logits), norm, eps), weight, present(bias));
+// final norm; weight (H, V) as `stack` takes its weights, bias and scales empty where there are none.
+Tensor logits(const Tensor& x, const Tensor& norm, const Tensor& weight, const Tensor& bias, const Tensor& scales,
+              double eps, int64_t num_logits) {
+  return product(rms_norm(x.narrow(0, x.size(0) - num_logits, num_logits), norm, eps), weight, present(bias),
+                 present(scales));
 }
 
 // The embedding rows (n, H) of token_ids (n,): a lookup.
@@ -410,5 +447,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("logits", &logits);
   m.def("rows_kernel", &rows_kernel);
-  m.def("product", &product);
+  m.def("product", &product, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
+        pybind11::arg("scales") = c10::nullopt);
 }

@@ -1,14 +1,16 @@
-"""The fast path's decoder layer compiled from C++ (engine/fast_layer.cpp), built once per machine.
+"""The fast path's decode / verify pass compiled from C++ (engine/fast_layer.cpp), built once per machine.
 
 A decode pass of a small model spends most of its time outside its matrix products, about
 60 operator calls a layer, each costing Python and dispatch (docs/performance.md, "Fewer
-operations a layer"). engine/fast_layer.cpp does `fast_decode.decoder_layer`'s arithmetic in C++
-(its ATen calls, and rotary with the cache writes as one loop that rounds as those calls do), so
-its results are bitwise the Python function's and a layer costs no Python per operation. torch's
-extension loader compiles it with the machine's C++ compiler and ninja the first time (about
-25 s; then cached under ~/.cache/torch_extensions, rebuilt when the source changes). Where it cannot be built (no
-compiler, a read-only home) or `VLM_NATIVE_LAYER=0`, the Python layer runs and `unavailable()`
-says why. int8 weights (`--quantization int8`) keep the Python layer.
+operations a layer"). engine/fast_layer.cpp runs every layer of a pass in one call (`stack`):
+`fast_decode.decoder_layer`'s arithmetic as loops between the products, the products of up to 32
+rows in its own kernel (AVX-512: each row summed alone, so a verify pass is bitwise its decode
+passes), longer ones in ATen's; the final norm and output layer in one more call (`logits`).
+torch's extension loader compiles it with the machine's C++ compiler and ninja the first time
+(about 30 s; then cached under ~/.cache/torch_extensions, rebuilt when the source, torch or the
+CPU changes). Where it cannot be built (no compiler, a read-only home) or `VLM_NATIVE_LAYER=0`,
+the Python layer runs and `unavailable()` says why. int8 weights (`--quantization int8`) run
+compiled too (the rows kernel reads their int8 values and scales).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def layer():
 
 
 def unavailable() -> str | None:
-    """Why the compiled layer is not used (None when it is)."""
+    """Why the compiled stack is not used (None when it is)."""
     return _build()[1]
 
 
@@ -52,14 +54,14 @@ def _build():
 
         name = f"{NAME}_{re.sub(r'[^A-Za-z0-9]', '_', torch.__version__)}_{_machine()}"
         if not _built(name):
-            print("Compiling the fast decode layer (engine/fast_layer.cpp), once per machine: about 25 s ...",
+            print("Compiling the fast decode path (engine/fast_layer.cpp), once per machine: about 30 s ...",
                   file=sys.stderr, flush=True)
         return load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                     verbose=False), None
     except Exception as error:  # no compiler, no ninja, an unwritable cache: the Python layer runs
         lines = str(error).splitlines() or [""]
         first_error = next((line for line in lines if "error" in line.lower() and line is not lines[0]), lines[0])
-        reason = f"the compiled decoder layer could not be built ({type(error).__name__}: {first_error.strip()[:300]})"
+        reason = f"the compiled decode path could not be built ({type(error).__name__}: {first_error.strip()[:300]})"
         log.warning("%s; the Python layer runs", reason)
         return None, reason
 

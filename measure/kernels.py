@@ -15,7 +15,9 @@ bf16 linears; a second copy of the weight); `ip` / `ip-in` oneDNN's inner produc
 `upcast_linear` for more (float32 products over column blocks of the input-major weight upcast
 into a cache-sized tile); `upcast:KB` upcast_linear for every n with tiles of KB; `in-nodnnl` /
 `out-nodnnl` F.linear with oneDNN switched off (torch's own bf16 kernels); `int8` the fast path's
-`--quantization int8` (half the bytes: a reference, not a bf16 kernel).
+`--quantization int8` (half the bytes: a reference, not a bf16 kernel); `compiled` the compiled
+stack's rows kernel on the (out, in) weight (engine/fast_layer.cpp; where this machine builds it
+with AVX-512).
 
 Each product reads a weight the CPU has not just read: every kind holds copies of its weight
 totalling `--cold-mb` (more than this CPU's 260 MB L3 with the other kinds' copies read in
@@ -36,7 +38,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine import fast_decode
+from engine import fast_decode, fast_native
 
 SHAPES = {  # name: (out, in)
     "smolvlm": {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate/up 576->3072": (3072, 576),
@@ -84,6 +86,11 @@ def make(kind: str, weight: torch.Tensor):
         return lambda x, size=int(kind.partition(":")[2]) * 1024: upcast_linear(x, input_major, size)
     if kind == "int8":
         return lambda x, w=fast_decode.Int8Weight.quantize(weight.t()): fast_decode.linear(x, w)
+    if kind == "compiled":
+        native = fast_native.layer()
+        if native is None or not native.rows_kernel():
+            raise SystemExit(f"no compiled rows kernel here: {fast_native.unavailable() or 'no AVX-512'}")
+        return lambda x, w=weight.clone().t(): native.product(x, w, None)  # (in, out) view of (out, in)
     raise SystemExit(f"unknown kind {kind!r}")
 
 

@@ -16,6 +16,7 @@ import torch
 
 from engine import fast_native
 from engine.drafters.base import Draft
+from engine.fast_decode import Int8Weight
 from engine.engine import Engine
 from engine.loop import DecodeSettings
 from engine.runner import Runner, TargetReads
@@ -131,25 +132,34 @@ def test_a_verify_pass_is_bitwise_the_decode_passes(zoo, dtype):
 
 
 @NO_COMPILER
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
-def test_the_rows_kernel_sums_each_row_alone(dtype):
-    """The compiled product at a real model's width (2048 in, 1030 out: tail columns, a bias),
-    1 to 9 rows on two threads: each row bitwise its one-row product, all within the dtype's
-    rounding of a float64 product."""
+@pytest.mark.parametrize("dtype, int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
+                                         (torch.float32, True), (torch.bfloat16, True)])
+def test_the_rows_kernel_sums_each_row_alone(dtype, int8):
+    """The compiled product at a real model's width (2048 in, 1030 out: tail columns, a bias; the
+    weight in `dtype` or as int8 values with per-output scales), 1 to 9 rows on two threads: each
+    row bitwise its one-row product, all within the dtype's rounding of a float64 product."""
     native = fast_native.layer()
     if native is None or not native.rows_kernel():
         pytest.skip("no rows kernel on this machine (no AVX-512)")
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(1030, 2048, generator=generator).to(dtype).t()  # (in, out) view of (out, in)
+    scales = None
+    if int8:
+        quantized = Int8Weight.quantize(weight)
+        weight, scales = quantized.values.t(), quantized.scales
+        exact_weight = quantized.values.double() * quantized.scales.double()[:, None]
+    else:
+        exact_weight = weight.double().t()
     bias = torch.randn(1030, generator=generator).to(dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         for n in (1, 2, 3, 4, 5, 9):
             x = torch.randn(n, 2048, generator=generator).to(dtype)
-            y = native.product(x, weight, bias)
-            assert y.dtype == dtype and torch.equal(y, torch.cat([native.product(row[None], weight, bias) for row in x]))
-            exact = x.double() @ weight.double() + bias.double()
+            y = native.product(x, weight, bias, scales)
+            one_by_one = torch.cat([native.product(row[None], weight, bias, scales) for row in x])
+            assert y.dtype == dtype and torch.equal(y, one_by_one)
+            exact = x.double() @ exact_weight.t() + bias.double()
             torch.testing.assert_close(y.double(), exact, rtol=1e-2 if dtype != torch.float32 else 1e-5,
                                        atol=0.5 if dtype != torch.float32 else 1e-3)
     finally:
