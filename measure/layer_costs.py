@@ -4,8 +4,8 @@
 
 On a measure/shapes.py architecture with random weights (or `--shape demo`, the bundled model),
 one process, interleaved round by round, 20 passes of one token after a 64-token prompt each:
-- `compiled layer`: the fast path's pass as the engine runs it (`Runner.extend`, then a
-  rollback) with the compiled layer (engine/fast_native.py), where this machine builds it;
+- `compiled`: the fast path's pass as the engine runs it (`Runner.extend`, then a rollback)
+  with the compiled stack (engine/fast_native.py), where this machine builds it;
 - `full`: the same pass with the Python layer (engine/fast_decode.decoder_layer);
 - `without X`: the Python layer's pass with one part of every decoder layer left out (its output
   replaced by its input, so the products still run on tensors of the same shapes): `norm` (both
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     runner = Runner(model, family)
     ids = torch.randint(16, model.config.get_text_config().vocab_size, (1, 64))
     native = runner.fast.stack.native
-    variants = {**({"compiled layer": "compiled"} if native else {}), "full": None,
+    variants = {**({"compiled": "compiled"} if native else {}), "full": None,
                 **{f"without {p}": layer_without({p}) for p in PARTS},
                 "without all": layer_without(set(PARTS))}
     eager = fast_decode.decoder_layer
