@@ -187,7 +187,8 @@ class Oracle:
 @NO_COMPILER
 def test_bfloat16_speculative_answers_are_the_plain_answers(zoo, one_thread):
     """With verify passes bitwise the decode passes, a bfloat16 target's speculative greedy
-    answer is its plain one, token for token, with rejections at every offset."""
+    answer is its plain one, token for token, with some drafts rejected part-way (the drafter
+    proposes a corrupted copy of the answer)."""
     target = bitwise_target(zoo, torch.bfloat16)
     messages = [{"role": "user", "content": [{"type": "image", "image": image} for image in tiny.tiny_images(2, seed=5)]
                  + [{"type": "text", "text": "Describe both."}]}]
