@@ -5,8 +5,8 @@ wrapper's mask and cache bookkeeping), not to arithmetic: docs/performance.md. T
 the same arithmetic as transformers' (RMSNorm in float32, rotary embedding, SDPA, SiLU MLP) in
 fewer operations, over a StaticKVCache (engine/static_cache.py):
 - q, k, v are one matrix product (and gate, up another) on weights concatenated at load;
-- on a CPU with the compiled stack's rows kernel (AVX-512) the weights stay (out, in), which it
-  reads; elsewhere on a CPU they are stored input-major, (in, out) contiguous: torch's bfloat16 /
+- on a CPU with the compiled stack (engine/fast_native.py) the weights stay (out, in), which its
+  rows kernel reads; without it, on a CPU they are stored input-major, (in, out) contiguous: torch's bfloat16 /
   float16 one-row product then streams them about 1.4-2.9x faster than the (out, in) layout, and
   its float32 verify passes cost up to 1.8x less (docs/performance.md). The model's own Linear
   weights become views of these buffers (same values, no second copy), so transformers' forward
@@ -187,12 +187,9 @@ def share(modules: list[torch.nn.Module], input_major: bool) -> torch.Tensor:
 
 def default_input_major(weight: torch.Tensor) -> bool:
     """Whether products read (in, out) weights: on a CPU, yes for torch's kernels (16-bit one-row
-    products, float32 verify passes: docs/performance.md); no where the compiled stack's rows
-    kernel runs, which reads (out, in) (engine/fast_layer.cpp)."""
-    if weight.device.type != "cpu":
-        return False
-    native = fast_native.layer()
-    return native is None or not native.rows_kernel()
+    products, float32 verify passes: docs/performance.md); no where the compiled stack runs, whose
+    rows kernel reads (out, in) (engine/fast_layer.cpp)."""
+    return weight.device.type == "cpu" and fast_native.layer() is None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

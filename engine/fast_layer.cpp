@@ -1,18 +1,20 @@
 // engine/fast_decode.py's decode / verify pass in C++ (engine/fast_native.py builds it), two ways:
 // - `stack`: every decoder layer of a pass in one call, for float32 / bfloat16 / float16
-//   activations over a float32 cache (the fast path on a CPU): the matrix products are ATen's
-//   (MKL / oneDNN), everything between them (RMSNorm, rotary, cache writes, attention, SiLU,
-//   residual adds) is a loop here, each row computed on its own, so a pass costs a few Python-free
-//   calls a layer instead of about twenty operators. Its results differ from the Python layer's
-//   by float rounding only (sums in another order: tests/test_fast_native.py);
+//   activations over a float32 cache (the fast path on a CPU): the matrix products of up to 32
+//   rows are this file's rows kernel (AVX-512, or portable code the compiler vectorizes), longer
+//   ones ATen's (MKL / oneDNN); everything between them (RMSNorm, rotary, cache writes, attention,
+//   SiLU, residual adds) is a loop here, each row computed on its own, so a pass costs a few
+//   Python-free calls instead of about twenty operators a layer. Its results differ from the
+//   Python layer's by float rounding only (sums in another order: tests/test_fast_native.py);
 // - `decoder_layer`: one layer as the Python function's ATen calls, bitwise its results; `stack`
 //   runs it for any other pair of types.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
-#ifdef __AVX512F__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -105,48 +107,146 @@ Tensor decoder_layer(Tensor x, const Tensor& input_norm, const Tensor& qkv_weigh
 
 // ---- `stack`: the whole pass, loops between ATen's products ----
 
-// The products of few rows (decode and verify passes, up to ROWS_KERNEL_MAX rows) on a CPU with
-// AVX-512, for (out, in) weights: each output is one row of the weight times one row of x, summed in
-// 16 float lanes in the order of `in`, whatever the number of rows, the thread or the rows beside
-// it. A verify pass's rows are therefore bitwise the decode passes' (tests/test_fast_native.py),
-// and the weight is read once for all the rows: a 5-row bfloat16 product costs about 1.5 one-row
-// products here, against 5.6 for oneDNN's (docs/performance.md). Other shapes: ATen's product.
+// The products of few rows (decode and verify passes, up to ROWS_KERNEL_MAX rows), for (out, in)
+// weights: each output is one row of the weight times one row of x, summed in 16 float lanes in the
+// order of `in` (fused multiply-adds), the lanes then added in halves, whatever the number of rows,
+// the thread or the rows beside it. A verify pass's rows are therefore bitwise the decode passes'
+// (tests/test_fast_native.py), and the weight is read once for all the rows: a 5-row bfloat16
+// product costs about 1.5 one-row products here, against 5.6 for oneDNN's (docs/performance.md).
+// The 16 lanes are one AVX-512 register, two AVX2 registers, or an array the compiler vectorizes
+// (other CPUs): the same operations in the same order, so all three give the same bits and an
+// answer does not depend on the CPU's vector width. Other shapes: ATen's product.
 constexpr int64_t ROWS_KERNEL_MAX = 32;
+constexpr int LANES = 16;
+
+static inline float to_float(float value) { return value; }
+static inline float to_float(int8_t value) { return static_cast<float>(value); }
+static inline float to_float(at::Half value) { return static_cast<float>(value); }
+static inline float to_float(at::BFloat16 value) {  // its bits in the high half of a float
+  const uint32_t bits = static_cast<uint32_t>(value.x) << 16;
+  float result;
+  std::memcpy(&result, &bits, sizeof result);
+  return result;
+}
+
+// Each kind of lanes: its name, the block of rows x columns its registers hold, sum (halves added
+// pairwise: 8 + 8, 4 + 4, 2 + 2, 1 + 1) and, for the intrinsics, V (16 floats), zero, load (16
+// values of a weight or x, as floats) and fma (a * b + c, one rounding). The portable lanes are
+// float arrays (dot_block).
+struct PortableLanes {
+  static constexpr const char* name = "portable";
+  static constexpr int rows = 2, columns = 4;
+  static float sum(float* lanes) {
+    for (int width = LANES / 2; width > 0; width /= 2)
+      for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+    return lanes[0];
+  }
+};
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_AVX2_LANES
+struct Avx2Lanes {
+  static constexpr const char* name = "avx2";
+  static constexpr int rows = 3, columns = 2;  // 12 accumulators of 16 registers (the best of 2x2, 1x4, 2x4, 3x2)
+  struct V { __m256 low, high; };
+  static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static V load(const at::BFloat16* p) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(bits)), 16)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(bits, 1)), 16))};
+  }
+  static V load(const at::Half* p) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1))};
+  }
+  static V load(const int8_t* p) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
+  }
+  static V fma(V a, V b, V c) {
+    return {_mm256_fmadd_ps(a.low, b.low, c.low), _mm256_fmadd_ps(a.high, b.high, c.high)};
+  }
+  static float sum(V v) {
+    const __m256 eight = _mm256_add_ps(v.low, v.high);
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+  }
+};
+#endif
 
 #ifdef __AVX512F__
-static inline __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 widen(const at::BFloat16* p) {  // 16 bfloat16: their bits in the high half of a float
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-static inline __m512 widen(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-static inline __m512 widen(const int8_t* p) {  // int8 weights: their values, scaled per output after the sum
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
+#define HAVE_AVX512_LANES
+struct Avx512Lanes {
+  static constexpr const char* name = "avx512";
+  static constexpr int rows = 4, columns = 4;  // 16 accumulators of 32 registers
+  using V = __m512;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const at::BFloat16* p) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+  static V load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V load(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(V v) {
+    const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+  }
+};
+#endif
 
 // out[r][c] = x row r (in floats) . weight row c (in of W), for R rows and C weight rows.
-template <int R, int C, typename W>
-static inline void dot_block(const float* x, const W* weight, int64_t in, float out[R][C]) {
-  __m512 sums[R][C];
+template <typename L, int R, int C, typename W>
+static inline void dot_block_lanes(const float* x, const W* weight, int64_t in, float out[R][C]) {
+  typename L::V sums[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) sums[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < in; k += 16) {
-    __m512 w[C];
-    for (int c = 0; c < C; ++c) w[c] = widen(weight + c * in + k);
+    for (int c = 0; c < C; ++c) sums[r][c] = L::zero();
+  for (int64_t k = 0; k < in; k += LANES) {
+    typename L::V w[C];
+    for (int c = 0; c < C; ++c) w[c] = L::load(weight + c * in + k);
     for (int r = 0; r < R; ++r) {
-      const __m512 xs = _mm512_loadu_ps(x + r * in + k);
-      for (int c = 0; c < C; ++c) sums[r][c] = _mm512_fmadd_ps(xs, w[c], sums[r][c]);
+      const typename L::V xs = L::load(x + r * in + k);
+      for (int c = 0; c < C; ++c) sums[r][c] = L::fma(xs, w[c], sums[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r][c] = _mm512_reduce_add_ps(sums[r][c]);
+    for (int c = 0; c < C; ++c) out[r][c] = L::sum(sums[r][c]);
+}
+
+// The same with the portable lanes: arrays, written out for the compiler to vectorize.
+template <typename L, int R, int C, typename W>
+static inline void dot_block(const float* x, const W* weight, int64_t in, float out[R][C]) {
+  if constexpr (std::is_same_v<L, PortableLanes>) {
+    float sums[R][C][LANES] = {};
+    for (int64_t k = 0; k < in; k += LANES) {
+      float w[C][LANES];
+      for (int c = 0; c < C; ++c)
+#pragma omp simd
+        for (int i = 0; i < LANES; ++i) w[c][i] = to_float(weight[c * in + k + i]);
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c)
+#pragma omp simd
+          for (int i = 0; i < LANES; ++i) sums[r][c][i] = std::fma(x[r * in + k + i], w[c][i], sums[r][c][i]);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) out[r][c] = PortableLanes::sum(sums[r][c]);
+  } else {
+    dot_block_lanes<L, R, C, W>(x, weight, in, out);
+  }
 }
 
 // Where y's rows first .. first + R - 1 and columns column .. column + C - 1 come from: the products
 // times the int8 weights' per-output scales (none for float weights), plus the bias (or none).
-template <typename T, typename W>
+template <typename L, typename T, typename W>
 struct Product {
   const float* x;  // (n, in)
   const W* weight;  // (out, in)
@@ -158,7 +258,7 @@ struct Product {
   template <int R, int C>
   void block(int64_t first, int64_t column) const {
     float sums[R][C];
-    dot_block<R, C, W>(x + first * in, weight + column * in, in, sums);
+    dot_block<L, R, C, W>(x + first * in, weight + column * in, in, sums);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) {
         const float scaled = scales ? sums[r][c] * static_cast<float>(scales[column + c]) : sums[r][c];
@@ -168,36 +268,60 @@ struct Product {
   }
 
   template <int C>
-  void columns(int64_t column) const {  // every row, four at a time
+  void columns(int64_t column) const {  // every row, L::rows (at most 4) at a time
+    constexpr int R = L::rows;
     int64_t r = 0;
-    for (; r + 4 <= n; r += 4) block<4, C>(r, column);
+    for (; r + R <= n; r += R) block<R, C>(r, column);
     switch (n - r) {
-      case 3: block<3, C>(r, column); break;
-      case 2: block<2, C>(r, column); break;
-      case 1: block<1, C>(r, column); break;
+      case 3: if constexpr (R > 3) block<3, C>(r, column); break;
+      case 2: if constexpr (R > 2) block<2, C>(r, column); break;
+      case 1: if constexpr (R > 1) block<1, C>(r, column); break;
     }
   }
 };
 
 // y (n, out) of T = x (n, in) times weight (out, in) of W (times scales), plus bias; in a multiple of 16.
-template <typename T, typename W>
-static Tensor rows_product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& scales,
-                           const c10::optional<Tensor>& bias) {
+template <typename L, typename T, typename W>
+static Tensor rows_product_with(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& scales,
+                                const c10::optional<Tensor>& bias) {
   const int64_t n = x.size(0), in = x.size(1), out = weight.size(0);
   const Tensor x_float = x.to(at::kFloat).contiguous();
   Tensor y = at::empty({n, out}, x.options());
-  const Product<T, W> product{x_float.data_ptr<float>(), reinterpret_cast<const W*>(weight.data_ptr()),
-                              scales ? reinterpret_cast<const T*>(scales->data_ptr()) : nullptr,
-                              bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
-                              reinterpret_cast<T*>(y.data_ptr()), n, in, out};
-  const int64_t quads = out / 4;  // groups of four outputs; a thread takes a range of them
-  at::parallel_for(0, quads, std::max<int64_t>(1, 4096 / in), [&](int64_t first, int64_t last) {
-    for (int64_t quad = first; quad < last; ++quad) product.template columns<4>(4 * quad);
+  const Product<L, T, W> product{x_float.data_ptr<float>(), reinterpret_cast<const W*>(weight.data_ptr()),
+                                 scales ? reinterpret_cast<const T*>(scales->data_ptr()) : nullptr,
+                                 bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
+                                 reinterpret_cast<T*>(y.data_ptr()), n, in, out};
+  constexpr int C = L::columns;
+  const int64_t groups = out / C;  // groups of C outputs; a thread takes a range of them
+  at::parallel_for(0, groups, std::max<int64_t>(1, 4096 / in), [&](int64_t first, int64_t last) {
+    for (int64_t group = first; group < last; ++group) product.template columns<C>(C * group);
   });
-  for (int64_t column = 4 * quads; column < out; ++column) product.template columns<1>(column);
+  for (int64_t column = C * groups; column < out; ++column) product.template columns<1>(column);
   return y;
 }
+
+// The kernels this build has, the widest first (the one that runs unless use_rows_kernel says).
+static const std::vector<std::string> rows_kernels = {
+#ifdef HAVE_AVX512_LANES
+    Avx512Lanes::name,
 #endif
+#ifdef HAVE_AVX2_LANES
+    Avx2Lanes::name,
+#endif
+    PortableLanes::name};
+static std::string rows_kernel_in_use = rows_kernels.front();
+
+template <typename T, typename W>
+static Tensor rows_product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& scales,
+                           const c10::optional<Tensor>& bias) {
+#ifdef HAVE_AVX512_LANES
+  if (rows_kernel_in_use == Avx512Lanes::name) return rows_product_with<Avx512Lanes, T, W>(x, weight, scales, bias);
+#endif
+#ifdef HAVE_AVX2_LANES
+  if (rows_kernel_in_use == Avx2Lanes::name) return rows_product_with<Avx2Lanes, T, W>(x, weight, scales, bias);
+#endif
+  return rows_product_with<PortableLanes, T, W>(x, weight, scales, bias);
+}
 
 static bool plain(const c10::optional<Tensor>& vector, at::ScalarType type) {
   return !vector.has_value() || (vector->scalar_type() == type && vector->is_contiguous());
@@ -210,7 +334,6 @@ static Tensor product(const Tensor& x, const Tensor& weight, const c10::optional
                       const c10::optional<Tensor>& scales = c10::nullopt) {
   const int64_t in = weight.size(0);
   const auto type = x.scalar_type();
-#ifdef __AVX512F__
   if (x.size(0) <= ROWS_KERNEL_MAX && in % 16 == 0 && weight.stride(0) == 1 && weight.stride(1) == in &&
       plain(bias, type) && plain(scales, type) && scales.has_value() == (weight.scalar_type() == at::kChar) &&
       (weight.scalar_type() == type || weight.scalar_type() == at::kChar)) {
@@ -227,7 +350,6 @@ static Tensor product(const Tensor& x, const Tensor& weight, const c10::optional
       default: break;
     }
   }
-#endif
   if (scales.has_value()) {  // fast_decode.linear's int8 product
     const Tensor y = at::_weight_int8pack_mm(x, weight.t(), *scales);
     return bias.has_value() ? y + *bias : y;
@@ -235,12 +357,16 @@ static Tensor product(const Tensor& x, const Tensor& weight, const c10::optional
   return aten_product(x, weight, bias);
 }
 
-bool rows_kernel() {
-#ifdef __AVX512F__
-  return true;
-#else
-  return false;
-#endif
+// The rows kernel that runs ("avx512", "avx2" or "portable"), and the ones this build has; choosing a
+// narrower one than this CPU's is for tests and measure/kernels.py.
+std::string rows_kernel() { return rows_kernel_in_use; }
+
+std::vector<std::string> rows_kernels_built() { return rows_kernels; }
+
+void use_rows_kernel(const std::string& name) {
+  TORCH_CHECK(std::find(rows_kernels.begin(), rows_kernels.end(), name) != rows_kernels.end(), "no rows kernel ",
+              name, " in this build (it has ", c10::Join(", ", rows_kernels), ")");
+  rows_kernel_in_use = name;
 }
 
 static c10::optional<Tensor> present(const Tensor& bias) { return bias.numel() ? c10::optional<Tensor>(bias) : c10::nullopt; }
@@ -447,6 +573,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("logits", &logits);
   m.def("rows_kernel", &rows_kernel);
+  m.def("use_rows_kernel", &use_rows_kernel);
+  m.def("rows_kernels_built", &rows_kernels_built);
   m.def("product", &product, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
         pybind11::arg("scales") = c10::nullopt);
 }

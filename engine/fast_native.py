@@ -4,8 +4,9 @@ A decode pass of a small model spends most of its time outside its matrix produc
 60 operator calls a layer, each costing Python and dispatch (docs/performance.md, "Fewer
 operations a layer"). engine/fast_layer.cpp runs every layer of a pass in one call (`stack`):
 `fast_decode.decoder_layer`'s arithmetic as loops between the products, the products of up to 32
-rows in its own kernel (AVX-512: each row summed alone, so a verify pass is bitwise its decode
-passes), longer ones in ATen's; the final norm and output layer in one more call (`logits`).
+rows in its own kernel (each row summed alone, so a verify pass is bitwise its decode passes;
+AVX-512 intrinsics, or on other CPUs the same sums in code the compiler vectorizes, bitwise
+equal), longer ones in ATen's; the final norm and output layer in one more call (`logits`).
 torch's extension loader compiles it with the machine's C++ compiler and ninja the first time
 (about 30 s; then cached under ~/.cache/torch_extensions, rebuilt when the source, torch or the
 CPU changes). Where it cannot be built (no compiler, a read-only home) or `VLM_NATIVE_LAYER=0`,

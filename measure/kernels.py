@@ -16,8 +16,8 @@ bf16 linears; a second copy of the weight); `ip` / `ip-in` oneDNN's inner produc
 into a cache-sized tile); `upcast:KB` upcast_linear for every n with tiles of KB; `in-nodnnl` /
 `out-nodnnl` F.linear with oneDNN switched off (torch's own bf16 kernels); `int8` the fast path's
 `--quantization int8` (half the bytes: a reference, not a bf16 kernel); `compiled` the compiled
-stack's rows kernel on the (out, in) weight (engine/fast_layer.cpp; where this machine builds it
-with AVX-512).
+stack's rows kernel on the (out, in) weight (engine/fast_layer.cpp: AVX-512 where this CPU has it);
+`compiled:avx2` / `compiled:portable` the kernels CPUs without AVX-512 run (the same sums).
 
 Each product reads a weight the CPU has not just read: every kind holds copies of its weight
 totalling `--cold-mb` (more than this CPU's 260 MB L3 with the other kinds' copies read in
@@ -86,11 +86,22 @@ def make(kind: str, weight: torch.Tensor):
         return lambda x, size=int(kind.partition(":")[2]) * 1024: upcast_linear(x, input_major, size)
     if kind == "int8":
         return lambda x, w=fast_decode.Int8Weight.quantize(weight.t()): fast_decode.linear(x, w)
-    if kind == "compiled":
+    if kind.startswith("compiled"):  # compiled:NAME, one of the build's rows kernels
         native = fast_native.layer()
-        if native is None or not native.rows_kernel():
-            raise SystemExit(f"no compiled rows kernel here: {fast_native.unavailable() or 'no AVX-512'}")
-        return lambda x, w=weight.clone().t(): native.product(x, w, None)  # (in, out) view of (out, in)
+        if native is None:
+            raise SystemExit(f"no compiled rows kernel here: {fast_native.unavailable()}")
+        kernel = kind.partition(":")[2] or native.rows_kernel()
+        if kernel not in native.rows_kernels_built():
+            raise SystemExit(f"no rows kernel {kernel!r} here (built: {', '.join(native.rows_kernels_built())})")
+
+        def product(x, w=weight.clone().t()):  # (in, out) view of (out, in)
+            in_use = native.rows_kernel()
+            native.use_rows_kernel(kernel)
+            try:
+                return native.product(x, w, None)
+            finally:
+                native.use_rows_kernel(in_use)
+        return product
     raise SystemExit(f"unknown kind {kind!r}")
 
 

@@ -100,19 +100,30 @@ def test_attention_split_across_threads_over_a_long_context(zoo):
 def bitwise_target(zoo, dtype):
     target = copy.copy(zoo.target("qwen2_vl"))
     target.model = copy.deepcopy(target.model).to(dtype)
-    native = fast_native.layer()
-    if native is None or not native.rows_kernel():
-        pytest.skip("no rows kernel on this machine (no AVX-512): ATen's products, which batch rows")
     return target
 
 
+@pytest.fixture
+def rows_kernel(request):
+    """The compiled module with the rows kernel the test names in use ("native": this CPU's own)."""
+    native = fast_native.layer()
+    assert native is not None, fast_native.unavailable()
+    in_use = native.rows_kernel()
+    if request.param not in ("native", *native.rows_kernels_built()):
+        pytest.skip(f"no {request.param} kernel for this CPU (built: {', '.join(native.rows_kernels_built())})")
+    native.use_rows_kernel(in_use if request.param == "native" else request.param)
+    yield native
+    native.use_rows_kernel(in_use)
+
+
 @NO_COMPILER
+@pytest.mark.parametrize("rows_kernel", ("native", "avx2", "portable"), indirect=True)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-def test_a_verify_pass_is_bitwise_the_decode_passes(zoo, dtype):
+def test_a_verify_pass_is_bitwise_the_decode_passes(zoo, dtype, rows_kernel):
     """Each row is summed alone, whatever the rows beside it and the threads: a pass over five
     tokens on two threads gives, row for row, the logits of five one-token passes on one thread,
     and leaves the same cache, in bfloat16 too (where batched kernels round differently:
-    ../shared/notes/transformers-facts.md)."""
+    ../shared/notes/transformers-facts.md); with this CPU's kernel and the narrower ones."""
     target = bitwise_target(zoo, dtype)
     runner = Runner(target.model, target.family)
     threads = torch.get_num_threads()
@@ -132,15 +143,15 @@ def test_a_verify_pass_is_bitwise_the_decode_passes(zoo, dtype):
 
 
 @NO_COMPILER
+@pytest.mark.parametrize("rows_kernel", ("avx512", "avx2", "portable"), indirect=True)
 @pytest.mark.parametrize("dtype, int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
                                          (torch.float32, True), (torch.bfloat16, True)])
-def test_the_rows_kernel_sums_each_row_alone(dtype, int8):
+def test_the_rows_kernel_sums_each_row_alone(rows_kernel, dtype, int8):
     """The compiled product at a real model's width (2048 in, 1030 out: tail columns, a bias; the
-    weight in `dtype` or as int8 values with per-output scales), 1 to 9 rows on two threads: each
-    row bitwise its one-row product, all within the dtype's rounding of a float64 product."""
-    native = fast_native.layer()
-    if native is None or not native.rows_kernel():
-        pytest.skip("no rows kernel on this machine (no AVX-512)")
+    weight in `dtype` or as int8 values with per-output scales), 1 to 9 rows on two threads, with
+    each kernel (AVX-512, AVX2, and the portable one other CPUs run): each row bitwise its one-row
+    product, all within the dtype's rounding of a float64 product."""
+    native = rows_kernel
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(1030, 2048, generator=generator).to(dtype).t()  # (in, out) view of (out, in)
     scales = None
@@ -164,6 +175,30 @@ def test_the_rows_kernel_sums_each_row_alone(dtype, int8):
                                        atol=0.5 if dtype != torch.float32 else 1e-3)
     finally:
         torch.set_num_threads(threads)
+
+
+@NO_COMPILER
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_every_rows_kernel_gives_the_same_bits(zoo, dtype):
+    """CPUs without AVX-512 run the AVX2 or the portable rows kernel: the same fused multiply-adds
+    in the same order, so every pass's logits (decode, verify, a draft tree, after a rollback) are
+    bitwise the same with each kernel this machine can run: an answer does not depend on the CPU's
+    vector width."""
+    native = fast_native.layer()
+    assert native is not None, fast_native.unavailable()
+    built = native.rows_kernels_built()
+    assert built[-1] == "portable" and native.rows_kernel() == built[0]
+    target = bitwise_target(zoo, dtype)
+    runner = Runner(target.model, target.family)
+    logits = {}
+    try:
+        for name in built:
+            native.use_rows_kernel(name)
+            logits[name] = passes(runner, target)
+    finally:
+        native.use_rows_kernel(built[0])
+    for name in built[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(logits[built[0]], logits[name])), name
 
 
 class Oracle:

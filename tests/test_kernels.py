@@ -9,7 +9,8 @@ from engine import fast_native
 from measure import kernels
 
 KINDS = ("in", "out", "in-nodnnl", "out-nodnnl", "packed", "packed:5", "ip", "ip-in", "rows", "upcast",
-         "upcast:16") + (("compiled",) if fast_native.layer() is not None and fast_native.layer().rows_kernel() else ())
+         "upcast:16") + tuple(f"compiled:{name}" for name in (fast_native.layer().rows_kernels_built()
+                                                               if fast_native.layer() is not None else ()))
 
 
 def test_every_kind_computes_the_bfloat16_product(one_thread):
