@@ -222,7 +222,8 @@ static inline void dot_block_lanes(const float* x, const W* weight, int64_t in, 
     for (int c = 0; c < C; ++c) out[r][c] = L::sum(sums[r][c]);
 }
 
-// The same with the portable lanes: arrays, written out for the compiler to vectorize.
+// dot_block_lanes, for the portable lanes the same loops over float arrays, written out for the
+// compiler to vectorize.
 template <typename L, int R, int C, typename W>
 static inline void dot_block(const float* x, const W* weight, int64_t in, float out[R][C]) {
   if constexpr (std::is_same_v<L, PortableLanes>) {
