@@ -1,4 +1,4 @@
-"""The fast path's decode / verify pass compiled from C++ (engine/fast_layer.cpp), built once per machine.
+"""The fast path's decode / verify pass compiled from C++ (engine/fast_layer.cpp), built once per machine (and again after an update).
 
 A decode pass of a small model spends most of its time outside its matrix products, about
 60 operator calls a layer, each costing Python and dispatch (docs/performance.md, "Fewer
@@ -8,8 +8,8 @@ rows in its own kernel (each row summed alone, so a verify pass is bitwise its d
 AVX-512 intrinsics, or on other CPUs the same sums in code the compiler vectorizes, bitwise
 equal), longer ones in ATen's; the final norm and output layer in one more call (`logits`).
 torch's extension loader compiles it with the machine's C++ compiler and ninja the first time
-(about 30 s; then cached under ~/.cache/torch_extensions, rebuilt when the source, torch or the
-CPU changes). Where it cannot be built (no compiler, a read-only home) or `VLM_NATIVE_LAYER=0`,
+(about 30 s, said on stderr; then cached under ~/.cache/torch_extensions, built again when the
+source, torch or the CPU changes). Where it cannot be built (no compiler, a read-only home) or `VLM_NATIVE_LAYER=0`,
 the Python layer runs and `unavailable()` says why. int8 weights (`--quantization int8`) run
 compiled too (the rows kernel reads their int8 values and scales).
 """
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("fast_layer.cpp")
-NAME = "vlm_fast_layer"  # and torch's version and the CPU's features: a build for another is never loaded
+NAME = "vlm_fast_layer"  # and torch's version, the CPU's features and the source: another build is never loaded
 # -march=native: the vector width of this CPU (AVX-512 where it has it); -fopenmp: at::parallel_for
 # on torch's OpenMP threads and `omp simd` sums; no FMA contraction, so that the rotary loop rounds
 # as ATen's kernels do (engine/fast_layer.cpp).
@@ -53,9 +53,9 @@ def _build():
         import torch
         from torch.utils.cpp_extension import load
 
-        name = f"{NAME}_{re.sub(r'[^A-Za-z0-9]', '_', torch.__version__)}_{_machine()}"
+        name = f"{NAME}_{re.sub(r'[^A-Za-z0-9]', '_', torch.__version__)}_{_machine()}_{_source()}"
         if not _built(name):
-            print("Compiling the fast decode path (engine/fast_layer.cpp), once per machine: about 30 s ...",
+            print("Compiling the fast decode path (engine/fast_layer.cpp) for this machine: about 30 s ...",
                   file=sys.stderr, flush=True)
         return load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                     verbose=False), None
@@ -77,6 +77,12 @@ def _machine() -> str:
 
         lines = [platform.machine(), platform.processor()]
     return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:8]
+
+
+def _source() -> str:
+    """A short hash of the source and flags: a changed file is a new name, so the message above is
+    printed for its build too (torch's loader would rebuild under the old name, silently)."""
+    return hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:8]
 
 
 def _built(name: str) -> bool:
