@@ -1,4 +1,4 @@
-"""The fast path's decode / verify pass compiled from C++ (engine/fast_layer.cpp), built once per machine (and again after an update).
+"""The fast path's decode / verify pass compiled from C++ (engine/fast_layer.cpp), built on first use.
 
 A decode pass of a small model spends most of its time outside its matrix products, about
 60 operator calls a layer, each costing Python and dispatch (docs/performance.md, "Fewer
