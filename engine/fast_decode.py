@@ -6,9 +6,9 @@ the same arithmetic as transformers' (RMSNorm in float32, rotary embedding, SDPA
 fewer operations, over a StaticKVCache (engine/static_cache.py):
 - q, k, v are one matrix product (and gate, up another) on weights concatenated at load;
 - on a CPU with the compiled stack (engine/fast_native.py) the weights stay (out, in), which its
-  rows kernel reads; without it, on a CPU they are stored input-major, (in, out) contiguous: torch's bfloat16 /
-  float16 one-row product then streams them about 1.4-2.9x faster than the (out, in) layout, and
-  its float32 verify passes cost up to 1.8x less (docs/performance.md). The model's own Linear
+  rows kernel reads; without it, on a CPU they are stored input-major, (in, out) contiguous:
+  torch's bfloat16 / float16 one-row product then streams them about 1.4-2.9x faster than the
+  (out, in) layout, and its float32 verify passes cost up to 1.8x less (docs/performance.md). The model's own Linear
   weights become views of these buffers (same values, no second copy), so transformers' forward
   (prefill) reads the same memory;
 - every product is one `torch.mm` / `addmm` on an (in, out) weight: the kernel F.linear calls,

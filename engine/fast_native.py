@@ -9,8 +9,8 @@ AVX-512 intrinsics, or on other CPUs the same sums in code the compiler vectoriz
 equal), longer ones in ATen's; the final norm and output layer in one more call (`logits`).
 torch's extension loader compiles it with the machine's C++ compiler and ninja the first time
 (about 30 s, said on stderr; then cached under ~/.cache/torch_extensions, built again when the
-source, torch or the CPU changes). Where it cannot be built (no compiler, a read-only home) or `VLM_NATIVE_LAYER=0`,
-the Python layer runs and `unavailable()` says why. int8 weights (`--quantization int8`) run
+source, torch or the CPU changes). Where it cannot be built (no compiler, a read-only home) or
+`VLM_NATIVE_LAYER=0`, the Python layer runs and `unavailable()` says why. int8 weights (`--quantization int8`) run
 compiled too (the rows kernel reads their int8 values and scales).
 """
 

@@ -147,13 +147,13 @@ def test_a_verify_pass_is_bitwise_the_decode_passes(zoo, dtype, rows_kernel):
 @pytest.mark.parametrize("dtype, int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
                                          (torch.float32, True), (torch.bfloat16, True)])
 def test_the_rows_kernel_sums_each_row_alone(rows_kernel, dtype, int8):
-    """The compiled product at a real model's width (2048 in, 1030 out: tail columns, a bias; the
-    weight in `dtype` or as int8 values with per-output scales), 1 to 9 rows on two threads, with
-    each kernel (AVX-512, AVX2, and the portable one other CPUs run): each row bitwise its one-row
-    product, all within the dtype's rounding of a float64 product."""
+    """The compiled product at a real model's width (2048 in, 1031 out: tail columns after every
+    kernel's blocks, a bias; the weight in `dtype` or as int8 values with per-output scales), 1 to 9
+    rows on two threads, with each kernel (AVX-512, AVX2, and the portable one other CPUs run): each
+    row bitwise its one-row product, all within the dtype's rounding of a float64 product."""
     native = rows_kernel
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(1030, 2048, generator=generator).to(dtype).t()  # (in, out) view of (out, in)
+    weight = torch.randn(1031, 2048, generator=generator).to(dtype).t()  # (in, out) view of (out, in)
     scales = None
     if int8:
         quantized = Int8Weight.quantize(weight)
@@ -161,7 +161,7 @@ def test_the_rows_kernel_sums_each_row_alone(rows_kernel, dtype, int8):
         exact_weight = quantized.values.double() * quantized.scales.double()[:, None]
     else:
         exact_weight = weight.double().t()
-    bias = torch.randn(1030, generator=generator).to(dtype)
+    bias = torch.randn(1031, generator=generator).to(dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
