@@ -171,7 +171,7 @@ def load_engine(config: Config):
 
 def open_backends(config: Config):
     """The backends of --backend and --ab-backend (None where not set): "llamacpp[:PATH]" starts
-    llama.cpp in this process (engine/backends/llamacpp.py `LlamaCpp.open`: the bundled demo model
+    llama.cpp in a child process (engine/backends/llamacpp.py `LlamaCpp.open`: the bundled demo model
     and its text drafter, or PATH, converted to GGUF on first use), anything else is an
     OpenAI-compatible server's URL. A bad URL or PATH, a missing xllamacpp, a failed conversion or a
     server that does not start is SetupError (one line)."""

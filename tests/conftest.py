@@ -41,7 +41,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def llamacpp():
-    """A llama-server in this process (engine/backends/llamacpp.py) on the bundled demo model,
+    """A llama-server in a child process (engine/backends/llamacpp.py) on the bundled demo model,
     converted to GGUF in float32 (cached in .gguf/), its text drafter as llama.cpp's draft model."""
     from engine.backends.llamacpp import LlamaCpp
     from tests.helpers import DEMO_TARGET, DEMO_TEXT_DRAFTER

@@ -141,12 +141,14 @@ CONVERTER_SAYS = "ValueError: Failed to detect model architecture"  # its last l
 @pytest.mark.parametrize("flag, location, error", [
     ("--backend", "no/such/folder", "no such file or folder"),
     ("--ab-backend", "notes.txt", "not a .gguf file, a checkpoint folder or a folder of GGUF files"),
-    ("--backend", "garbage.gguf", "Failed to init server, please check the input params."),
+    ("--backend", "garbage.gguf", "Failed to init server, please check the input params. (the xllamacpp wheel's "
+                                  "llama-server exited with code 2)"),
     ("--backend", "checkpoint", "converting {tmp_path}/checkpoint to GGUF (f32) failed: ValueError: Failed to detect "
                                 "model architecture"),
     ("--backend", "", "xllamacpp is not installed (pip install -r requirements.txt)"),
 ])
 def test_a_llama_cpp_that_cannot_start_is_one_line(tmp_path, monkeypatch, flag, location, error):
+    monkeypatch.setenv("VLM_LLAMACPP_NATIVE", "0")  # the wheel's server, whose words the table quotes
     (tmp_path / "notes.txt").write_text("not a model")
     (tmp_path / "garbage.gguf").write_bytes(b"GGUF, not really")
     (tmp_path / "checkpoint").mkdir()

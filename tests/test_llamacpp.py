@@ -1,10 +1,13 @@
-"""The llama.cpp backend against a real llama-server (xllamacpp.Server in this process) on the
+"""The llama.cpp backend against a real llama-server (in a child process) on the
 bundled demo model converted to GGUF in float32 (models/gguf.py; converted once, cached in .gguf/).
 Greedy answers are compared token by token with the built-in engine's on the same prompts."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
 import threading
 
 import pytest
@@ -191,3 +194,28 @@ def test_tokens_the_stream_held_back_are_counted_from_the_servers_timings(backen
     finally:
         backend.plain_server = plain_server
     assert done.stats.new_tokens == 24 and done.stats.decode_tok_s == pytest.approx(23 / 0.046)
+
+
+def test_llama_cpp_runs_in_a_child_process(backend):
+    child = backend.plain()._child
+    assert child.pid != os.getpid() and child.poll() is None
+    assert "xllamacpp.xllamacpp" not in sys.modules or not backend.server.native  # the wheel's server: in the child
+
+
+def test_a_child_that_dies_mid_answer_is_a_named_error_then_a_restart(backend):
+    long = DecodeSettings(max_new_tokens=3000, stop_token_ids=(-1,))  # ignore_eos: thousands of tokens to go
+    stream = backend.stream(Request(user(), decode=long))
+    next(stream)  # the answer is streaming (plainly: no drafter asked for)
+    os.kill(backend.plain()._child.pid, signal.SIGKILL)
+    with pytest.raises(RequestError, match=r"llama.cpp failed: .*(exited with code -9 mid-answer|connection .* broke)"):
+        list(stream)
+    _, done = answer(backend.stream(Request(user())))  # started again: the next request is answered
+    assert done.stats.finish_reason in ("stop_token", "max_new_tokens") and done.text
+
+
+def test_a_child_found_dead_is_started_again_and_answers(backend):
+    child = backend.plain()._child
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    _, done = answer(backend.stream(Request(user())))
+    assert done.text and backend.plain()._child.poll() is None

@@ -1,14 +1,17 @@
-"""llama.cpp on this machine behind the backend interface: `xllamacpp.Server` (llama-server in
-process) on GGUF files made by models/gguf.py.
+"""llama.cpp on this machine behind the backend interface: llama-server in a child process
+(engine/backends/llamacpp_process.py: llama.cpp built for this CPU when it has been built with
+`python -m engine.backends.llamacpp_native`, else the xllamacpp wheel's server) on GGUF files made by
+models/gguf.py.
 
     backend = LlamaCpp.from_checkpoint("assets/demo/target", draft="assets/demo/text_drafter")
     for event in backend.stream(request):   # request: engine/backend.py's Request (or any object with its fields)
         ...  # engine/loop.py Chunk events, then one Done, each with a Stats snapshot
 
-Requests go through `Server.handle_chat_completions` (llama-server's /v1/chat/completions):
+Requests go through the child's `handle_chat_completions` (llama-server's /v1/chat/completions):
 OpenAI-style messages, images as `image_url` parts with PNG data URLs; streamed, each chunk to a
-callback on the server's thread, which this module hands to the caller through a queue; the
-callback's return value stops the server (set `request.stop`, or close the stream).
+callback on a thread of this module, which hands it to the caller through a queue; the
+callback's return value stops the server (set `request.stop`, or close the stream). A child that
+died fails its answer with a message saying so and is started again for the next one.
 
 Prompts. llama-server flattens a message that holds images to one string before the chat template
 sees it (common/chat.cpp `to_json_oaicompat`): text parts joined with "\n", an image as a media
@@ -45,6 +48,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from engine.backend import Capabilities, stream_timed
+from engine.backends.llamacpp_process import ServerFiles, ServerProcess
 from engine.backends.messages import labels_images, openai_content
 from engine.engine import RequestError
 from engine.prompt import Prompt, normalize
@@ -155,21 +159,15 @@ class LlamaCpp:
             body["ignore_eos"] = True  # stop tokens that no token is (measure/realscale.py): never stop early
         return body
 
-    def _start(self, draft: Path | None):
-        import xllamacpp as xlc
+    def _start(self, draft: Path | None) -> ServerProcess:
+        files = ServerFiles(str(self.paths["model"]), self.paths["mmproj"] and str(self.paths["mmproj"]),
+                            draft and str(draft))
+        return ServerProcess(files, self.threads, self.context)
 
-        params = xlc.CommonParams()
-        params.model.path = str(self.paths["model"])
-        if self.paths["mmproj"]:
-            params.mmproj.path = str(self.paths["mmproj"])
-        params.cpuparams.n_threads = params.cpuparams_batch.n_threads = self.threads
-        params.n_ctx, params.n_parallel, params.warmup, params.verbosity = self.context, 1, False, 0
-        if draft:
-            params.speculative.types = [xlc.common_speculative_type.COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE]
-            params.speculative.draft.mparams.path = str(draft)
-            params.speculative.draft.cpuparams.n_threads = self.threads
-            params.speculative.draft.cpuparams_batch.n_threads = self.threads
-        return xlc.Server(params)
+    def close(self) -> None:
+        """End the child servers (they also end with this process)."""
+        for server in {id(s): s for s in (self.server, self.plain_server) if s is not None}.values():
+            server.close()
 
     def _props(self) -> dict:
         """llama-server's /props (its chat template among them): read in milliseconds, where

@@ -1,0 +1,148 @@
+"""llama.cpp built for this CPU from the pinned xllamacpp sdist: `llama-server` and `llama-bench`.
+
+    python -m engine.backends.llamacpp_native            # build once (about 20 min on 2 cores), cached
+    python -m engine.backends.llamacpp_native --where    # the folder of the binaries, or exit 1
+
+The prebuilt `xllamacpp` wheel is an AVX2-only build; the fair CPU anchor is the same llama.cpp
+(the sdist of the installed xllamacpp, `thirdparty/llama.cpp`, the converter's source too:
+models/gguf.py) compiled for the machine it runs on. The build goes to
+`.gguf/llama.cpp-native-<version>-<features>/` (gitignored), named after the CPU features it was
+built for, so a machine with other features builds its own and never runs a binary that would
+die on an instruction it lacks.
+
+The features are passed one by one (`GGML_NATIVE=OFF`, `GGML_AVX512=ON`, ...) from
+/proc/cpuinfo instead of `-march=native`, with AMX off: with GCC 12 this llama.cpp's AMX tile
+kernel is miscompiled (the tile configuration's stores are dropped: any pass over two or more
+tokens on Q8_0 / Q4 weights dies with SIGILL at `tileloadd`; upstream ggml-org/llama.cpp#26954),
+and `-march=native` would switch it back on after any `-mno-amx-*` in CMAKE_C_FLAGS (ggml adds
+its architecture flags last). AMX speeds up prompt processing, not one-token decoding, so the
+decode figures lose nothing. The web UI is not built (it would be downloaded at configure time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+from models.gguf import CACHE, xllamacpp_sdist, xllamacpp_version
+
+TARGETS = ("llama-server", "llama-bench")
+# /proc/cpuinfo flag -> ggml's CMake option (ggml/CMakeLists.txt), each ON where the CPU has it.
+FEATURES = {"sse4_2": "GGML_SSE42", "avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C", "bmi2": "GGML_BMI2",
+            "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI",
+            "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16"}
+OFF = ("GGML_NATIVE", "GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16", "LLAMA_CURL", "LLAMA_OPENSSL",
+       "LLAMA_BUILD_TESTS", "LLAMA_BUILD_EXAMPLES", "LLAMA_USE_PREBUILT_UI", "LLAMA_BUILD_UI")
+
+
+class BuildError(RuntimeError):
+    """llama.cpp could not be built here; the message says which step and why."""
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The flags of the first processor in /proc/cpuinfo (empty where there is none)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cmake_options(flags: set[str]) -> list[str]:
+    """The configure options for a CPU with these flags (AMX and -march=native off: module doc)."""
+    options = [f"-D{option}=ON" for flag, option in FEATURES.items() if flag in flags]
+    options += [f"-D{option}=OFF" for flag, option in FEATURES.items() if flag not in flags]
+    return ["-DCMAKE_BUILD_TYPE=Release", *options, *(f"-D{option}=OFF" for option in OFF)]
+
+
+def build_dir(flags: set[str] | None = None, cache: Path = CACHE) -> Path:
+    """Where the build for this CPU's features and the installed xllamacpp's version goes."""
+    options = cmake_options(cpu_flags() if flags is None else flags)
+    features = hashlib.sha256(" ".join(options).encode()).hexdigest()[:12]
+    return cache / f"llama.cpp-native-{xllamacpp_version()}-{features}"
+
+
+def binary(name: str = "llama-server", cache: Path = CACHE) -> Path | None:
+    """The native binary NAME for this CPU if it was built, else None (nothing is built here)."""
+    path = build_dir(cache=cache) / "bin" / name
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def build(cache: Path = CACHE, jobs: int = 2, log=print) -> Path:
+    """Build llama-server and llama-bench for this CPU once; the folder of the binaries."""
+    out = build_dir(cache=cache)
+    if all((out / "bin" / name).is_file() for name in TARGETS):
+        return out / "bin"
+    if shutil.which("cmake") is None:
+        raise BuildError("cmake is not installed (Debian: apt-get install cmake)")
+    source = _source_tree(cache, log)
+    work = out.with_name(out.name + ".partial")
+    started = time.monotonic()
+    log(f"Building llama.cpp {xllamacpp_version()} for this CPU in {work} (about 20 min on 2 cores) ...")
+    _run(["cmake", "-S", str(source), "-B", str(work), *cmake_options(cpu_flags())], "configure")
+    _run(["cmake", "--build", str(work), f"-j{jobs}", "--target", *TARGETS], "build")
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "bin").mkdir(parents=True)
+    for name in TARGETS:
+        shutil.copy2(work / "bin" / name, out / "bin" / name)
+    shutil.rmtree(work, ignore_errors=True)
+    log(f"Built {', '.join(TARGETS)} in {time.monotonic() - started:.0f} s: {out / 'bin'}")
+    return out / "bin"
+
+
+def _source_tree(cache: Path, log) -> Path:
+    """llama.cpp's whole source tree from the sdist, extracted once."""
+    version = xllamacpp_version()
+    tree = cache / f"llama.cpp-source-{version}"
+    if (tree / "CMakeLists.txt").is_file():
+        return tree
+    log(f"Extracting llama.cpp's source from xllamacpp {version}'s sdist ...")
+    prefix = f"xllamacpp-{version}/thirdparty/llama.cpp/"
+    partial = tree.with_name(tree.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    with tarfile.open(xllamacpp_sdist(cache)) as archive:
+        members = [m for m in archive.getmembers() if m.name.startswith(prefix) and len(m.name) > len(prefix)]
+        for member in members:
+            member.name = member.name[len(prefix):]
+        archive.extractall(partial, members=members, filter="data")
+    partial.rename(tree)
+    return tree
+
+
+def _run(command: list[str], step: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or done.stdout.strip().splitlines() or ["no output"])[-1]
+        raise BuildError(f"llama.cpp's {step} step failed (exit {done.returncode}): {last}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Build llama.cpp for this CPU (llama-server, llama-bench).")
+    parser.add_argument("--where", action="store_true", help="print the binaries' folder if built; exit 1 if not")
+    parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default 2)")
+    args = parser.parse_args(argv)
+    if args.where:
+        found = binary()
+        print(found.parent if found else f"not built for this CPU ({build_dir()})")
+        return 0 if found else 1
+    try:
+        build(jobs=args.jobs)
+    except BuildError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
