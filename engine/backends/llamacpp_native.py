@@ -38,7 +38,7 @@ TARGETS = ("llama-server", "llama-bench")
 FEATURES = {"sse4_2": "GGML_SSE42", "avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C", "bmi2": "GGML_BMI2",
             "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI",
             "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16"}
-OFF = ("GGML_NATIVE", "GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16", "LLAMA_CURL", "LLAMA_OPENSSL",
+OFF = ("BUILD_SHARED_LIBS", "GGML_NATIVE", "GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16", "LLAMA_CURL", "LLAMA_OPENSSL",
        "LLAMA_BUILD_TESTS", "LLAMA_BUILD_EXAMPLES", "LLAMA_USE_PREBUILT_UI", "LLAMA_BUILD_UI")
 
 
@@ -63,7 +63,8 @@ def cmake_options(flags: set[str]) -> list[str]:
     """The configure options for a CPU with these flags (AMX and -march=native off: module doc)."""
     options = [f"-D{option}=ON" for flag, option in FEATURES.items() if flag in flags]
     options += [f"-D{option}=OFF" for flag, option in FEATURES.items() if flag not in flags]
-    return ["-DCMAKE_BUILD_TYPE=Release", *options, *(f"-D{option}=OFF" for option in OFF)]
+    return ["-DCMAKE_BUILD_TYPE=Release", *options, *(f"-D{option}=OFF" for option in OFF)]  # BUILD_SHARED_LIBS off:
+    # static binaries, so the two copied out of the build tree run on their own
 
 
 def build_dir(flags: set[str] | None = None, cache: Path = CACHE) -> Path:
