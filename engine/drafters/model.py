@@ -101,6 +101,7 @@ class ModelSession:
         self.state = state  # the drafter's own cache and positions
         self.blocked = blocked  # (P,) ids never proposed: image placeholders
         self.cached_answer: list[int] = []  # answer tokens held in the drafter's cache
+        self.verified = 0  # cached_answer[:verified] are committed answer tokens: _sync compares only after them
         self.tree: tuple[list[int], dict[int, int]] = ([], {})  # the last tree: token ids, {node run: tree entry}
 
     def propose(self, generated: list[int], k: int, sampler: Sampler) -> Draft:
@@ -112,8 +113,10 @@ class ModelSession:
         for step in range(k):
             logits = self.runner.extend(self.state, pending)[-1]  # (V,)
             self.cached_answer += pending
-            if step == 0 and k > 1:  # the committed answer only: a rejection of the drafts rolls back to here
-                self.runner.checkpoint(self.state)
+            if step == 0:  # the committed answer only: a rejection of the drafts rolls back to here
+                self.verified = len(self.cached_answer)
+                if k > 1:
+                    self.runner.checkpoint(self.state)
             pending = [builder.sample(logits.index_fill(0, self.blocked.to(logits.device), float("-inf")))]
         # The last drafted token is not fed: if accepted, the next propose feeds it.
         return builder.draft()
@@ -124,6 +127,7 @@ class ModelSession:
         pending = generated[len(self.cached_answer):]
         logits = self.runner.extend(self.state, pending)[-1:]  # (1, V): after the root
         self.cached_answer += pending
+        self.verified = len(self.cached_answer)
         token_ids, parents, scores = [], [], []
         beam = [-1]  # the nodes whose next-token logits are the rows of `logits` (-1: the root)
         run: list[int] = []  # the nodes run, in the order of the drafter's tree entries
@@ -156,7 +160,8 @@ class ModelSession:
         token_ids, entries = self.tree
         kept = path[:next((i for i, node in enumerate(path) if node not in entries), len(path))]
         self.runner.keep_path(self.state, [entries[node] for node in kept])
-        self.cached_answer += [token_ids[node] for node in kept]
+        self.cached_answer += [token_ids[node] for node in kept]  # accepted: committed tokens
+        self.verified = len(self.cached_answer)
 
     def tree_unsupported(self) -> str | None:
         return self.runner.tree_unsupported(self.state)
@@ -167,13 +172,14 @@ class ModelSession:
         return logits.softmax(-1) if sampler.settings.greedy else sampler.probs(logits)
 
     def _sync(self, generated: list[int]) -> None:
-        """Crop the cache to the longest prefix of the answer that it holds correctly."""
+        """Crop the cache to the longest prefix of the answer that it holds correctly. Only the
+        entries after `verified` can differ (the drafts fed last round: at most k), so a round
+        reads O(k) tokens of the answer, not all of it."""
         if self.state.tree_parents:  # a tree that no accept settled (the request fell back)
             self.runner.keep_path(self.state, [])
-        common = 0
-        for cached, committed in zip(self.cached_answer, generated):
-            if cached != committed:
-                break
+        common, end = self.verified, min(len(self.cached_answer), len(generated))
+        while common < end and self.cached_answer[common] == generated[common]:
             common += 1
         self.runner.rollback(self.state, len(self.cached_answer) - common)
-        self.cached_answer = self.cached_answer[:common]
+        del self.cached_answer[common:]
+        self.verified = common
