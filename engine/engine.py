@@ -17,6 +17,7 @@ models share one device and one set of threads.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import threading
@@ -54,7 +55,11 @@ class Engine:
         self.max_images = max_images
         self.max_image_tokens = max_image_tokens  # default budget of tokens per image; None: the processor's own
         self.auto = auto and bool(self.drafters)  # the default drafter is "auto" (engine/auto.py)
-        self.lock = threading.Lock()  # one generation per loaded model at a time
+        self.lock = threading.Lock()  # one generation at a time: held by the worker thread alone (engine/worker.py)
+        # Callers prepare prompts (`prepare`) while an answer runs: with their own copy of the
+        # processor (fast tokenizers raise "Already borrowed" when two threads use one), one at a time.
+        self.prepare_lock = threading.Lock()
+        self.prepare_processor = copy.deepcopy(target.processor)
         self.costs = PassCosts()  # measured pass costs: the draft length (engine/draft_length.py)
         self.chooser = DrafterChooser(list(self.drafters))  # what each drafter delivered: "auto"
         self.worker = Worker(self)  # serves concurrent callers one request at a time (engine/worker.py)
@@ -78,8 +83,8 @@ class Engine:
         images shrunk to the processor's size, then rendered, tokenized and processed, each image
         at most about `max_image_tokens` tokens (None: the engine's default; 0: the processor's own
         limit). Raises RequestError (ContextError when the prompt does not fit the context).
-        Under the lock: the processor is shared with the request being answered."""
-        with self.lock:
+        Never waits for a running answer: it has a processor of its own (`prepare_processor`)."""
+        with self.prepare_lock:
             return self._prepare(messages, max_image_tokens)
 
     def _prepare(self, messages: list[dict], max_image_tokens: int | None = None) -> Prompt:
@@ -90,12 +95,13 @@ class Engine:
             for part in message["content"]:
                 if part["type"] == "text":
                     check_text(part["text"], limit)
-        messages = fit_images(neutralize(messages, self.target.tokenizer), self.target.processor, self.target.family)
+        processor = self.prepare_processor
+        messages = fit_images(neutralize(messages, self.target.tokenizer), processor, self.target.family)
         images = images_of(messages)
         if len(images) > self.max_images:
             raise RequestError(f"{len(images)} images in the conversation; the limit is {self.max_images}")
         try:
-            inputs = encode_vlm(self.target.processor, self.target.family, messages, budget)
+            inputs = encode_vlm(processor, self.target.family, messages, budget)
         except ValueError as error:  # e.g. Qwen's processor refuses an aspect ratio over 200:1
             raise RequestError(f"the model's processor cannot prepare this message: {error}") from None
         prompt = Prompt(messages, images, inputs, self.target.placeholder_ids, budget)
@@ -106,12 +112,12 @@ class Engine:
         return prompt
 
     def stream(self, *args, **kwargs) -> Stream:
-        """`run`'s request (the same arguments, the same events), queued on the worker thread: the
-        caller holds nothing between events; closing or dropping the stream stops the request."""
-        request = inspect.signature(self.run).bind(*args, **kwargs).arguments
+        """Answer a request (`_run`'s arguments, its events) on the worker thread: the caller holds
+        nothing between events; closing or dropping the stream stops the request. The only way in."""
+        request = inspect.signature(self._run).bind(*args, **kwargs).arguments
         return self.worker.submit(request.pop("messages"), **request)
 
-    def run(
+    def _run(
         self,
         messages: list[dict] | Prompt,
         drafter: str | None = None,
@@ -127,8 +133,8 @@ class Engine:
         default now; `ttft_s` and `total_s` count from it, so image and prompt processing
         are included (`prepare_s`). A request stopped before it starts ends at once, with no
         answer; an answer that fills the context ends with finish_reason "context".
-        Runs in the calling thread and holds the engine's lock until the generator ends: the
-        worker thread's (engine/worker.py); every other caller uses `stream`."""
+        The worker thread's alone (engine/worker.py), which holds the engine's lock around it;
+        every caller uses `stream`."""
         started = time.perf_counter() if started is None else started
         if drafter is not None and drafter not in self.drafters and not (drafter == AUTO and self.drafters):
             raise RequestError(f"unknown drafter {drafter!r}; loaded: {', '.join(self.drafters) or 'none'}")
@@ -136,30 +142,29 @@ class Engine:
         if stop is not None and stop.is_set():
             yield self.stopped(drafter)
             return
-        with self.lock:  # the chooser and the processor are shared: all of a request's work under it
-            prompt = messages if isinstance(messages, Prompt) else self._prepare(messages, max_image_tokens)
-            auto_choice = None
-            if drafter == AUTO:
-                drafter, auto_choice = self.chooser.choose(len(prompt.images))
-            if not decode.stop_token_ids:
-                decode = replace(decode, stop_token_ids=self.stop_token_ids())
-            room = self.context_limit() - len(prompt.input_ids) if self.context_limit() else None
-            context_cut = room is not None and decode.max_new_tokens >= room
-            if context_cut:  # the answer must fit the context too
-                decode = replace(decode, max_new_tokens=room)
-            try:
-                for event in generate(self.target.runner, self.target.tokenizer, prompt,
-                                      self.drafters.get(drafter) if drafter else None, sampling, decode, stop,
-                                      self.costs, RequestInfo(started, context_cut, auto_choice)):
-                    if isinstance(event, Done) and drafter:
-                        self.chooser.record(drafter, len(prompt.images), event.stats.decode_tokens,
-                                            event.stats.decode_tok_s)
-                    yield event
-            except torch.OutOfMemoryError:
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()  # this request's caches are gone; the next one starts clean
-                raise RequestError("out of memory while answering; try fewer or smaller images, a shorter "
-                                   "conversation or fewer new tokens") from None
+        prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, max_image_tokens)
+        auto_choice = None
+        if drafter == AUTO:
+            drafter, auto_choice = self.chooser.choose(len(prompt.images))
+        if not decode.stop_token_ids:
+            decode = replace(decode, stop_token_ids=self.stop_token_ids())
+        room = self.context_limit() - len(prompt.input_ids) if self.context_limit() else None
+        context_cut = room is not None and decode.max_new_tokens >= room
+        if context_cut:  # the answer must fit the context too
+            decode = replace(decode, max_new_tokens=room)
+        try:
+            for event in generate(self.target.runner, self.target.tokenizer, prompt,
+                                  self.drafters.get(drafter) if drafter else None, sampling, decode, stop,
+                                  self.costs, RequestInfo(started, context_cut, auto_choice)):
+                if isinstance(event, Done) and drafter:
+                    self.chooser.record(drafter, len(prompt.images), event.stats.decode_tokens,
+                                        event.stats.decode_tok_s)
+                yield event
+        except torch.OutOfMemoryError:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # this request's caches are gone; the next one starts clean
+            raise RequestError("out of memory while answering; try fewer or smaller images, a shorter "
+                               "conversation or fewer new tokens") from None
 
     def stopped(self, drafter: str | None) -> Done:
         """The answer of a request stopped before it started: empty, finish_reason "stopped"."""

@@ -104,11 +104,3 @@ def keep(target, state, draft, path: list[int]) -> None:
         target.rollback(state, len(draft.token_ids) - len(path))
     else:
         target.keep_path(state, [0] + [node + 1 for node in path])
-
-
-def fallback_reason(target, state, drafter, session) -> str | None:
-    """Why this request drafts chains although a tree was asked; None when it can draft trees."""
-    if not hasattr(session, "propose_tree"):
-        reads = " (it reads the target's pass row by row)" if drafter.reads else ""
-        return f"the {drafter.kind} drafter drafts chains only{reads}"
-    return target.tree_unsupported(state) or session.tree_unsupported()

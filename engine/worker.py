@@ -1,15 +1,15 @@
 """One thread owns the engine; callers queue requests and read their own event queues.
 
     for event in engine.worker.submit(messages, drafter="text", stop=stop):
-        ...  # the same events as engine.run(messages, drafter="text", stop=stop)
+        ...  # the same events as engine._run(messages, drafter="text", stop=stop)
 
-`Engine.stream` is this. The worker thread takes requests in arrival order and runs `Engine.run`
+`Engine.stream` is this. The worker thread takes requests in arrival order and runs `Engine._run`
 for each, putting every event into that request's own queue (as nanochat's chat_web.py worker
 and vLLM's per-request output queues do). So a caller holds nothing while it reads: the time it spends
 between events is not decode time, and a caller that walks away does not hold the engine:
 - closing the stream, or dropping it unread, stops its request (a waiting one leaves the queue);
 - setting the request's `stop` stops it; a request still waiting leaves the queue at once (its
-  stream ends with the same stopped Done that `Engine.run` gives a request stopped before it
+  stream ends with the same stopped Done that `Engine._run` gives a request stopped before it
   started).
 The thread starts with the first request and ends when the queue is empty, so an idle engine
 holds no thread.
@@ -37,10 +37,10 @@ _END = object()  # the last item of a request's event queue
 
 @dataclass(eq=False)
 class Job:
-    """One request: Engine.run's arguments, its events, and how it can end early."""
+    """One request: Engine._run's arguments, its events, and how it can end early."""
 
     messages: object
-    options: dict  # Engine.run's keyword arguments, `stop` left out
+    options: dict  # Engine._run's keyword arguments, `stop` left out
     stop: threading.Event | None  # the caller's stop
     abandoned: threading.Event = field(default_factory=threading.Event)  # the caller closed or dropped the stream
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # Chunk, Done, an exception, then _END
@@ -58,7 +58,7 @@ class Worker:
         self.serving = False  # a thread is serving the queue
 
     def submit(self, messages, stop: threading.Event | None = None, **options) -> Stream:
-        """Queue a request (Engine.run's arguments); its events, in order, as they come."""
+        """Queue a request (Engine._run's arguments); its events, in order, as they come."""
         job = Job(messages, options, stop)
         release_thread_pool()  # the caller's idle OpenMP pool would slow the worker's every region (engine/threads.py)
         with self.lock:
@@ -81,8 +81,9 @@ class Worker:
                     return
                 job = self.waiting.popleft()
             try:
-                for event in self.engine.run(job.messages, stop=job, **job.options):
-                    job.events.put(event)
+                with self.engine.lock:  # the worker alone holds it: one answer at a time
+                    for event in self.engine._run(job.messages, stop=job, **job.options):
+                        job.events.put(event)
             except Exception as error:  # the reader raises it
                 job.events.put(error)
             finally:

@@ -7,7 +7,7 @@ benchmark's requests plainly (greedy) in three ways, interleaved request by requ
 thread of its own as the engine's worker runs them:
 - `stream`: `Engine.stream`, as the app and the benchmark call it: the worker thread hands every
   event to the caller's thread through a queue;
-- `kept`: the same `Engine.run` on a thread whose events stay there (the caller waits on the
+- `kept`: the same `Engine._run` under the engine's lock, as the worker runs it, on a thread whose events stay there (the caller waits on the
   thread's end): no hand-off per event. stream / kept is the hand-off's cost;
 - `split`: `kept` with a timer around each stage's function (a stage's time excludes the
   stages called inside it): the forward (FastDecoder.forward: its Python and operators), the runner around
@@ -124,8 +124,9 @@ def answer(engine, messages, decode: DecodeSettings, way: str, timers: Timers | 
     if way == "stream":
         return [e for e in engine.stream(messages, decode=decode) if isinstance(e, Done)][0]
 
-    def run():
-        return [e for e in engine.run(messages, decode=decode)][-1]
+    def run():  # as the worker runs a request (engine/worker.py), on this thread
+        with engine.lock:
+            return [e for e in engine._run(messages, decode=decode)][-1]
 
     def measured():  # on the answer's own thread: profilers and function modes are per thread
         if way == "python":

@@ -294,7 +294,7 @@ def test_request_settings_over_the_ceilings_get_named_errors(server, changes, re
 def held(server, monkeypatch):
     """Answers to a message containing "HOLD" stop after their first chunk until `release` is set
     or their stop flag is (Stop, or the time budget)."""
-    release, run = threading.Event(), server.engine.run
+    release, run = threading.Event(), server.engine._run
 
     def holding(messages, *args, stop=None, **kwargs):
         text = json.dumps([part.get("text", "") for m in getattr(messages, "messages", messages)
@@ -305,7 +305,7 @@ def held(server, monkeypatch):
                 while not (release.is_set() or (stop is not None and stop.is_set())):
                     release.wait(0.05)
 
-    monkeypatch.setattr(server.engine, "run", holding)
+    monkeypatch.setattr(server.engine, "_run", holding)
     yield release
     release.set()
 

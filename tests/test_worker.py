@@ -1,6 +1,6 @@
 """The engine worker (engine/worker.py) and the built-in backend: requests queue in order, a
 caller that walks away holds nothing, a waiting request stopped leaves the queue at once, and
-the events are Engine.run's. Running answers are held at a gate in the target's `extend`
+the events are Engine._run's. Running answers are held at a gate in the target's `extend`
 (the test releases it), never at "long enough"."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Gate:
 def finished(engine, monkeypatch):
     """The Done of every request the engine ends, in order, with the request's question, as the
     worker sees them (not the caller)."""
-    done, run = [], engine.run
+    done, run = [], engine._run
 
     def recording(messages, **options):
         for event in run(messages, **options):
@@ -57,7 +57,7 @@ def finished(engine, monkeypatch):
                 done.append((messages[-1]["content"][-1]["text"], event))
             yield event
 
-    monkeypatch.setattr(engine, "run", recording)
+    monkeypatch.setattr(engine, "_run", recording)
     return done
 
 
@@ -71,7 +71,8 @@ def untimed(stats) -> dict:
 
 @pytest.mark.parametrize("drafter", [None, "text"])
 def test_events_equal_engine_stream_and_carry_snapshots(engine, drafter):
-    direct = list(engine.run(conversation(1), drafter, decode=DECODE))  # in this thread, not the worker
+    with engine.lock:  # in this thread, as the worker runs it
+        direct = list(engine._run(conversation(1), drafter, decode=DECODE))
     served = list(BuiltIn(engine).stream(Request(conversation(1), drafter, decode=DECODE)))
     assert [type(e) for e in served] == [type(e) for e in direct]
     for a, b in zip(direct, served):
@@ -163,3 +164,21 @@ def test_the_callers_openmp_pool_is_given_back_before_the_worker_computes():
 
     torch.randn(1 << 20).add_(1)  # a parallel region on this thread: its pool exists
     assert release_thread_pool()
+
+
+def test_preparing_a_prompt_does_not_wait_for_the_running_answer(engine, monkeypatch):
+    gate = Gate(monkeypatch, engine.target.runner)
+    stream = engine.stream(conversation(1), "text", decode=DECODE)
+    events = iter(stream)
+    next(events)
+    assert gate.reached.wait(WAIT_S)  # the worker is mid-answer, holding the engine's lock
+    prepared = []
+    caller = threading.Thread(target=lambda: prepared.append(engine.prepare(conversation(2))))
+    caller.start()
+    caller.join(WAIT_S)
+    held = caller.is_alive()
+    gate.released.set()
+    rest = list(events)
+    caller.join(WAIT_S)
+    assert not held and len(prepared[0].images) == 2  # before: it waited for the whole answer
+    assert isinstance(rest[-1], Done)

@@ -25,7 +25,7 @@ What a reading drafter finds in the target's CacheState (engine/runner.py): afte
 verify pass, whose first num_accepted + 1 rows are committed (the last committed token and the
 accepted draft tokens).
 
-Trees (engine/tree.py): a session that can branch also offers
+Trees (engine/tree.py): a session that can branch is a `TreeSession`: it also offers
 `propose_tree(generated, depth, budget, branching, sampler)`, a Draft with `parents`: up to
 `budget` nodes, none deeper than `depth`, at most `branching` children per node, and then
 takes `accept(num_accepted, path)`, the accepted nodes, to follow that branch;
@@ -41,11 +41,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from engine import tree
 from engine.prompt import Prompt
 from engine.runner import CacheState, TargetReads
 from engine.sampling import Sampler
@@ -100,6 +99,26 @@ class DraftSession(Protocol):
     def accept(self, num_accepted: int) -> None: ...
 
 
+@runtime_checkable
+class TreeSession(DraftSession, Protocol):
+    """A session that can also branch (engine/tree.py; module doc above)."""
+
+    def propose_tree(self, generated: list[int], depth: int, budget: int, branching: int,
+                     sampler: Sampler) -> Draft: ...
+
+    def accept(self, num_accepted: int, path: list[int] | None = None) -> None: ...
+
+    def tree_unsupported(self) -> str | None: ...
+
+
+def tree_fallback_reason(target, state: CacheState, drafter: Drafter, session: DraftSession) -> str | None:
+    """Why this request drafts chains although a tree was asked; None when it can draft trees."""
+    if not isinstance(session, TreeSession):
+        reads = " (it reads the target's pass row by row)" if drafter.reads else ""
+        return f"the {drafter.kind} drafter drafts chains only{reads}"
+    return target.tree_unsupported(state) or session.tree_unsupported()
+
+
 class Drafter(Protocol):
     name: str  # what the user picked: a model id or folder, "ngram" or "mtp"
     kind: str  # "text_lm", "vlm", "ngram", "mtp", "dflash", "shared_cache"
@@ -129,8 +148,8 @@ class GuardedSession:
             self.stats.drafter_prefill_s = time.perf_counter() - started
 
     def tree_unsupported(self, target) -> str | None:
-        """Why this request drafts chains although a tree was asked (tree.fallback_reason)."""
-        reason = self._call("tree_unsupported", "at prefill", tree.fallback_reason, target, self.state, self.drafter,
+        """Why this request drafts chains although a tree was asked (tree_fallback_reason)."""
+        reason = self._call("tree_unsupported", "at prefill", tree_fallback_reason, target, self.state, self.drafter,
                             self.session)
         return reason if self.session is not None else "the drafter failed: decoding plainly"
 
