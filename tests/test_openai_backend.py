@@ -282,7 +282,7 @@ def test_a_server_that_refuses_images_says_so_and_text_still_goes(server):
 
 @pytest.fixture(scope="module")
 def llama():
-    """A real llama-server (xllamacpp, in this process) on the demo model in GGUF, with the text
+    """A real llama-server (in a child process) on the demo model in GGUF, with the text
     drafter as its draft model; its plain twin (no draft model) answers the image turns."""
     from engine.backends.llamacpp import LlamaCpp
 
@@ -310,6 +310,19 @@ def test_on_a_real_llama_server_the_answers_are_llama_cpps_own(llama):
         done = list(plain.stream(Request(turn, decode=decode)))[-1]
         assert done.text == list(llama.stream(Request(turn, decode=decode)))[-1].text, question.prompt
         assert done.stats.mode == "plain" and done.stats.drafted == 0
+
+
+def test_a_drafting_llama_server_refuses_an_image_turn_by_name_and_still_drafts_text(llama):
+    from models.demo.world import eval_questions
+
+    remote = OpenAIServer(llama.url)  # started with the text drafter as its draft model
+    question = next(q for q in eval_questions(0, 8) if q.images)
+    with pytest.raises(RequestError, match="drafts with a draft model, and llama.cpp cannot draft on a turn with "
+                                           "images .*start it without --model-draft") as error:
+        list(remote.stream(Request(ask(question.prompt, question.images))))
+    assert "\n" not in str(error.value)
+    done = list(remote.stream(Request(ask("Describe a red circle."), decode=DecodeSettings(max_new_tokens=12))))[-1]
+    assert done.text and done.stats.mode == "speculative"
 
 
 def test_a_real_text_only_llama_server_refuses_an_image_turn_in_one_line():

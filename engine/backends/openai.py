@@ -58,6 +58,10 @@ TIMEOUT_S = 120.0  # the longest wait for the server to connect or to send the n
 FINISH_REASONS = {"stop": "stop_token", "length": "max_new_tokens"}
 KINDS = ("vllm", "sglang", "llamacpp")  # the `owned_by` each writes into /v1/models (docs/backends.md)
 IMAGE_WORDS = ("image", "multimodal", "mmproj", "vision")  # in an error about a turn with images
+# A llama-server started with a draft model refuses every turn with images so (its draft model
+# cannot take the image embeddings). Its per-request `speculative.*` fields, which could ask for
+# plain decoding, are compiled out in b11549 (`#if 0` in tools/server/server-schema.cpp).
+SPECULATIVE_IMAGE_REFUSAL = "failed to process speculative batch"
 MEASURED = frozenset({"prepare_s", "ttft_s", "decode_tokens", "decode_s", "decode_tok_s", "total_s",
                       "new_tokens", "finish_reason", "tok_s_curve", "drafts_approximate"})
 FROM_SERVER = ("mode", "prefill_tokens", "prefill_s", "drafted", "accepted", "acceptance", "tokens_per_forward",
@@ -228,16 +232,23 @@ class OpenAIServer:
 
     @contextmanager
     def _send(self, body: dict, server: Server):
-        """The streamed response; a refused turn with images says so by name."""
+        """The streamed response; a refused turn with images says so by name, whether the server
+        refuses it with an HTTP error or with an error event in the stream."""
         try:
             with self._open("/chat/completions", body) as response:
                 yield response
-        except _HTTPError as error:
+        except RequestError as error:
             images = any(isinstance(m["content"], list) and any(p["type"] == "image_url" for p in m["content"])
                          for m in body["messages"])
-            if images and any(word in error.message.lower() for word in IMAGE_WORDS):
+            message = error.message if isinstance(error, _HTTPError) else str(error)
+            if images and server.kind == "llamacpp" and SPECULATIVE_IMAGE_REFUSAL in message:
+                raise RequestError(f"the llama-server at {self.capabilities.name} drafts with a draft model, and "
+                                   "llama.cpp cannot draft on a turn with images (failed to process speculative "
+                                   "batch); its version offers no per-request switch to plain decoding: start it "
+                                   "without --model-draft to answer pictures, or send text only") from None
+            if images and isinstance(error, _HTTPError) and any(word in message.lower() for word in IMAGE_WORDS):
                 raise RequestError(f"the backend at {self.capabilities.name} does not take images "
-                                   f"(model {server.model!r}): {error.message}; send text only") from None
+                                   f"(model {server.model!r}): {message}; send text only") from None
             raise
 
     def _get(self, path: str) -> bytes | None:
