@@ -107,16 +107,20 @@ Tensor decoder_layer(Tensor x, const Tensor& input_norm, const Tensor& qkv_weigh
 
 // ---- `stack`: the whole pass, loops between ATen's products ----
 
-// The products of few rows (decode and verify passes, up to ROWS_KERNEL_MAX rows), for (out, in)
-// weights: each output is one row of the weight times one row of x, summed in 16 float lanes in the
-// order of `in` (fused multiply-adds), the lanes then added in halves, whatever the number of rows,
-// the thread or the rows beside it. A verify pass's rows are therefore bitwise the decode passes'
-// (tests/test_fast_native.py), and the weight is read once for all the rows: a 5-row bfloat16
-// product costs about 1.5 one-row products here, against 5.6 for oneDNN's (docs/performance.md).
-// The 16 lanes are one AVX-512 register, two AVX2 registers, or an array the compiler vectorizes
-// (other CPUs): the same operations in the same order, so all three give the same bits and an
-// answer does not depend on the CPU's vector width. Other shapes: ATen's product.
-constexpr int64_t ROWS_KERNEL_MAX = 32;
+// The products of decode and verify passes, for (out, in) weights: each output is one row of the
+// weight times one row of x, summed in 16 float lanes in the order of `in` (fused multiply-adds),
+// the lanes then added in halves, whatever the number of rows, the thread or the rows beside it. A
+// verify pass's rows are therefore bitwise the decode passes' (tests/test_fast_native.py), and the
+// weight is read once for all the rows: a 5-row bfloat16 product costs about 1.5 one-row products
+// here, against 5.6 for oneDNN's (docs/performance.md). The 16 lanes are one AVX-512 register, two
+// AVX2 registers, or an array the compiler vectorizes (other CPUs): the same operations in the same
+// order, so all three give the same bits and an answer does not depend on the CPU's vector width.
+// It takes up to ROWS_KERNEL_MAX rows, the most a verify pass has (engine/tree.py MAX_VERIFY_ROWS,
+// given by engine/fast_native.py): every pass the settings allow. Longer passes (a drafter head's
+// prompt, which no pass is compared with) and other shapes: ATen's product, faster there.
+#ifndef ROWS_KERNEL_MAX
+#error "build with -DROWS_KERNEL_MAX=<rows> (engine/fast_native.py passes engine/tree.py's MAX_VERIFY_ROWS)"
+#endif
 constexpr int LANES = 16;
 
 static inline float to_float(float value) { return value; }
@@ -573,6 +577,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stack", &stack);
   m.def("rms_norm", &rms_norm);
   m.def("logits", &logits);
+  m.attr("rows_kernel_max") = ROWS_KERNEL_MAX;
   m.def("rows_kernel", &rows_kernel);
   m.def("use_rows_kernel", &use_rows_kernel);
   m.def("rows_kernels_built", &rows_kernels_built);

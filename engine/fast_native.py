@@ -3,10 +3,11 @@
 A decode pass of a small model spends most of its time outside its matrix products, about
 60 operator calls a layer, each costing Python and dispatch (docs/performance.md, "Fewer
 operations a layer"). engine/fast_layer.cpp runs every layer of a pass in one call (`stack`):
-`fast_decode.decoder_layer`'s arithmetic as loops between the products, the products of up to 32
-rows in its own kernel (each row summed alone, so a verify pass is bitwise its decode passes;
-AVX-512 intrinsics, or on other CPUs the same sums in code the compiler vectorizes, bitwise
-equal), longer ones in ATen's; the final norm and output layer in one more call (`logits`).
+`fast_decode.decoder_layer`'s arithmetic as loops between the products, the products of every
+decode and verify pass (up to engine/tree.py's MAX_VERIFY_ROWS rows, the most the settings allow)
+in its own kernel (each row summed alone, so a verify pass is bitwise its decode passes; AVX-512
+intrinsics, or on other CPUs the same sums in code the compiler vectorizes, bitwise equal),
+longer ones (a drafter head's prompt pass, compared with no other pass) in ATen's; the final norm and output layer in one more call (`logits`).
 torch's extension loader compiles it with the machine's C++ compiler and ninja the first time
 (about 30 s, said on stderr; then cached under ~/.cache/torch_extensions, built again when the
 source, torch or the CPU changes). Where it cannot be built (no compiler, a read-only home) or
@@ -25,12 +26,15 @@ import re
 import sys
 from pathlib import Path
 
+from engine.tree import MAX_VERIFY_ROWS
+
 SOURCE = Path(__file__).with_name("fast_layer.cpp")
 NAME = "vlm_fast_layer"  # and torch's version, the CPU's features and the source: another build is never loaded
 # -march=native: the vector width of this CPU (AVX-512 where it has it); -fopenmp: at::parallel_for
 # on torch's OpenMP threads and `omp simd` sums; no FMA contraction, so that the rotary loop rounds
 # as ATen's kernels do (engine/fast_layer.cpp).
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+# ROWS_KERNEL_MAX: the rows kernel covers every verify pass (engine/tree.py).
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", f"-DROWS_KERNEL_MAX={MAX_VERIFY_ROWS}"]
 
 log = logging.getLogger(__name__)
 

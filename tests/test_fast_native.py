@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,7 +20,9 @@ from engine.drafters.base import Draft
 from engine.fast_decode import Int8Weight
 from engine.engine import Engine
 from engine.loop import DecodeSettings
+from engine.tree import chain_parents
 from engine.runner import Runner, TargetReads
+from engine.settings import spec
 from models import tiny
 from tests.mocks import corrupt
 from tests.test_fast_decode import prompt_of
@@ -116,20 +119,30 @@ def rows_kernel(request):
     native.use_rows_kernel(in_use)
 
 
+# The most rows a verify pass has under the schema's ranges: the last committed token and a
+# chain of draft_tokens, or a tree of draft_tree nodes.
+MOST_ROWS = 1 + max(spec("draft_tokens").high, spec("draft_tree").high)
+
+
 @NO_COMPILER
 @pytest.mark.parametrize("rows_kernel", ("native", "avx2", "portable"), indirect=True)
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-def test_a_verify_pass_is_bitwise_the_decode_passes(zoo, dtype, rows_kernel):
-    """Each row is summed alone, whatever the rows beside it and the threads: a pass over five
-    tokens on two threads gives, row for row, the logits of five one-token passes on one thread,
-    and leaves the same cache, in bfloat16 too (where batched kernels round differently:
+@pytest.mark.parametrize("rows", (5, 33, 64, MOST_ROWS))
+@pytest.mark.parametrize("dtype, int8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_a_verify_pass_is_bitwise_the_decode_passes(zoo, dtype, int8, rows, rows_kernel):
+    """Each row is summed alone, whatever the rows beside it and the threads: a pass over `rows`
+    tokens (up to the most a verify pass has under the settings' ranges) on two threads gives, row
+    for row, the logits of that many one-token passes on one thread, and leaves the same cache, in
+    bfloat16 and int8 too (where batched kernels round differently:
     ../shared/notes/transformers-facts.md); with this CPU's kernel and the narrower ones."""
     target = bitwise_target(zoo, dtype)
     runner = Runner(target.model, target.family)
+    if int8:
+        runner.fast.quantize_int8()
     threads = torch.get_num_threads()
     try:
         logits, state = runner.prefill(prompt_of(target, 1).target_inputs)
-        tokens = [int(logits.argmax()), 7, 9, 11, 5]
+        generator = torch.Generator().manual_seed(rows)
+        tokens = [int(logits.argmax())] + torch.randint(16, 200, (rows - 1,), generator=generator).tolist()
         torch.set_num_threads(2)
         batched = runner.extend(state, tokens)
         cache = [keys[0, :, :state.cache_len].clone() for keys in state.cache.keys]
@@ -202,7 +215,9 @@ def test_every_rows_kernel_gives_the_same_bits(zoo, dtype):
 
 
 class Oracle:
-    """Drafts a fixed continuation, k tokens a round (a deterministic drafter)."""
+    """Drafts a fixed continuation, k tokens a round (a deterministic drafter); as a tree, that
+    continuation is the first branch, with leaves beside and below it up to the node budget (the
+    leaf beside a corrupted token is the true one: a path through a second child)."""
 
     name, kind, reads = "oracle", "test", TargetReads()
 
@@ -215,25 +230,45 @@ class Oracle:
     def propose(self, generated, k, sampler):
         return Draft(self.continuation[len(generated):len(generated) + k])
 
-    def accept(self, num_accepted):
+    def propose_tree(self, generated, depth, budget, branching, sampler):
+        chain = self.continuation[len(generated):len(generated) + depth]
+        token_ids, parents = list(chain), chain_parents(len(chain))
+        beside = [(token - 1 if token > 0 else token + 2, parents[node]) for node, token in enumerate(chain)]
+        below = [(token + 7, node) for node, token in enumerate(chain)]
+        for token, parent in (beside + below)[:max(0, budget - len(chain))]:
+            token_ids.append(token)
+            parents.append(parent)
+        return Draft(token_ids, None, parents)
+
+    def tree_unsupported(self):
+        return None
+
+    def accept(self, num_accepted, path=None):
         pass
 
 
 @NO_COMPILER
-def test_bfloat16_speculative_answers_are_the_plain_answers(zoo, one_thread):
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("shape", [dict(draft_tokens=4), dict(draft_tokens=spec("draft_tokens").high),
+                                   dict(draft_tokens=24, draft_tree=spec("draft_tree").high, tree_branching=3)],
+                         ids=("4 tokens", "most tokens", "most tree nodes"))
+def test_speculative_answers_are_the_plain_answers(zoo, one_thread, dtype, shape):
     """With verify passes bitwise the decode passes, a bfloat16 target's speculative greedy
-    answer is its plain one, token for token, with some drafts rejected part-way (the drafter
-    proposes a corrupted copy of the answer)."""
-    target = bitwise_target(zoo, torch.bfloat16)
+    answer is its plain one, token for token, in float32 and bfloat16, for chains up to the most
+    draft tokens and trees up to the most nodes the settings allow, with some drafts rejected
+    part-way (the drafter proposes a corrupted copy of the answer)."""
+    target = bitwise_target(zoo, dtype)
     messages = [{"role": "user", "content": [{"type": "image", "image": image} for image in tiny.tiny_images(2, seed=5)]
                  + [{"type": "text", "text": "Describe both."}]}]
-    decode = DecodeSettings(max_new_tokens=24, draft_tokens=4, stop_token_ids=frozenset({-1}))
-    plain = list(Engine(target).stream(messages, decode=decode))[-1]
+    decode = DecodeSettings(max_new_tokens=160, stop_token_ids=frozenset({-1}), **shape)
+    plain = list(Engine(target).stream(messages, decode=replace(decode, draft_tokens=None, draft_tree=0)))[-1]
     proposed = corrupt(plain.token_ids)
     engine = Engine(target, {"oracle": Oracle(proposed)})
     speculative = list(engine.stream(messages, drafter="oracle", decode=decode))[-1]
     assert speculative.token_ids == plain.token_ids
-    assert speculative.stats.fallback_reason is None and speculative.stats.accepted > 0
+    assert speculative.stats.fallback_reason is None and speculative.stats.tree_fallback is None
+    assert max(speculative.stats.draft_lengths) == shape.get("draft_tree", shape["draft_tokens"])  # nodes a pass
+    assert speculative.stats.accepted > 0
 
 
 def test_turned_off_or_unbuildable_the_python_layer_runs_and_says_why(zoo, monkeypatch, one_thread):
