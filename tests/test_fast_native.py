@@ -1,14 +1,16 @@
 """The compiled stack (engine/fast_native.py, engine/fast_layer.cpp) against the Python layer
-(engine/fast_decode.decoder_layer) on the same weights: float32 logits within float rounding and
-the same greedy tokens, bfloat16 logits equal to bfloat16 precision, for decode, verify, draft-tree
-and rollback passes, on one thread and with attention split across threads over a long context
-(the drafter heads' passes are checked against their modules in tests/test_own_drafters.py);
-the ATen branch for other type pairs bitwise; a clear fallback to the Python layer where it
-cannot be built."""
+(engine/fast_decode.decoder_layer, its reference) on the same weights, in both layouts: float32
+logits within float rounding and the same greedy tokens, bfloat16 logits equal to bfloat16
+precision, for decode, verify, draft-tree and rollback passes, on one thread and with attention
+split across threads over a long context (the drafter heads' passes are checked against their
+modules in tests/test_own_drafters.py); verify passes bitwise their decode passes up to the most
+rows the settings allow; what the compiled stack does not take refused; a clear fallback to the
+Python layer where it cannot be built."""
 
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 from dataclasses import replace
 
@@ -17,7 +19,7 @@ import torch
 
 from engine import fast_native
 from engine.drafters.base import Draft
-from engine.fast_decode import Int8Weight
+from engine.fast_decode import FastDecoder, Int8Weight
 from engine.engine import Engine
 from engine.loop import DecodeSettings
 from engine.tree import chain_parents
@@ -41,8 +43,14 @@ def passes(runner, target) -> list[torch.Tensor]:
     return out
 
 
-def compiled_and_python(target) -> tuple[list, list]:
+def compiled_and_python(target, input_major: bool = False) -> tuple[list, list]:
+    """The passes' logits with the compiled stack, then with the Python layer, on the same weights
+    in one layout: (out, in), the compiled stack's own, or input-major, the Python layer's where
+    nothing is compiled (the compiled stack then runs ATen's products on it)."""
+    target = copy.copy(target)
+    target.model = copy.deepcopy(target.model)  # its Linear weights become views of this layout's buffers
     runner = Runner(target.model, target.family)
+    runner.fast = FastDecoder(target.model, input_major=input_major)
     assert runner.fast.stack.native is not None, fast_native.unavailable()
     compiled = passes(runner, target)
     runner.fast.stack.native = None  # the Python layer, same weights
@@ -50,7 +58,8 @@ def compiled_and_python(target) -> tuple[list, list]:
 
 
 FLOAT32 = 5e-5  # float rounding of sums in another order, a few layers deep
-NO_COMPILER = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
+NO_COMPILER = pytest.mark.skipif(shutil.which("c++") is None or os.environ.get("VLM_NATIVE_LAYER") == "0",
+                                 reason="no C++ compiler on this machine, or VLM_NATIVE_LAYER=0")
 
 
 def assert_same_answers(compiled: list[torch.Tensor], python: list[torch.Tensor], tolerance: float) -> None:
@@ -60,19 +69,21 @@ def assert_same_answers(compiled: list[torch.Tensor], python: list[torch.Tensor]
 
 
 @NO_COMPILER
+@pytest.mark.parametrize("input_major", (False, True), ids=("out-in", "input-major"))
 @pytest.mark.parametrize("family", ("qwen2_vl", "idefics3"))
-def test_compiled_stack_is_the_python_layers_arithmetic(zoo, family, one_thread):
-    compiled, python = compiled_and_python(zoo.target(family))
+def test_compiled_stack_is_the_python_layers_arithmetic(zoo, family, input_major, one_thread):
+    """engine/fast_layer.cpp against its reference, fast_decode.decoder_layer, on both layouts."""
+    compiled, python = compiled_and_python(zoo.target(family), input_major)
     assert_same_answers(compiled, python, FLOAT32)
     assert not all(torch.equal(new, old) for new, old in zip(compiled, python))  # its own loops, not ATen's
 
 
 @NO_COMPILER
-def test_compiled_stack_in_bfloat16(zoo, one_thread):
-    """16-bit weights: input-major products and float32 attention over a float32 cache."""
-    target = copy.copy(zoo.target("qwen2_vl"))
-    target.model = copy.deepcopy(target.model).to(torch.bfloat16)
-    compiled, python = compiled_and_python(target)
+@pytest.mark.parametrize("input_major", (False, True), ids=("out-in", "input-major"))
+def test_compiled_stack_in_bfloat16(zoo, input_major, one_thread):
+    """16-bit weights: float32 attention over a float32 cache, on both layouts."""
+    target = bitwise_target(zoo, torch.bfloat16)
+    compiled, python = compiled_and_python(target, input_major)
     assert Runner(target.model, target.family).fast.stack.cache_dtype == torch.float32
     assert_same_answers(compiled, python, 2 ** -7)  # bfloat16's precision
 
@@ -272,17 +283,23 @@ def test_speculative_answers_are_the_plain_answers(zoo, one_thread, dtype, shape
 
 
 def test_turned_off_or_unbuildable_the_python_layer_runs_and_says_why(zoo, monkeypatch, one_thread):
-    target = zoo.target("qwen2_vl")
-    monkeypatch.setattr(fast_native, "_build", fast_native._build.__wrapped__)  # no cached result
-    monkeypatch.setenv("VLM_NATIVE_LAYER", "0")
-    assert fast_native.layer() is None and "VLM_NATIVE_LAYER=0" in fast_native.unavailable()
-    assert Runner(target.model, target.family).fast.stack.native is None
+    """VLM_NATIVE_LAYER=0: nothing is built (not even to pick the weights' layout), and the Python
+    layer runs on its own, input-major layout; where the build fails, the same, with the reason."""
+    target = copy.copy(zoo.target("qwen2_vl"))
+    target.model = copy.deepcopy(target.model)
 
     def broken(**_):
         raise RuntimeError("Error building extension 'vlm_fast_layer'\nfast_layer.cpp:1: error: no compiler")
 
-    monkeypatch.setenv("VLM_NATIVE_LAYER", "1")
     monkeypatch.setattr("torch.utils.cpp_extension.load", broken)
+    monkeypatch.setattr(fast_native, "_build", fast_native._build.__wrapped__)  # no cached result
+    monkeypatch.setenv("VLM_NATIVE_LAYER", "0")
+    assert fast_native.layer() is None and "VLM_NATIVE_LAYER=0" in fast_native.unavailable()
+    fast = Runner(target.model, target.family).fast
+    assert fast.stack.native is None and fast.input_major
+    assert fast.stack.layers[0].qkv_weight.is_contiguous()  # (in, out) itself, not a transposed view
+
+    monkeypatch.setenv("VLM_NATIVE_LAYER", "1")
     assert fast_native.layer() is None
     assert "could not be built" in fast_native.unavailable() and "no compiler" in fast_native.unavailable()
     runner = Runner(target.model, target.family)
@@ -292,14 +309,16 @@ def test_turned_off_or_unbuildable_the_python_layer_runs_and_says_why(zoo, monke
 
 
 @NO_COMPILER
-def test_a_cache_in_the_weights_dtype_takes_the_layers_aten_branch_bitwise(zoo, one_thread):
-    """bfloat16 activations over a bfloat16 cache (no loops for that pair: the layer's ATen calls,
-    bitwise the Python layer's)."""
-    target = copy.copy(zoo.target("qwen2_vl"))
-    target.model = copy.deepcopy(target.model).to(torch.bfloat16)
-    runner = Runner(target.model, target.family)
-    runner.fast.stack.cache_dtype = torch.bfloat16
-    compiled = passes(runner, target)
-    runner.fast.stack.native = None
-    python = passes(runner, target)
-    assert all(torch.equal(new, old) for new, old in zip(compiled, python))
+def test_the_compiled_stack_refuses_what_it_does_not_take(zoo, one_thread):
+    """The compiled stack takes a float32 cache (what FastStack makes on a CPU; elsewhere the
+    Python layer runs): a cache in the weights' bfloat16 is refused by name, not computed."""
+    target = bitwise_target(zoo, torch.bfloat16)
+    stack = Runner(target.model, target.family).fast.stack
+    assert stack.native is not None and stack.cache_dtype == torch.float32
+    stack.cache_dtype = torch.bfloat16
+    cache = stack.new_cache(8)
+    x = torch.zeros(1, target.model.config.get_text_config().hidden_size, dtype=torch.bfloat16)
+    cos, signed_sin = stack.rotary(range(0, 1))
+    with pytest.raises(RuntimeError, match="float32 cache"):
+        stack.native.stack(x, stack._native_layers(), cos, signed_sin, cache.keys, cache.values, 0, None,
+                           *stack.sizes_args, [])
