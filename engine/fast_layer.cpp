@@ -3,11 +3,12 @@
 // a float32 cache (the fast path on a CPU). One layer is `fused_layer`: fast_decode.decoder_layer's
 // arithmetic (that Python function is the readable reference, and tests/test_fast_native.py checks
 // this file against it on both weight layouts), with the matrix products in this file's rows kernel
-// and everything between them (RMSNorm, rotary, cache writes, attention, SiLU, residual adds) as
-// loops, each row computed on its own, so a pass costs a few Python-free calls instead of about
-// twenty operators a layer. Its results differ from the Python layer's by float rounding only (sums
-// in another order); other pairs of types are refused (fast_decode.FastStack runs the Python layer
-// for them). The weights cross from Python as `Layer`, fast_decode.Layer's fields by name.
+// (ATen's for passes longer than any verify pass, and for other shapes) and everything between
+// them (RMSNorm, rotary, cache writes, attention, SiLU, residual adds) as loops, each row computed
+// on its own, so a pass costs a few Python-free calls instead of about twenty operators a layer.
+// Its results differ from the Python layer's by float rounding only (sums in another order); other
+// pairs of types are refused (fast_decode.FastStack runs the Python layer for them). The weights
+// cross from Python as `Layer`, fast_decode.Layer's fields by name.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 

@@ -7,12 +7,14 @@ operations a layer"). engine/fast_layer.cpp runs every layer of a pass in one ca
 decode and verify pass (up to engine/tree.py's MAX_VERIFY_ROWS rows, the most the settings allow)
 in its own kernel (each row summed alone, so a verify pass is bitwise its decode passes; AVX-512
 intrinsics, or on other CPUs the same sums in code the compiler vectorizes, bitwise equal),
-longer ones (a drafter head's prompt pass, compared with no other pass) in ATen's; the final norm and output layer in one more call (`logits`).
-torch's extension loader compiles it with the machine's C++ compiler and ninja the first time
-(about 30 s, said on stderr; then cached under ~/.cache/torch_extensions, built again when the
-source, torch or the CPU changes). Where it cannot be built (no compiler, a read-only home) or
-`VLM_NATIVE_LAYER=0`, the Python layer runs and `unavailable()` says why. int8 weights (`--quantization int8`) run
-compiled too (the rows kernel reads their int8 values and scales).
+longer ones (a drafter head's prompt pass, compared with no other pass) in ATen's; the final
+norm and output layer in one more call (`logits`). torch's extension loader compiles it with the
+machine's C++ compiler and ninja the first time (about 30 s, said on stderr; then cached under
+~/.cache/torch_extensions, built again when the source, its flags, torch or the CPU changes).
+Where it cannot be built (no compiler, a read-only home) or with `VLM_NATIVE_LAYER=0` (then
+nothing is built), the Python layer runs on its own weight layout and `unavailable()` says why.
+int8 weights (`--quantization int8`) run compiled too (the rows kernel reads their int8 values
+and scales).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 def layer():
-    """The compiled module (its `decoder_layer`), or None where it is unavailable."""
+    """The compiled module (its `stack`, `Layer`, `Weight`, ...), or None where it is unavailable."""
     return _build()[0]
 
 
