@@ -22,7 +22,7 @@ from engine.drafters.base import Draft
 from engine.fast_decode import FastDecoder, Int8Weight
 from engine.engine import Engine
 from engine.loop import DecodeSettings
-from engine.tree import chain_parents
+from engine.tree import MAX_VERIFY_ROWS, chain_parents
 from engine.runner import Runner, TargetReads
 from engine.settings import spec
 from models import tiny
@@ -133,6 +133,13 @@ def rows_kernel(request):
 # The most rows a verify pass has under the schema's ranges: the last committed token and a
 # chain of draft_tokens, or a tree of draft_tree nodes.
 MOST_ROWS = 1 + max(spec("draft_tokens").high, spec("draft_tree").high)
+
+
+@NO_COMPILER
+def test_the_rows_kernel_takes_every_verify_pass_the_settings_allow():
+    """One constant: the build's rows kernel stops at engine/tree.py's MAX_VERIFY_ROWS, which the
+    settings' ranges are made from."""
+    assert fast_native.layer().rows_kernel_max == MAX_VERIFY_ROWS == MOST_ROWS
 
 
 @NO_COMPILER
