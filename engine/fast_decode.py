@@ -46,7 +46,7 @@ states); its cache is then copied into the static one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -159,12 +159,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tenso
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
-def native_weight(weight: torch.Tensor | Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """A product's weight as the compiled stack takes it: (in, out) and its int8 scales (empty for
-    float weights)."""
+def native_weight(native, weight: torch.Tensor | Int8Weight):
+    """A product's weight as the compiled stack takes it (native.Weight): (in, out) values, and
+    the int8 scales of an Int8Weight."""
     if isinstance(weight, Int8Weight):
-        return weight.values.t(), weight.scales
-    return weight, torch.empty(0, dtype=weight.dtype, device=weight.device)
+        return native.Weight(weight.values.t(), weight.scales)
+    return native.Weight(weight)
+
+
+def native_layer(native, layer: Layer):
+    """A layer's weights as the compiled stack takes them: native.Layer, this Layer's fields by name
+    (engine/fast_layer.cpp), each product's weight a native.Weight."""
+    values = {f.name: getattr(layer, f.name) for f in fields(Layer)}
+    return native.Layer(**{name: native_weight(native, value) if name.endswith("_weight") else value
+                           for name, value in values.items()})
 
 
 def _cat(*tensors):
@@ -286,7 +294,9 @@ class FastStack:
         self.rotary = RotaryTable(rotary, attn.head_dim, norm.dtype)
         self.dtype, self.device = norm.dtype, norm.device
         self.cache_dtype = attention_dtype(norm.dtype, norm.device)
-        self.native = fast_native.layer() if norm.device.type == "cpu" else None  # engine/fast_layer.cpp
+        # engine/fast_layer.cpp, on a CPU over a float32 cache (what it takes); else the Python layer
+        compiled = norm.device.type == "cpu" and self.cache_dtype == torch.float32
+        self.native = fast_native.layer() if compiled else None
 
     @staticmethod
     def _layer(layer, input_major: bool) -> Layer:
@@ -303,23 +313,13 @@ class FastStack:
         return rms_norm(x, weight, self.sizes.eps) if self.native is None else self.native.rms_norm(x, weight,
                                                                                                   self.sizes.eps)
 
-    def _native_layers(self) -> list[list[torch.Tensor]]:
-        """The layers' weights as the compiled stack takes them (absent biases empty; int8 weights
-        as their values transposed, (in, out), and their scales), made once for the current `layers`."""
+    def _native_layers(self) -> list:
+        """The layers' weights as the compiled stack takes them (`native_layer`), made once for the
+        current `layers`."""
         if getattr(self, "_packed_for", None) is not self.layers:
-            self._packed = []
-            for layer in self.layers:
-                products = [native_weight(w) for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight,
-                                                       layer.down_weight)]
-                (qkv, qkv_scales), (o, o_scales), (gate_up, gate_up_scales), (down, down_scales) = products
-                self._packed.append([layer.input_norm, qkv, self._or_empty(layer.qkv_bias), o,
-                                     self._or_empty(layer.o_bias), layer.post_norm, gate_up, down,
-                                     qkv_scales, o_scales, gate_up_scales, down_scales])
+            self._packed = [native_layer(self.native, layer) for layer in self.layers]
             self._packed_for = self.layers
         return self._packed
-
-    def _or_empty(self, tensor: torch.Tensor | None) -> torch.Tensor:
-        return torch.empty(0, dtype=self.dtype, device=self.device) if tensor is None else tensor
 
     def new_cache(self, capacity: int) -> StaticKVCache:
         return StaticKVCache(len(self.layers), self.sizes.kv_heads, self.sizes.head_dim, capacity, self.cache_dtype,
@@ -370,8 +370,6 @@ class FastDecoder:
         self.input_major = default_input_major(self.final_norm) if input_major is None else input_major
         self.stack = FastStack(stack.layers, config, stack.rotary_emb, self.input_major)
         self.head_weight = share([self.lm_head], self.input_major)  # (H, V), or an Int8Weight
-        bias = self.lm_head.bias
-        self.head_bias = torch.empty(0, dtype=self.final_norm.dtype) if bias is None else bias  # the compiled call's
 
     @torch.no_grad()
     def quantize_int8(self) -> None:
@@ -404,8 +402,9 @@ class FastDecoder:
             x = F.embedding(torch.tensor(token_ids, device=weight.device), weight)
         x, hidden = self.stack.forward(cache, x, positions, attention_mask, keep - {num_layers})
         if native is not None and not keep:  # final norm and output layer in one call
-            head, scales = native_weight(self.head_weight)
-            return native.logits(x, self.final_norm, head, self.head_bias, scales, self.eps, num_logits), {}
+            if getattr(self, "_native_head_for", None) is not self.head_weight:
+                self._native_head, self._native_head_for = native_weight(native, self.head_weight), self.head_weight
+            return native.logits(x, self.final_norm, self._native_head, self.lm_head.bias, self.eps, num_logits), {}
         x = self.stack.norm(x[-num_logits:] if not keep else x, self.final_norm)
         if num_layers in keep:
             hidden[num_layers] = x

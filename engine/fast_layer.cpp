@@ -1,13 +1,14 @@
-// engine/fast_decode.py's decode / verify pass in C++ (engine/fast_native.py builds it), two ways:
-// - `stack`: every decoder layer of a pass in one call, for float32 / bfloat16 / float16
-//   activations over a float32 cache (the fast path on a CPU): the matrix products of up to 32
-//   rows are this file's rows kernel (AVX-512, or portable code the compiler vectorizes), longer
-//   ones ATen's (MKL / oneDNN); everything between them (RMSNorm, rotary, cache writes, attention,
-//   SiLU, residual adds) is a loop here, each row computed on its own, so a pass costs a few
-//   Python-free calls instead of about twenty operators a layer. Its results differ from the
-//   Python layer's by float rounding only (sums in another order: tests/test_fast_native.py);
-// - `decoder_layer`: one layer as the Python function's ATen calls, bitwise its results; `stack`
-//   runs it for any other pair of types.
+// engine/fast_decode.py's decode / verify pass in C++ (engine/fast_native.py builds it): `stack`
+// runs every decoder layer of a pass in one call, for float32 / bfloat16 / float16 activations over
+// a float32 cache (the fast path on a CPU). One layer is `fused_layer`: fast_decode.decoder_layer's
+// arithmetic (that Python function is the readable reference, and tests/test_fast_native.py checks
+// this file against it on both weight layouts), with the matrix products in this file's rows kernel
+// (ATen's for passes longer than any verify pass, and for other shapes) and everything between
+// them (RMSNorm, rotary, cache writes, attention, SiLU, residual adds) as loops, each row computed
+// on its own, so a pass costs a few Python-free calls instead of about twenty operators a layer.
+// Its results differ from the Python layer's by float rounding only (sums in another order); other
+// pairs of types are refused (fast_decode.FastStack runs the Python layer for them). The weights
+// cross from Python as `Layer`, fast_decode.Layer's fields by name.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -20,18 +21,12 @@
 
 using at::Tensor;
 
-// transformers' RMSNorm: in float32, cast back, then scaled (fast_decode.rms_norm).
-static Tensor normed(const Tensor& x, const Tensor& weight, double eps) {
-  if (x.scalar_type() == at::kFloat) return at::rms_norm(x, {weight.size(0)}, weight, eps);
-  return weight * at::rms_norm(x.to(at::kFloat), {weight.size(0)}, c10::nullopt, eps).to(x.scalar_type());
-}
-
 // Rotary on q and k and the cache writes in one loop: for each token t, head h (q heads, then kv
 // heads) and dimension d, the value ATen computes for qk * cos + roll(qk, D / 2) * signed_sin,
 // each product and the sum rounded to T as ATen's elementwise kernels round them (T float: plain
 // float arithmetic, built without FMA contraction). q goes to `queries` (heads, n, D), k and v to
-// the cache's slots start .. start + n - 1 (kv_heads, capacity, D), all in the cache's type C.
-template <typename T, typename C>
+// the cache's slots start .. start + n - 1 (kv_heads, capacity, D), all float32.
+template <typename T>
 static void rotate_and_write(const Tensor& qkv, const Tensor& cos, const Tensor& signed_sin, Tensor& queries,
                              Tensor& keys, Tensor& values, int64_t start, int64_t heads, int64_t kv_heads,
                              int64_t head_dim) {
@@ -39,27 +34,27 @@ static void rotate_and_write(const Tensor& qkv, const Tensor& cos, const Tensor&
   const T* in = qkv.data_ptr<T>();
   const T* cos_p = cos.data_ptr<T>();
   const T* sin_p = signed_sin.data_ptr<T>();
-  C* q_out = queries.data_ptr<C>();
-  C* k_out = keys.data_ptr<C>();
-  C* v_out = values.data_ptr<C>();
+  float* q_out = queries.data_ptr<float>();
+  float* k_out = keys.data_ptr<float>();
+  float* v_out = values.data_ptr<float>();
   for (int64_t t = 0; t < n; ++t) {
     const T* token = in + t * row;
     const T* c = cos_p + t * head_dim;
     const T* s = sin_p + t * head_dim;
     for (int64_t h = 0; h < heads + kv_heads; ++h) {
       const T* x = token + h * head_dim;
-      C* out = h < heads ? q_out + (h * n + t) * head_dim
+      float* out = h < heads ? q_out + (h * n + t) * head_dim
                          : k_out + ((h - heads) * capacity + start + t) * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) {
         const T a = static_cast<T>(static_cast<float>(x[d]) * static_cast<float>(c[d]));
         const T b = static_cast<T>(static_cast<float>(x[(d + half) % head_dim]) * static_cast<float>(s[d]));
-        out[d] = static_cast<C>(static_cast<T>(static_cast<float>(a) + static_cast<float>(b)));
+        out[d] = static_cast<float>(static_cast<T>(static_cast<float>(a) + static_cast<float>(b)));
       }
     }
     const T* v = token + (heads + kv_heads) * head_dim;
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t d = 0; d < head_dim; ++d)
-        v_out[(h * capacity + start + t) * head_dim + d] = static_cast<C>(v[h * head_dim + d]);
+        v_out[(h * capacity + start + t) * head_dim + d] = static_cast<float>(v[h * head_dim + d]);
   }
 }
 
@@ -68,55 +63,20 @@ static Tensor aten_product(const Tensor& x, const Tensor& weight, const c10::opt
   return bias.has_value() ? at::addmm(*bias, x, weight) : at::mm(x, weight);
 }
 
-Tensor decoder_layer(Tensor x, const Tensor& input_norm, const Tensor& qkv_weight, const c10::optional<Tensor>& qkv_bias,
-                     const Tensor& o_weight, const c10::optional<Tensor>& o_bias, const Tensor& post_norm,
-                     const Tensor& gate_up_weight, const Tensor& down_weight, const Tensor& cos,
-                     const Tensor& signed_sin, Tensor keys, Tensor values, int64_t start,
-                     const c10::optional<Tensor>& mask, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                     double scaling, double eps) {
-  const int64_t n = x.size(0), end = start + n;
-  const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
-  Tensor qkv = aten_product(normed(x, input_norm, eps), qkv_weight, qkv_bias);  // (n, q + 2 kv)
-  Tensor queries = at::empty({1, heads, n, head_dim}, keys.options());
-  const auto type = x.scalar_type(), cache_type = keys.scalar_type();
-  const bool plain_layouts = keys.is_contiguous() && values.is_contiguous() && cos.is_contiguous() &&
-                             signed_sin.is_contiguous() && qkv.stride(1) == 1;
-  if (plain_layouts && type == at::kFloat && cache_type == at::kFloat) {
-    rotate_and_write<float, float>(qkv, cos, signed_sin, queries, keys, values, start, heads, kv_heads, head_dim);
-  } else if (plain_layouts && type == at::kBFloat16 && cache_type == at::kFloat) {
-    rotate_and_write<at::BFloat16, float>(qkv, cos, signed_sin, queries, keys, values, start, heads, kv_heads,
-                                          head_dim);
-  } else if (plain_layouts && type == at::kHalf && cache_type == at::kFloat) {
-    rotate_and_write<at::Half, float>(qkv, cos, signed_sin, queries, keys, values, start, heads, kv_heads, head_dim);
-  } else {  // any other pair of types: ATen's calls, as fast_decode.decoder_layer makes them
-    Tensor qk = qkv.slice(1, 0, q_width + kv_width).view({n, heads + kv_heads, head_dim});
-    qk = qk * cos + qk.roll({head_dim / 2}, {-1}) * signed_sin;
-    keys.select(0, 0).slice(1, start, end).copy_(qk.slice(1, heads).transpose(0, 1));
-    values.select(0, 0).slice(1, start, end).copy_(
-        qkv.slice(1, q_width + kv_width).view({n, kv_heads, head_dim}).transpose(0, 1));
-    queries.copy_(qk.slice(1, 0, heads).transpose(0, 1).unsqueeze(0));
-  }
-  Tensor attended = at::scaled_dot_product_attention(queries, keys.slice(2, 0, end), values.slice(2, 0, end), mask,
-                                                     /*dropout_p=*/0.0, /*is_causal=*/false, scaling,
-                                                     /*enable_gqa=*/true);
-  attended = n == 1 ? attended.view({n, q_width}) : attended.select(0, 0).transpose(0, 1).reshape({n, q_width});
-  x = x + aten_product(attended.to(x.scalar_type()), o_weight, o_bias);
-  std::vector<Tensor> gate_up = aten_product(normed(x, post_norm, eps), gate_up_weight, c10::nullopt).chunk(2, -1);
-  return x + aten_product(at::silu(gate_up[0]) * gate_up[1], down_weight, c10::nullopt);
-}
-
-// ---- `stack`: the whole pass, loops between ATen's products ----
-
-// The products of few rows (decode and verify passes, up to ROWS_KERNEL_MAX rows), for (out, in)
-// weights: each output is one row of the weight times one row of x, summed in 16 float lanes in the
-// order of `in` (fused multiply-adds), the lanes then added in halves, whatever the number of rows,
-// the thread or the rows beside it. A verify pass's rows are therefore bitwise the decode passes'
-// (tests/test_fast_native.py), and the weight is read once for all the rows: a 5-row bfloat16
-// product costs about 1.5 one-row products here, against 5.6 for oneDNN's (docs/performance.md).
-// The 16 lanes are one AVX-512 register, two AVX2 registers, or an array the compiler vectorizes
-// (other CPUs): the same operations in the same order, so all three give the same bits and an
-// answer does not depend on the CPU's vector width. Other shapes: ATen's product.
-constexpr int64_t ROWS_KERNEL_MAX = 32;
+// The products of decode and verify passes, for (out, in) weights: each output is one row of the
+// weight times one row of x, summed in 16 float lanes in the order of `in` (fused multiply-adds),
+// the lanes then added in halves, whatever the number of rows, the thread or the rows beside it. A
+// verify pass's rows are therefore bitwise the decode passes' (tests/test_fast_native.py), and the
+// weight is read once for all the rows: a 5-row bfloat16 product costs about 1.5 one-row products
+// here, against 5.6 for oneDNN's (docs/performance.md). The 16 lanes are one AVX-512 register, two
+// AVX2 registers, or an array the compiler vectorizes (other CPUs): the same operations in the same
+// order, so all three give the same bits and an answer does not depend on the CPU's vector width.
+// It takes up to ROWS_KERNEL_MAX rows, the most a verify pass has (engine/tree.py MAX_VERIFY_ROWS,
+// given by engine/fast_native.py): every pass the settings allow. Longer passes (a drafter head's
+// prompt, which no pass is compared with) and other shapes: ATen's product, faster there.
+#ifndef ROWS_KERNEL_MAX
+#error "build with -DROWS_KERNEL_MAX=<rows> (engine/fast_native.py passes engine/tree.py's MAX_VERIFY_ROWS)"
+#endif
 constexpr int LANES = 16;
 
 static inline float to_float(float value) { return value; }
@@ -370,7 +330,30 @@ void use_rows_kernel(const std::string& name) {
   rows_kernel_in_use = name;
 }
 
-static c10::optional<Tensor> present(const Tensor& bias) { return bias.numel() ? c10::optional<Tensor>(bias) : c10::nullopt; }
+// A product's weight as fast_decode.linear takes it, (in, out): float values, or int8 values
+// (fast_decode.Int8Weight's transposed) with their per-output scales (out,).
+struct Weight {
+  Tensor values;  // (in, out), a transposed view of an (out, in) buffer for the rows kernel
+  c10::optional<Tensor> scales;  // (out,) for int8 values, else none
+};
+
+// fast_decode.linear: x (n, in) times weight, plus bias.
+static Tensor linear(const Tensor& x, const Weight& weight, const c10::optional<Tensor>& bias) {
+  return product(x, weight.values, bias, weight.scales);
+}
+
+// One decoder layer's weights: fast_decode.Layer, field for field (the Python class builds it by
+// its fields' names: fast_decode.FastStack.native_layers).
+struct Layer {
+  Tensor input_norm;  // (H,)
+  Weight qkv_weight;  // (H, (heads + 2 kv_heads) D)
+  c10::optional<Tensor> qkv_bias;  // ((heads + 2 kv_heads) D,)
+  Weight o_weight;  // (heads D, H)
+  c10::optional<Tensor> o_bias;  // (H,)
+  Tensor post_norm;  // (H,)
+  Weight gate_up_weight;  // (H, 2 I)
+  Weight down_weight;  // (I, H)
+};
 
 // Float value as T holds it (rounding to 16 bits where T is a 16-bit type).
 template <typename T>
@@ -474,57 +457,56 @@ static Tensor add_residual(Tensor y, const Tensor& x) {
   return y;
 }
 
-// One decoder layer over x (n, H) of T, keys / values float (1, kv_heads, capacity, D); w: the
-// layer's weights as `stack` takes them. fast_decode.decoder_layer's arithmetic.
+// One decoder layer over x (n, H) of T at slots start .. start + n - 1 of keys / values, float (1,
+// kv_heads, capacity, D): fast_decode.decoder_layer's arithmetic, step for step.
 template <typename T>
-static Tensor fused_layer(const Tensor& x, const std::vector<Tensor>& w, const Tensor& cos, const Tensor& signed_sin,
-                          Tensor& keys, Tensor& values, int64_t start, const Tensor& mask, int64_t heads,
-                          int64_t kv_heads, int64_t head_dim, double scaling, double eps) {
+static Tensor fused_layer(const Tensor& x, const Layer& w, const Tensor& cos, const Tensor& signed_sin, Tensor& keys,
+                          Tensor& values, int64_t start, const Tensor& mask, int64_t heads, int64_t kv_heads,
+                          int64_t head_dim, double scaling, double eps) {
   const int64_t n = x.size(0), end = start + n;
-  Tensor qkv = product(rms_norm_rows<T>(x, w[0], eps), w[1], present(w[2]), present(w[8]));  // (n, q + 2 kv)
+  Tensor qkv = linear(rms_norm_rows<T>(x, w.input_norm, eps), w.qkv_weight, w.qkv_bias);  // (n, q + 2 kv)
   Tensor queries = at::empty({1, heads, n, head_dim}, keys.options());
-  rotate_and_write<T, float>(qkv, cos, signed_sin, queries, keys, values, start, heads, kv_heads, head_dim);
+  rotate_and_write<T>(qkv, cos, signed_sin, queries, keys, values, start, heads, kv_heads, head_dim);
   Tensor attended = at::empty({n, heads * head_dim}, keys.options());
   attend(queries.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(2), n, end, mask,
          heads, kv_heads, head_dim, static_cast<float>(scaling), attended.data_ptr<float>());
-  Tensor h = add_residual<T>(product(attended.to(x.scalar_type()), w[3], present(w[4]), present(w[9])), x);
-  Tensor gate_up = product(rms_norm_rows<T>(h, w[5], eps), w[6], c10::nullopt, present(w[10]));  // (n, 2 I)
-  return add_residual<T>(product(silu_times_up<T>(gate_up), w[7], c10::nullopt, present(w[11])), h);
+  Tensor h = add_residual<T>(linear(attended.to(x.scalar_type()), w.o_weight, w.o_bias), x);
+  Tensor gate_up = linear(rms_norm_rows<T>(h, w.post_norm, eps), w.gate_up_weight, c10::nullopt);  // (n, 2 I)
+  return add_residual<T>(linear(silu_times_up<T>(gate_up), w.down_weight, c10::nullopt), h);
 }
 
-// Every layer of a pass: x (n, H) at slots start .. start + n - 1. layers[i] = {input_norm,
-// qkv_weight, qkv_bias, o_weight, o_bias, post_norm, gate_up_weight, down_weight, then the four
-// products' int8 scales} (weights (in, out) as fast_decode.Layer, int8 ones as their values
-// transposed; absent biases and the scales of float weights empty); keys[i] / values[i] (1,
-// kv_heads, capacity, D); mask: None (every slot visible) or (1, 1, n, start + n), bool or additive
-// in the cache's type. Returns {the last layer's output, then the output of layer i for each i in keep}.
-std::vector<Tensor> stack(Tensor x, const std::vector<std::vector<Tensor>>& layers, const Tensor& cos,
-                          const Tensor& signed_sin, std::vector<Tensor> keys, std::vector<Tensor> values, int64_t start,
+// Every layer of a pass: x (n, H) of float32, bfloat16 or float16 at slots start .. start + n - 1;
+// layers[i] the weights of layer i; keys[i] / values[i] float32 (1, kv_heads, capacity, D),
+// contiguous; cos, signed_sin (n, 1, D) contiguous (fast_decode.RotaryTable); mask: None (every
+// slot visible) or (1, 1, n, start + n), bool (True = attend) or additive float32. Anything else
+// is refused (fast_decode.FastStack runs the Python layer for it). Returns {the last layer's output,
+// then the output of layer i for each i in keep}.
+std::vector<Tensor> stack(Tensor x, const std::vector<Layer>& layers, const Tensor& cos, const Tensor& signed_sin,
+                          std::vector<Tensor> keys, std::vector<Tensor> values, int64_t start,
                           const c10::optional<Tensor>& mask, int64_t heads, int64_t kv_heads, int64_t head_dim,
                           double scaling, double eps, const std::vector<int64_t>& keep) {
   const int64_t n = x.size(0);
   const auto type = x.scalar_type();
-  const bool loops = keys[0].scalar_type() == at::kFloat && keys[0].is_contiguous() && values[0].is_contiguous() &&
-                     cos.is_contiguous() && signed_sin.is_contiguous() &&
-                     (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf) &&
-                     (!mask.has_value() || mask->scalar_type() == at::kBool || mask->scalar_type() == at::kFloat);
-  const Tensor rows_mask = mask.has_value() && loops ? mask->reshape({n, start + n}).contiguous() : Tensor();
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kHalf,
+              "the compiled stack takes float32, bfloat16 or float16 activations, not ", type);
+  for (size_t i = 0; i < layers.size(); ++i)
+    TORCH_CHECK(keys[i].scalar_type() == at::kFloat && keys[i].is_contiguous() && values[i].is_contiguous(),
+                "the compiled stack takes a contiguous float32 cache (fast_decode.attention_dtype)");
+  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous(), "cos and signed_sin must be contiguous");
+  TORCH_CHECK(!mask.has_value() || mask->scalar_type() == at::kBool || mask->scalar_type() == at::kFloat,
+              "the mask must be bool or float32, not ", mask.has_value() ? mask->scalar_type() : at::kBool);
+  const Tensor rows_mask = mask.has_value() ? mask->reshape({n, start + n}).contiguous() : Tensor();
   x = x.contiguous();
   std::vector<Tensor> out(1 + keep.size());
   for (size_t i = 0; i < layers.size(); ++i) {
-    const auto& w = layers[i];
-    if (!loops) {
-      TORCH_CHECK(w[8].numel() == 0, "int8 weights need a float32 cache (fast_decode.attention_dtype)");
-      x = decoder_layer(x, w[0], w[1], present(w[2]), w[3], present(w[4]), w[5], w[6], w[7], cos, signed_sin, keys[i],
-                        values[i], start, mask, heads, kv_heads, head_dim, scaling, eps);
-    } else if (type == at::kFloat) {
-      x = fused_layer<float>(x, w, cos, signed_sin, keys[i], values[i], start, rows_mask, heads, kv_heads, head_dim,
-                             scaling, eps);
+    if (type == at::kFloat) {
+      x = fused_layer<float>(x, layers[i], cos, signed_sin, keys[i], values[i], start, rows_mask, heads, kv_heads,
+                             head_dim, scaling, eps);
     } else if (type == at::kBFloat16) {
-      x = fused_layer<at::BFloat16>(x, w, cos, signed_sin, keys[i], values[i], start, rows_mask, heads, kv_heads,
-                                    head_dim, scaling, eps);
+      x = fused_layer<at::BFloat16>(x, layers[i], cos, signed_sin, keys[i], values[i], start, rows_mask, heads,
+                                    kv_heads, head_dim, scaling, eps);
     } else {
-      x = fused_layer<at::Half>(x, w, cos, signed_sin, keys[i], values[i], start, rows_mask, heads, kv_heads,
+      x = fused_layer<at::Half>(x, layers[i], cos, signed_sin, keys[i], values[i], start, rows_mask, heads, kv_heads,
                                 head_dim, scaling, eps);
     }
     for (size_t j = 0; j < keep.size(); ++j)
@@ -541,16 +523,15 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
     case at::kFloat: return rms_norm_rows<float>(rows, weight, eps);
     case at::kBFloat16: return rms_norm_rows<at::BFloat16>(rows, weight, eps);
     case at::kHalf: return rms_norm_rows<at::Half>(rows, weight, eps);
-    default: return normed(rows, weight, eps);
+    default: TORCH_CHECK(false, "rms_norm takes float32, bfloat16 or float16, not ", x.scalar_type());
   }
 }
 
 // The output layer: logits (num_logits, V) of the last num_logits rows of x (n, H), after the
-// final norm; weight (H, V) as `stack` takes its weights, bias and scales empty where there are none.
-Tensor logits(const Tensor& x, const Tensor& norm, const Tensor& weight, const Tensor& bias, const Tensor& scales,
-              double eps, int64_t num_logits) {
-  return product(rms_norm(x.narrow(0, x.size(0) - num_logits, num_logits), norm, eps), weight, present(bias),
-                 present(scales));
+// final norm; weight (H, V) as `stack` takes its weights.
+Tensor logits(const Tensor& x, const Tensor& norm, const Weight& weight, const c10::optional<Tensor>& bias, double eps,
+              int64_t num_logits) {
+  return linear(rms_norm(x.narrow(0, x.size(0) - num_logits, num_logits), norm, eps), weight, bias);
 }
 
 // The embedding rows (n, H) of token_ids (n,): a lookup.
@@ -568,11 +549,18 @@ Tensor embed(const Tensor& weight, const std::vector<int64_t>& token_ids) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  py::class_<Weight>(m, "Weight")
+      .def(py::init<Tensor, c10::optional<Tensor>>(), py::arg("values"), py::arg("scales") = c10::nullopt);
+  py::class_<Layer>(m, "Layer")
+      .def(py::init<Tensor, Weight, c10::optional<Tensor>, Weight, c10::optional<Tensor>, Tensor, Weight, Weight>(),
+           py::arg("input_norm"), py::arg("qkv_weight"), py::arg("qkv_bias"), py::arg("o_weight"), py::arg("o_bias"),
+           py::arg("post_norm"), py::arg("gate_up_weight"), py::arg("down_weight"));
   m.def("embed", &embed);
-  m.def("decoder_layer", &decoder_layer);
   m.def("stack", &stack);
   m.def("rms_norm", &rms_norm);
   m.def("logits", &logits);
+  m.attr("rows_kernel_max") = ROWS_KERNEL_MAX;
   m.def("rows_kernel", &rows_kernel);
   m.def("use_rows_kernel", &use_rows_kernel);
   m.def("rows_kernels_built", &rows_kernels_built);

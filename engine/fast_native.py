@@ -3,15 +3,18 @@
 A decode pass of a small model spends most of its time outside its matrix products, about
 60 operator calls a layer, each costing Python and dispatch (docs/performance.md, "Fewer
 operations a layer"). engine/fast_layer.cpp runs every layer of a pass in one call (`stack`):
-`fast_decode.decoder_layer`'s arithmetic as loops between the products, the products of up to 32
-rows in its own kernel (each row summed alone, so a verify pass is bitwise its decode passes;
-AVX-512 intrinsics, or on other CPUs the same sums in code the compiler vectorizes, bitwise
-equal), longer ones in ATen's; the final norm and output layer in one more call (`logits`).
-torch's extension loader compiles it with the machine's C++ compiler and ninja the first time
-(about 30 s, said on stderr; then cached under ~/.cache/torch_extensions, built again when the
-source, torch or the CPU changes). Where it cannot be built (no compiler, a read-only home) or
-`VLM_NATIVE_LAYER=0`, the Python layer runs and `unavailable()` says why. int8 weights (`--quantization int8`) run
-compiled too (the rows kernel reads their int8 values and scales).
+`fast_decode.decoder_layer`'s arithmetic as loops between the products, the products of every
+decode and verify pass (up to engine/tree.py's MAX_VERIFY_ROWS rows, the most the settings allow)
+in its own kernel (each row summed alone, so a verify pass is bitwise its decode passes; AVX-512
+intrinsics, or on other CPUs the same sums in code the compiler vectorizes, bitwise equal),
+longer ones (a drafter head's prompt pass, compared with no other pass) in ATen's; the final
+norm and output layer in one more call (`logits`). torch's extension loader compiles it with the
+machine's C++ compiler and ninja the first time (about 30 s, said on stderr; then cached under
+~/.cache/torch_extensions, built again when the source, its flags, torch or the CPU changes).
+Where it cannot be built (no compiler, a read-only home) or with `VLM_NATIVE_LAYER=0` (then
+nothing is built), the Python layer runs on its own weight layout and `unavailable()` says why.
+int8 weights (`--quantization int8`) run compiled too (the rows kernel reads their int8 values
+and scales).
 """
 
 from __future__ import annotations
@@ -25,18 +28,21 @@ import re
 import sys
 from pathlib import Path
 
+from engine.tree import MAX_VERIFY_ROWS
+
 SOURCE = Path(__file__).with_name("fast_layer.cpp")
 NAME = "vlm_fast_layer"  # and torch's version, the CPU's features and the source: another build is never loaded
 # -march=native: the vector width of this CPU (AVX-512 where it has it); -fopenmp: at::parallel_for
 # on torch's OpenMP threads and `omp simd` sums; no FMA contraction, so that the rotary loop rounds
 # as ATen's kernels do (engine/fast_layer.cpp).
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+# ROWS_KERNEL_MAX: the rows kernel covers every verify pass (engine/tree.py).
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", f"-DROWS_KERNEL_MAX={MAX_VERIFY_ROWS}"]
 
 log = logging.getLogger(__name__)
 
 
 def layer():
-    """The compiled module (its `decoder_layer`), or None where it is unavailable."""
+    """The compiled module (its `stack`, `Layer`, `Weight`, ...), or None where it is unavailable."""
     return _build()[0]
 
 

@@ -20,6 +20,7 @@ from typing import Any, get_type_hints
 
 from engine.loop import DecodeSettings
 from engine.sampling import SamplingSettings
+from engine.tree import MAX_DRAFT_NODES
 
 MODES = ("speculative", "plain")
 CHARS_PER_TOKEN = 16  # a text may be this many characters per token of context, checked before tokenizing
@@ -60,7 +61,7 @@ class Settings:
     drafter: str | None = setting(None, "a loaded drafter's key (text, vlm, ngram, mtp, ...), auto, or none: the "
                                   "engine's default", "Drafter", cli=False)
     draft_tokens: int = setting(0, "tokens drafted a round (0: chosen each round from measured cost)", "Draft length",
-                                low=0, high=64, low_means="0 (chosen from cost)", ui=(0, 8, 1))
+                                low=0, high=MAX_DRAFT_NODES, low_means="0 (chosen from cost)", ui=(0, 8, 1))
     adaptive: bool = setting(False, "the +2/-1 rule from draft_tokens (or 4): +2 after a full acceptance, -1 after "
                              "a rejection", "Adaptive draft length")
     temperature: float = setting(0.0, "0: greedy, the same answer every time", "Temperature", low=0,
@@ -77,7 +78,7 @@ class Settings:
                                            low_means="0 (the model's own limit)", env="VLM_MAX_IMAGE_TOKENS",
                                            cli=False)
     draft_tree: int = setting(0, "draft trees of up to this many nodes, draft_tokens deep, verified in one pass "
-                              "(0: one chain)", "Draft tree nodes", low=0, high=64, low_means="0 (chains)",
+                              "(0: one chain)", "Draft tree nodes", low=0, high=MAX_DRAFT_NODES, low_means="0 (chains)",
                               ui=(0, 16, 1))
     top_k: int = setting(0, "sample from the k likeliest tokens (0: off)", "Top-k", low=0, low_means="0 (off)",
                          ui=(0, 100, 1))

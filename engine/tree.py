@@ -35,6 +35,13 @@ from __future__ import annotations
 
 import torch
 
+# The most draft nodes a round verifies (a chain's tokens, a tree's nodes): the settings' range
+# (engine/settings.py). A verify pass has one more row, the last committed token; the compiled
+# stack's rows kernel takes passes of up to MAX_VERIFY_ROWS rows (engine/fast_layer.cpp), so each
+# row of any verify pass is bitwise the one-token pass it replaces.
+MAX_DRAFT_NODES = 64
+MAX_VERIFY_ROWS = 1 + MAX_DRAFT_NODES
+
 
 def tree_depths(parents: list[int]) -> list[int]:
     """Depth of each entry, 0 for an entry whose parent is -1 (parents[i] < i)."""

@@ -1,25 +1,30 @@
 """The compiled stack (engine/fast_native.py, engine/fast_layer.cpp) against the Python layer
-(engine/fast_decode.decoder_layer) on the same weights: float32 logits within float rounding and
-the same greedy tokens, bfloat16 logits equal to bfloat16 precision, for decode, verify, draft-tree
-and rollback passes, on one thread and with attention split across threads over a long context
-(the drafter heads' passes are checked against their modules in tests/test_own_drafters.py);
-the ATen branch for other type pairs bitwise; a clear fallback to the Python layer where it
-cannot be built."""
+(engine/fast_decode.decoder_layer, its reference) on the same weights, in both layouts: float32
+logits within float rounding and the same greedy tokens, bfloat16 logits equal to bfloat16
+precision, for decode, verify, draft-tree and rollback passes, on one thread and with attention
+split across threads over a long context (the drafter heads' passes are checked against their
+modules in tests/test_own_drafters.py); verify passes bitwise their decode passes up to the most
+rows the settings allow; what the compiled stack does not take refused; a clear fallback to the
+Python layer where it cannot be built."""
 
 from __future__ import annotations
 
 import copy
+import os
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 
 from engine import fast_native
 from engine.drafters.base import Draft
-from engine.fast_decode import Int8Weight
+from engine.fast_decode import FastDecoder, Int8Weight
 from engine.engine import Engine
 from engine.loop import DecodeSettings
+from engine.tree import MAX_VERIFY_ROWS, chain_parents
 from engine.runner import Runner, TargetReads
+from engine.settings import spec
 from models import tiny
 from tests.mocks import corrupt
 from tests.test_fast_decode import prompt_of
@@ -38,8 +43,14 @@ def passes(runner, target) -> list[torch.Tensor]:
     return out
 
 
-def compiled_and_python(target) -> tuple[list, list]:
+def compiled_and_python(target, input_major: bool = False) -> tuple[list, list]:
+    """The passes' logits with the compiled stack, then with the Python layer, on the same weights
+    in one layout: (out, in), the compiled stack's own, or input-major, the Python layer's where
+    nothing is compiled (the compiled stack then runs ATen's products on it)."""
+    target = copy.copy(target)
+    target.model = copy.deepcopy(target.model)  # its Linear weights become views of this layout's buffers
     runner = Runner(target.model, target.family)
+    runner.fast = FastDecoder(target.model, input_major=input_major)
     assert runner.fast.stack.native is not None, fast_native.unavailable()
     compiled = passes(runner, target)
     runner.fast.stack.native = None  # the Python layer, same weights
@@ -47,7 +58,8 @@ def compiled_and_python(target) -> tuple[list, list]:
 
 
 FLOAT32 = 5e-5  # float rounding of sums in another order, a few layers deep
-NO_COMPILER = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
+NO_COMPILER = pytest.mark.skipif(shutil.which("c++") is None or os.environ.get("VLM_NATIVE_LAYER") == "0",
+                                 reason="no C++ compiler on this machine, or VLM_NATIVE_LAYER=0")
 
 
 def assert_same_answers(compiled: list[torch.Tensor], python: list[torch.Tensor], tolerance: float) -> None:
@@ -57,19 +69,21 @@ def assert_same_answers(compiled: list[torch.Tensor], python: list[torch.Tensor]
 
 
 @NO_COMPILER
+@pytest.mark.parametrize("input_major", (False, True), ids=("out-in", "input-major"))
 @pytest.mark.parametrize("family", ("qwen2_vl", "idefics3"))
-def test_compiled_stack_is_the_python_layers_arithmetic(zoo, family, one_thread):
-    compiled, python = compiled_and_python(zoo.target(family))
+def test_compiled_stack_is_the_python_layers_arithmetic(zoo, family, input_major, one_thread):
+    """engine/fast_layer.cpp against its reference, fast_decode.decoder_layer, on both layouts."""
+    compiled, python = compiled_and_python(zoo.target(family), input_major)
     assert_same_answers(compiled, python, FLOAT32)
     assert not all(torch.equal(new, old) for new, old in zip(compiled, python))  # its own loops, not ATen's
 
 
 @NO_COMPILER
-def test_compiled_stack_in_bfloat16(zoo, one_thread):
-    """16-bit weights: input-major products and float32 attention over a float32 cache."""
-    target = copy.copy(zoo.target("qwen2_vl"))
-    target.model = copy.deepcopy(target.model).to(torch.bfloat16)
-    compiled, python = compiled_and_python(target)
+@pytest.mark.parametrize("input_major", (False, True), ids=("out-in", "input-major"))
+def test_compiled_stack_in_bfloat16(zoo, input_major, one_thread):
+    """16-bit weights: float32 attention over a float32 cache, on both layouts."""
+    target = bitwise_target(zoo, torch.bfloat16)
+    compiled, python = compiled_and_python(target, input_major)
     assert Runner(target.model, target.family).fast.stack.cache_dtype == torch.float32
     assert_same_answers(compiled, python, 2 ** -7)  # bfloat16's precision
 
@@ -116,20 +130,37 @@ def rows_kernel(request):
     native.use_rows_kernel(in_use)
 
 
+# The most rows a verify pass has under the schema's ranges: the last committed token and a
+# chain of draft_tokens, or a tree of draft_tree nodes.
+MOST_ROWS = 1 + max(spec("draft_tokens").high, spec("draft_tree").high)
+
+
+@NO_COMPILER
+def test_the_rows_kernel_takes_every_verify_pass_the_settings_allow():
+    """One constant: the build's rows kernel stops at engine/tree.py's MAX_VERIFY_ROWS, which the
+    settings' ranges are made from."""
+    assert fast_native.layer().rows_kernel_max == MAX_VERIFY_ROWS == MOST_ROWS
+
+
 @NO_COMPILER
 @pytest.mark.parametrize("rows_kernel", ("native", "avx2", "portable"), indirect=True)
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-def test_a_verify_pass_is_bitwise_the_decode_passes(zoo, dtype, rows_kernel):
-    """Each row is summed alone, whatever the rows beside it and the threads: a pass over five
-    tokens on two threads gives, row for row, the logits of five one-token passes on one thread,
-    and leaves the same cache, in bfloat16 too (where batched kernels round differently:
+@pytest.mark.parametrize("rows", (5, 33, 64, MOST_ROWS))
+@pytest.mark.parametrize("dtype, int8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_a_verify_pass_is_bitwise_the_decode_passes(zoo, dtype, int8, rows, rows_kernel):
+    """Each row is summed alone, whatever the rows beside it and the threads: a pass over `rows`
+    tokens (up to the most a verify pass has under the settings' ranges) on two threads gives, row
+    for row, the logits of that many one-token passes on one thread, and leaves the same cache, in
+    bfloat16 and int8 too (where batched kernels round differently:
     ../shared/notes/transformers-facts.md); with this CPU's kernel and the narrower ones."""
     target = bitwise_target(zoo, dtype)
     runner = Runner(target.model, target.family)
+    if int8:
+        runner.fast.quantize_int8()
     threads = torch.get_num_threads()
     try:
         logits, state = runner.prefill(prompt_of(target, 1).target_inputs)
-        tokens = [int(logits.argmax()), 7, 9, 11, 5]
+        generator = torch.Generator().manual_seed(rows)
+        tokens = [int(logits.argmax())] + torch.randint(16, 200, (rows - 1,), generator=generator).tolist()
         torch.set_num_threads(2)
         batched = runner.extend(state, tokens)
         cache = [keys[0, :, :state.cache_len].clone() for keys in state.cache.keys]
@@ -202,7 +233,9 @@ def test_every_rows_kernel_gives_the_same_bits(zoo, dtype):
 
 
 class Oracle:
-    """Drafts a fixed continuation, k tokens a round (a deterministic drafter)."""
+    """Drafts a fixed continuation, k tokens a round (a deterministic drafter); as a tree, that
+    continuation is the first branch, with leaves beside and below it up to the node budget (the
+    leaf beside a corrupted token is the true one: a path through a second child)."""
 
     name, kind, reads = "oracle", "test", TargetReads()
 
@@ -215,39 +248,65 @@ class Oracle:
     def propose(self, generated, k, sampler):
         return Draft(self.continuation[len(generated):len(generated) + k])
 
-    def accept(self, num_accepted):
+    def propose_tree(self, generated, depth, budget, branching, sampler):
+        chain = self.continuation[len(generated):len(generated) + depth]
+        token_ids, parents = list(chain), chain_parents(len(chain))
+        beside = [(token - 1 if token > 0 else token + 2, parents[node]) for node, token in enumerate(chain)]
+        below = [(token + 7, node) for node, token in enumerate(chain)]
+        for token, parent in (beside + below)[:max(0, budget - len(chain))]:
+            token_ids.append(token)
+            parents.append(parent)
+        return Draft(token_ids, None, parents)
+
+    def tree_unsupported(self):
+        return None
+
+    def accept(self, num_accepted, path=None):
         pass
 
 
 @NO_COMPILER
-def test_bfloat16_speculative_answers_are_the_plain_answers(zoo, one_thread):
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("shape", [dict(draft_tokens=4), dict(draft_tokens=spec("draft_tokens").high),
+                                   dict(draft_tokens=24, draft_tree=spec("draft_tree").high, tree_branching=3)],
+                         ids=("4 tokens", "most tokens", "most tree nodes"))
+def test_speculative_answers_are_the_plain_answers(zoo, one_thread, dtype, shape):
     """With verify passes bitwise the decode passes, a bfloat16 target's speculative greedy
-    answer is its plain one, token for token, with some drafts rejected part-way (the drafter
-    proposes a corrupted copy of the answer)."""
-    target = bitwise_target(zoo, torch.bfloat16)
+    answer is its plain one, token for token, in float32 and bfloat16, for chains up to the most
+    draft tokens and trees up to the most nodes the settings allow, with some drafts rejected
+    part-way (the drafter proposes a corrupted copy of the answer)."""
+    target = bitwise_target(zoo, dtype)
     messages = [{"role": "user", "content": [{"type": "image", "image": image} for image in tiny.tiny_images(2, seed=5)]
                  + [{"type": "text", "text": "Describe both."}]}]
-    decode = DecodeSettings(max_new_tokens=24, draft_tokens=4, stop_token_ids=frozenset({-1}))
-    plain = list(Engine(target).stream(messages, decode=decode))[-1]
+    decode = DecodeSettings(max_new_tokens=160, stop_token_ids=frozenset({-1}), **shape)
+    plain = list(Engine(target).stream(messages, decode=replace(decode, draft_tokens=None, draft_tree=0)))[-1]
     proposed = corrupt(plain.token_ids)
     engine = Engine(target, {"oracle": Oracle(proposed)})
     speculative = list(engine.stream(messages, drafter="oracle", decode=decode))[-1]
     assert speculative.token_ids == plain.token_ids
-    assert speculative.stats.fallback_reason is None and speculative.stats.accepted > 0
+    assert speculative.stats.fallback_reason is None and speculative.stats.tree_fallback is None
+    assert max(speculative.stats.draft_lengths) == shape.get("draft_tree", shape["draft_tokens"])  # nodes a pass
+    assert speculative.stats.accepted > 0
 
 
 def test_turned_off_or_unbuildable_the_python_layer_runs_and_says_why(zoo, monkeypatch, one_thread):
-    target = zoo.target("qwen2_vl")
-    monkeypatch.setattr(fast_native, "_build", fast_native._build.__wrapped__)  # no cached result
-    monkeypatch.setenv("VLM_NATIVE_LAYER", "0")
-    assert fast_native.layer() is None and "VLM_NATIVE_LAYER=0" in fast_native.unavailable()
-    assert Runner(target.model, target.family).fast.stack.native is None
+    """VLM_NATIVE_LAYER=0: nothing is built (not even to pick the weights' layout), and the Python
+    layer runs on its own, input-major layout; where the build fails, the same, with the reason."""
+    target = copy.copy(zoo.target("qwen2_vl"))
+    target.model = copy.deepcopy(target.model)
 
     def broken(**_):
         raise RuntimeError("Error building extension 'vlm_fast_layer'\nfast_layer.cpp:1: error: no compiler")
 
-    monkeypatch.setenv("VLM_NATIVE_LAYER", "1")
     monkeypatch.setattr("torch.utils.cpp_extension.load", broken)
+    monkeypatch.setattr(fast_native, "_build", fast_native._build.__wrapped__)  # no cached result
+    monkeypatch.setenv("VLM_NATIVE_LAYER", "0")
+    assert fast_native.layer() is None and "VLM_NATIVE_LAYER=0" in fast_native.unavailable()
+    fast = Runner(target.model, target.family).fast
+    assert fast.stack.native is None and fast.input_major
+    assert fast.stack.layers[0].qkv_weight.is_contiguous()  # (in, out) itself, not a transposed view
+
+    monkeypatch.setenv("VLM_NATIVE_LAYER", "1")
     assert fast_native.layer() is None
     assert "could not be built" in fast_native.unavailable() and "no compiler" in fast_native.unavailable()
     runner = Runner(target.model, target.family)
@@ -257,14 +316,16 @@ def test_turned_off_or_unbuildable_the_python_layer_runs_and_says_why(zoo, monke
 
 
 @NO_COMPILER
-def test_a_cache_in_the_weights_dtype_takes_the_layers_aten_branch_bitwise(zoo, one_thread):
-    """bfloat16 activations over a bfloat16 cache (no loops for that pair: the layer's ATen calls,
-    bitwise the Python layer's)."""
-    target = copy.copy(zoo.target("qwen2_vl"))
-    target.model = copy.deepcopy(target.model).to(torch.bfloat16)
-    runner = Runner(target.model, target.family)
-    runner.fast.stack.cache_dtype = torch.bfloat16
-    compiled = passes(runner, target)
-    runner.fast.stack.native = None
-    python = passes(runner, target)
-    assert all(torch.equal(new, old) for new, old in zip(compiled, python))
+def test_the_compiled_stack_refuses_what_it_does_not_take(zoo, one_thread):
+    """The compiled stack takes a float32 cache (what FastStack makes on a CPU; elsewhere the
+    Python layer runs): a cache in the weights' bfloat16 is refused by name, not computed."""
+    target = bitwise_target(zoo, torch.bfloat16)
+    stack = Runner(target.model, target.family).fast.stack
+    assert stack.native is not None and stack.cache_dtype == torch.float32
+    stack.cache_dtype = torch.bfloat16
+    cache = stack.new_cache(8)
+    x = torch.zeros(1, target.model.config.get_text_config().hidden_size, dtype=torch.bfloat16)
+    cos, signed_sin = stack.rotary(range(0, 1))
+    with pytest.raises(RuntimeError, match="float32 cache"):
+        stack.native.stack(x, stack._native_layers(), cos, signed_sin, cache.keys, cache.values, 0, None,
+                           *stack.sizes_args, [])
