@@ -396,6 +396,31 @@ def test_request_settings_over_the_ceilings_get_named_errors(server, changes, re
     assert re.search(refusal, error["error"] if kind == "error" else error), (changes, kind, error)
 
 
+def test_whole_numbers_past_any_bound_are_refused_by_name_and_a_bare_string_is_the_text(server, capfd):
+    """Every integer setting has a bound that JSON encoders and servers take (2**64 was answered and
+    then the statistics could not be sent: `error: None`); a float setting sent as a whole number
+    over 1e308 is named too; a message sent as a string is its text (docs/app.md)."""
+    client = Client(server.url, verbose=False)
+    text_only = {"text": "Hi", "files": []}
+    for changes, refusal in [
+        (dict(max_image_tokens=2**64), r"max_image_tokens must be from 0 \(the model's own limit\) to 2\*\*20, got "
+                                       r"18446744073709551616"),
+        (dict(top_k=2**64), r"top_k must be from 0 \(off\) to 2\*\*20, got 18446744073709551616"),
+        (dict(temperature=10**400), r"temperature must be a finite number, got a 1,329-bit number"),
+        (dict(seed=-10**400), r"seed must be from 0 to 2\*\*63 - 1, got a 1,329-bit number"),
+    ]:
+        with pytest.raises(AppError, match=refusal):
+            client.predict(text_only, mode="plain", max_new_tokens=3, api_name="/chat", **changes)
+    answer, stats = client.predict("Hi", mode="plain", max_new_tokens=3, max_image_tokens=2**20, api_name="/chat")
+    client.predict(api_name="/clear")
+    assert answer == client.predict(text_only, mode="plain", max_new_tokens=3, api_name="/chat")[0]
+    assert stats["max_image_tokens"] == 2**20 and stats["new_tokens"] == 3
+    plain, speculative, *_ = client.predict("Hi", max_new_tokens=3, api_name="/ab")
+    assert plain == speculative == answer
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err
+
+
 @pytest.fixture
 def held(server, monkeypatch):
     """Answers to a message containing "HOLD" stop after their first chunk until `release` is set
