@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import gradio as gr
 from gradio.components.multimodal_textbox import MultimodalData
 from gradio.data_classes import FileData
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 
 from app_ui import views
 from app_ui.served import Served, served_of
@@ -367,6 +367,13 @@ class ApiMessageData(MultimodalData):
 
     text: object = ""
     files: list[FileData] | object = []  # anything else reaches new_turn, which names it
+
+    @model_validator(mode="before")
+    @classmethod
+    def _any_value_is_a_message(cls, message):
+        """A bare string is the message's text (docs/app.md); any other value that is not a dict
+        becomes the text too, for new_turn to name ("the text must be a string, not int")."""
+        return message if isinstance(message, dict) or isinstance(message, cls) else {"text": message}
 
     @field_validator("files", mode="before")
     @classmethod

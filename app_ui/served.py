@@ -79,7 +79,7 @@ class Served:
     def image_fit(self) -> dict:
         """engine/images.py load_image's options that shrink an image, as it is decoded, to the
         size the model's processor uses; for another backend, what it says it sends (a remote
-        server: images shrunk to its longest side), or nothing (llama.cpp here: its own processor)."""
+        server: images shrunk to its longest side; llama.cpp here: to its checkpoint's processor's size)."""
         if self.engine is None:
             return getattr(self.backend, "image_fit", dict)()
         return {"fit": self.engine.target.processor, "family": self.engine.target.family}

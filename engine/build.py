@@ -22,6 +22,7 @@ from engine.drafters.base import Drafter
 from engine.drafters.registry import load_drafter
 from engine.engine import AUTO, Engine
 from engine.load_settings import CPU_IMAGE_TOKENS, add_model_flags  # noqa: F401 (every command imports it here)
+from engine.settings import MAX_COUNT, MAX_COUNT_TEXT
 from engine.target import load_target
 from models.loading import LoadError, LoadOptions, fitted_options, resolve_device
 from models.presets import resolve
@@ -62,8 +63,9 @@ def image_token_budget(flag: int | None, options: LoadOptions) -> int | None:
     given, CPU_IMAGE_TOKENS on a CPU and the processor's own limit on a GPU."""
     if flag is None:
         return CPU_IMAGE_TOKENS if resolve_device(options.device) == "cpu" else None
-    if flag < 0:
-        raise LoadError(f"--max-image-tokens {flag}: use 0 (the processor's own limit) or a positive number")
+    if not 0 <= flag <= MAX_COUNT:
+        raise LoadError(f"--max-image-tokens {flag}: use 0 (the processor's own limit) or a positive number up to "
+                        f"{MAX_COUNT_TEXT}"[:200])
     return flag or None
 
 

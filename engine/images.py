@@ -14,6 +14,15 @@ Limits (configurable through the arguments; the app and CLI use the defaults):
   model's processor), an image is reduced as it is decoded (JPEG: libjpeg's 1/2, 1/4, 1/8 scale)
   or at once after (an integer box reduction), to no less than what the processor uses, so its
   full-resolution pixels are never kept past the slot.
+- FORMATS: the only formats opened (Pillow's plugins for every other one are never called: ICO
+  and ICNS decode their largest entry while opening, before any header check, and it may be far
+  larger than their header says: a 0.69 MB ICO holding a 13000x13000 PNG took +647 MB). A file
+  in another format Pillow knows is refused by that format's name, from its first bytes.
+- Pillow's own bomb check (`Image.MAX_IMAGE_PIXELS`) is set to MAX_PIXELS, for every image this
+  process opens; its warning (over MAX_PIXELS, under twice that) is silenced, as load_image
+  refuses those images by their header with their size.
+Every failure of a decoder is an ImageError (one line, the file's name and the decoder's words),
+and the memory a refused file made the decoder allocate is handed back as a decoded one's is.
 Handled rather than refused: animated images (first frame), CMYK, 16-bit and 32-bit
 grayscale, palette and transparent images (composited on white), EXIF rotation.
 
@@ -27,6 +36,7 @@ import io
 import math
 import os
 import threading
+import warnings
 
 import numpy as np
 from PIL import Image, ImageMode, ImageOps, UnidentifiedImageError
@@ -40,6 +50,10 @@ DECODE_SLOTS = threading.BoundedSemaphore(max(1, int(os.environ.get("VLM_DECODE_
 # Modes Image.reduce cannot take, and the mode each is reduced in instead.
 REDUCIBLE_AS = {"1": "L", "P": "RGBA", "PA": "RGBA", "I;16": "I", "I;16L": "I", "I;16B": "I", "I;16N": "I"}
 EXIF_ORIENTATION = 0x0112
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes MPO: Pillow opens it through JPEG's factory
+FORMAT_NAMES = "PNG, JPEG, WebP, GIF, BMP and TIFF"
+Image.MAX_IMAGE_PIXELS = MAX_PIXELS  # over twice this, Pillow refuses while opening (DecompressionBombError)
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)  # over once: check_header refuses it
 
 
 class ImageError(ValueError):
@@ -58,7 +72,7 @@ def load_image(source, name: str | None = None, max_bytes: int = MAX_FILE_BYTES,
     name = name or (os.path.basename(source) if isinstance(source, (str, os.PathLike)) else "image")
     file = _open(source, name, max_bytes)  # a path stays on disk while the request waits for a slot
     try:
-        with file, Image.open(file) as image:
+        with Image.open(file, formats=FORMATS) as image:
             check_header(image, name, max_pixels, max_decoded_bytes)
             with DECODE_SLOTS:
                 try:
@@ -67,16 +81,54 @@ def load_image(source, name: str | None = None, max_bytes: int = MAX_FILE_BYTES,
                 finally:
                     image.close()  # the full-resolution pixels go before the slot does
                     _return_freed_memory()
-    except ImageError:
-        raise
-    except UnidentifiedImageError:
-        raise ImageError(f"{name}: not an image file, or a format this app cannot read "
-                         "(PNG, JPEG, WebP, GIF, BMP and TIFF work)") from None
-    except Image.DecompressionBombError:  # Pillow's own limit, checked while opening: far over ours
-        raise ImageError(f"{name}: far more than {max_pixels:,} pixels (a likely decompression bomb); "
-                         "resize it and send it again") from None
-    except (OSError, SyntaxError, ValueError) as error:
-        raise ImageError(f"{name}: damaged or truncated image ({error})") from None
+    except Exception as error:
+        _return_freed_memory()  # what a refused file made a decoder allocate
+        raise _named(error, name, max_pixels, file) from None
+    finally:
+        file.close()
+
+
+def _named(error: Exception, name: str, max_pixels: int, file) -> ImageError:
+    """The ImageError, one line naming the file, for whatever opening or decoding it raised."""
+    if isinstance(error, ImageError):
+        return error
+    if isinstance(error, UnidentifiedImageError):
+        known = _format_of(file, name)
+        return ImageError(f"{name}: {known} is an image format this app does not read ({FORMAT_NAMES} work); "
+                          "convert it" if known else
+                          f"{name}: not an image file, or a format this app cannot read ({FORMAT_NAMES} work)")
+    if isinstance(error, Image.DecompressionBombError):  # Pillow's limit, checked while opening: twice ours
+        return ImageError(f"{name}: far more than {max_pixels:,} pixels (a likely decompression bomb); resize it "
+                          "and send it again")
+    if isinstance(error, MemoryError):
+        return ImageError(f"{name}: too large to decode on this server; send a smaller image")
+    words = " ".join(str(error).split())[:120]
+    return ImageError(f"{name}: damaged or truncated image ({type(error).__name__}{': ' + words if words else ''})")
+
+
+def _format_of(file, name: str) -> str | None:
+    """The format outside FORMATS that Pillow knows `file` as, never by opening it: the one its
+    name's extension says, else the first whose signature check passes on its first 16 bytes (as
+    Image.open reads them): "ICO (Windows Icon)"; None if none (one of FORMATS that failed to
+    open: damaged, or not an image)."""
+    by_extension = Image.registered_extensions().get(os.path.splitext(name)[1].lower())
+    if by_extension in Image.OPEN and by_extension not in FORMATS:  # one it reads (PDF: Pillow only writes)
+        return _described(by_extension)
+    file.seek(0)
+    prefix = file.read(16)
+    for format in Image.ID:
+        accept = Image.OPEN.get(format, (None, None))[1]
+        try:
+            if format not in FORMATS and accept is not None and accept(prefix):
+                return _described(format)
+        except Exception:  # a signature check that fails on a short prefix: not that format
+            continue
+    return None
+
+
+def _described(format: str) -> str:
+    factory = Image.OPEN.get(format, (None,))[0]
+    return f"{format} ({getattr(factory, 'format_description', None) or format})"
 
 
 def _return_freed_memory() -> None:
@@ -190,9 +242,11 @@ def to_rgb(image: Image.Image) -> Image.Image:
     """EXIF rotation applied; any mode converted to 8-bit RGB (transparency on white)."""
     image = ImageOps.exif_transpose(image)
     if image.mode.startswith("I") or image.mode == "F":  # 16/32-bit or float grayscale: scale to 8 bits
-        values = np.asarray(image, dtype=np.float64)
-        full_scale = 65535.0 if values.max(initial=0) > 255 else 255.0
-        image = Image.fromarray((values.clip(0, full_scale) * (255.0 / full_scale)).round().astype(np.uint8), "L")
+        values = np.asarray(image)  # uint16, int32 or float32: 2 or 4 bytes a pixel, never 8
+        full_scale = 65535 if values.max(initial=0) > 255 else 255
+        scaled = values.clip(0, full_scale).astype(np.float32)
+        scaled *= np.float32(255 / full_scale)
+        image = Image.fromarray(scaled.round(out=scaled).astype(np.uint8), "L")
     if image.mode == "P":
         image = image.convert("RGBA")
     if image.mode in ("RGBA", "LA", "PA"):

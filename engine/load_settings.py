@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import get_args, get_origin, get_type_hints
 
-from engine.settings import Spec, flag, setting
+from engine.settings import MAX_COUNT, MAX_COUNT_TEXT, Spec, flag, setting
 from models.loading import DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError, LoadOptions
 from models.presets import PRESETS
 
@@ -55,7 +55,7 @@ class LoadSettings:
     max_image_tokens: int | None = setting(None, "the default of the setting max_image_tokens: at most about this "
                                            "many tokens per image (0: the model's processor's own limit; default: "
                                            f"{CPU_IMAGE_TOKENS} on a CPU, the processor's own on a GPU)", low=0,
-                                           env="VLM_MAX_IMAGE_TOKENS")
+                                           high=MAX_COUNT, high_text=MAX_COUNT_TEXT, env="VLM_MAX_IMAGE_TOKENS")
     trust_remote_code: bool = setting(False, "run a checkpoint's own Python code (off: such a model is refused, "
                                       "naming this flag)", env="VLM_TRUST_REMOTE_CODE")
 
@@ -99,6 +99,8 @@ def _read(variable: str, text: str, wanted: type, meta: Spec):
             raise LoadError(f"{variable}: {text!r} is not a whole number") from None
         if meta.low is not None and number < meta.low:
             raise LoadError(f"{variable}: {number} is under {meta.low:g}")
+        if meta.high is not None and number > meta.high:
+            raise LoadError(f"{variable}: {text} is over {meta.high_text or f'{meta.high:g}'}"[:200])
         return number
     return text
 

@@ -23,6 +23,10 @@ from engine.sampling import SamplingSettings
 from engine.tree import MAX_DRAFT_NODES
 
 MODES = ("speculative", "plain")
+# The most tokens an image, or top-k, may ask for: far over any model's own (a Qwen2.5-VL image: 16,384
+# tokens; a vocabulary: 262,144), and a number every JSON encoder and server takes (2**64 did not: the
+# answer's statistics could not be sent).
+MAX_COUNT, MAX_COUNT_TEXT = 2**20, "2**20"
 CHARS_PER_TOKEN = 16  # a text may be this many characters per token of context, checked before tokenizing
 
 
@@ -75,13 +79,14 @@ class Settings:
     system_prompt: str = setting("", "an instruction placed before the conversation", "System prompt (optional)")
     max_image_tokens: int | None = setting(None, "at most about this many tokens per image (0: the model's processor's "
                                            "own limit; none: the engine's default)", "Tokens per image at most", low=0,
+                                           high=MAX_COUNT, high_text=MAX_COUNT_TEXT,
                                            low_means="0 (the model's own limit)", env="VLM_MAX_IMAGE_TOKENS",
                                            cli=False)
     draft_tree: int = setting(0, "draft trees of up to this many nodes, draft_tokens deep, verified in one pass "
                               "(0: one chain)", "Draft tree nodes", low=0, high=MAX_DRAFT_NODES, low_means="0 (chains)",
                               ui=(0, 16, 1))
     top_k: int = setting(0, "sample from the k likeliest tokens (0: off)", "Top-k", low=0, low_means="0 (off)",
-                         ui=(0, 100, 1))
+                         high=MAX_COUNT, high_text=MAX_COUNT_TEXT, ui=(0, 100, 1))
     tree_branching: int = setting(2, "a draft tree node's most children", "Tree branching", low=1, high=16,
                                   ui=(1, 4, 1))
 
@@ -148,7 +153,10 @@ def convert(name: str, value: Any) -> Any:
         return value
     if wanted in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
         if wanted is float:
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # a whole number over 1e308 (JSON carries any)
+                raise RequestError(f"{name} must be a finite number, got {_shown(value)}") from None
         if isinstance(value, int) or (math.isfinite(value) and value == int(value)):
             return int(value)
     words = {int: "a whole number", float: "a number", bool: "true or false"}[wanted]
@@ -176,10 +184,17 @@ def check_value(name: str, value: Any) -> None:
     if not (below or over or (isinstance(value, float) and not math.isfinite(value))):
         return
     if meta.high is None:
-        raise RequestError(f"{name} must be {low} or more, got {value}")
+        raise RequestError(f"{name} must be {low} or more, got {_shown(value)}")
     if meta.above_low:
-        raise RequestError(f"{name} must be over {low} and at most {high}, got {value}")
-    raise RequestError(f"{name} must be from {low} to {high}, got {value}")
+        raise RequestError(f"{name} must be over {low} and at most {high}, got {_shown(value)}")
+    raise RequestError(f"{name} must be from {low} to {high}, got {_shown(value)}")
+
+
+def _shown(value) -> str:
+    """`value` for a message: a whole number of hundreds of digits by its size alone."""
+    if isinstance(value, int) and value.bit_length() > 100:
+        return f"a {value.bit_length():,}-bit number"
+    return str(value)
 
 
 def _number(value: float | None) -> str:

@@ -6,19 +6,26 @@ the llama.cpp backend's own answer to the same messages (greedy), from a second 
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import subprocess
 import sys
+import threading
 from types import SimpleNamespace
+
+import numpy as np
 
 import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
+from PIL import Image
 
 import app
 from app_ui import views
 from engine.ab import Side, compare
 from engine.backend import Request
+from engine.backends import llamacpp as llamacpp_module
 from engine.backends.llamacpp import DRAFTER, FALLBACK
 from engine.images import load_image
 from engine.loop import DecodeSettings, Done
@@ -26,7 +33,7 @@ from engine.stats import Stats
 from models import gguf
 from tests.conftest import ROOT
 from tests.helpers import (CHROMIUM, DEMO_TARGET, DEMO_TEXT_DRAFTER, WAIT_S, GarbageServer, StreamGate, free_port,
-                           launch_app, message, send)
+                           launch_app, message, rss_bytes, send)
 
 IMAGE = os.path.join(ROOT, "assets", "examples", "chart.png")
 QUESTION = "What does this chart show?"
@@ -105,6 +112,50 @@ def test_a_failing_server_is_one_line_and_the_conversation_is_kept(served, llama
         assert "\n" not in str(refused.value)
     answer, _ = client.predict(message("Which is larger?"), max_new_tokens=TOKENS, api_name="/chat")
     assert answer == own(llamacpp, [user(TEXT), assistant(first), user("Which is larger?")])  # failed turns left out
+
+
+def test_a_large_photo_reaches_llama_cpp_at_the_size_the_model_takes(served, llamacpp, tmp_path, monkeypatch):
+    """A 24-megapixel photo through /chat is decoded at 1/8 scale, shrunk to the model's image
+    budget (the demo processor's 7056 pixels) and sent as a PNG of that size: the app's memory
+    stays flat (a full-size decode is 72 MB, its PNG and base64 more); an image given to the
+    backend at full size is shrunk the same way before it is encoded."""
+    small = np.random.default_rng(5).integers(0, 255, (30, 40, 3), dtype=np.uint8)
+    Image.fromarray(small).resize((6000, 4000), Image.Resampling.BICUBIC).save(tmp_path / "photo.jpg", quality=85)
+    sent, encode = [], llamacpp_module.openai_content
+
+    def recorded(*args, **kwargs):
+        content = encode(*args, **kwargs)
+        sent.extend(part["image_url"]["url"] for part in content if isinstance(part, dict) and "image_url" in part)
+        return content
+
+    client, backend = Client(served.url, verbose=False), served.backends[0]
+    client.predict(message(QUESTION, [IMAGE]), max_new_tokens=TOKENS, api_name="/chat")  # the plain server started
+    client.predict(api_name="/clear")
+    monkeypatch.setattr(llamacpp_module, "openai_content", recorded)
+    idle, peak, done = rss_bytes(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            done.wait(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        answer, stats = client.predict(message(QUESTION, [str(tmp_path / "photo.jpg")]), max_new_tokens=TOKENS,
+                                       api_name="/chat")
+    finally:
+        done.set()
+        sampler.join()
+    assert answer and stats["finish_reason"] in ("stop_token", "max_new_tokens")
+    assert peak[0] - idle < 24 * 2**20, (peak[0] - idle) / 2**20
+    own(llamacpp, [user(QUESTION, (str(tmp_path / "photo.jpg"),))])  # a full-size image handed to the backend
+    budget = backend.image_fit()["fit"].size.longest_edge  # pixels: the demo's processor takes 7056 (9 tokens)
+    assert len(sent) == 2
+    for url in sent:
+        png = base64.b64decode(url.removeprefix("data:image/png;base64,"))
+        width, height = Image.open(io.BytesIO(png)).size
+        assert width * height <= budget and len(png) < 3 * budget + 2000, (width, height, len(png))
 
 
 def test_ab_built_in_engine_against_llama_cpp_on_the_same_weights(llamacpp):

@@ -18,10 +18,15 @@ gradio_client or raw HTTP, the page's own handlers included (by `fn_index`, thro
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
+import struct
+import subprocess
+import sys
 import threading
+import zlib
 
 import httpx
 import numpy as np
@@ -33,6 +38,7 @@ from PIL import Image, TiffImagePlugin
 from app_ui.visitors import MB, Limits, Visitors
 from engine import images
 from engine.settings import Settings
+from tests.conftest import ROOT
 from tests.helpers import launch_app, message, wait_for_output, wait_until_queued
 
 LIMITS = Limits(idle_s=30.0, unsent_upload_s=30.0, upload_bytes_per_client=20 * MB, upload_files_per_client=40,
@@ -116,6 +122,49 @@ def float_tiff(folder, size: int, seed: int) -> bytes:
     return path.read_bytes()
 
 
+def zeros_png(width: int, height: int) -> bytes:
+    """A 1-bit grayscale PNG of zeros (a byte a pixel once Pillow decodes it), written chunk by
+    chunk without decoding anything: kilobytes on disk for hundreds of megabytes decoded."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    row, packer = b"\0" * (1 + (width + 7) // 8), zlib.compressobj(9)
+    pixels = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0))
+            + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))
+
+
+def ico(inner: bytes) -> bytes:
+    """A Windows icon of one entry that says 256x256 and holds `inner` (a PNG of any size)."""
+    return struct.pack("<HHH", 0, 1, 1) + struct.pack("<BBBBHHII", 0, 0, 0, 0, 1, 32, len(inner), 22) + inner
+
+
+def icns(inner: bytes) -> bytes:
+    """A Mac icon whose one entry, "ic10", says 1024x1024 and holds `inner`."""
+    entry = b"ic10" + struct.pack(">I", 8 + len(inner)) + inner
+    return b"icns" + struct.pack(">I", 8 + len(entry)) + entry
+
+
+def flat_psd(width: int = 64, height: int = 64) -> bytes:
+    """A Photoshop file without layers: header, empty mode / resource / layer sections, raw RGB."""
+    header = b"8BPS" + struct.pack(">H6xHIIHH", 1, 3, height, width, 8, 3)
+    return header + struct.pack(">IIIH", 0, 0, 0, 0) + b"\x80" * (3 * width * height)
+
+
+# Loads one file in a fresh interpreter: prints the refusal (or the size) and the peak memory it added.
+LOAD_ONE = """
+import resource, sys
+from engine import images
+data = open(sys.argv[1], "rb").read()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    print(images.load_image(data, name=sys.argv[1].rsplit("/", 1)[-1]).size)
+except images.ImageError as error:
+    print(error)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
 # --- 1. images ----------------------------------------------------------------------------------------
 
 def test_the_page_send_handler_decodes_images_under_the_decode_slots(server, tmp_path, monkeypatch):
@@ -178,6 +227,63 @@ def test_an_image_is_refused_from_its_header_by_its_decoded_size_and_reduced_as_
     exif[0x0112] = 6  # turned a quarter: the processor sees it upright, 56x84
     photo.save(tmp_path / "turned.jpg", quality=90, exif=exif)
     assert images.load_image(str(tmp_path / "turned.jpg"), fit=processor, family=family).size == (56, 84)
+
+
+@pytest.mark.parametrize("name,build", [
+    ("icon.ico", lambda: ico(zeros_png(13000, 13000))),  # the issue's: 169 MB decoded inside Image.open
+    ("small.ico", lambda: ico(zeros_png(6000, 6000))),  # under the pixel cap: decoded, then answered
+    ("icon.icns", lambda: icns(zeros_png(13000, 13000))),  # decoded at a size its header does not say
+    ("flat.psd", flat_psd),  # EOFError from seek(0), with a traceback
+])
+def test_icons_and_other_formats_are_refused_by_name_before_any_decoder_runs(tmp_path, name, build):
+    path = tmp_path / name
+    path.write_bytes(build())
+    run = subprocess.run([sys.executable, "-c", LOAD_ONE, str(path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    refusal, added = run.stdout.splitlines()
+    kind = {"ico": "ICO (Windows Icon)", "icns": "ICNS (Mac OS icns resource)", "psd": "PSD (Adobe Photoshop)"}
+    assert refusal == (f"{name}: {kind[name.rsplit('.', 1)[1]]} is an image format this app does not read (PNG, "
+                       "JPEG, WebP, GIF, BMP and TIFF work); convert it"), run.stdout + run.stderr
+    assert int(added) < 16 * MB, added  # nothing decoded (the 13000x13000 entry: +164 MB before)
+    assert "Traceback" not in run.stderr and "warn" not in run.stderr.lower(), run.stderr
+
+
+def test_every_decoder_failure_is_one_named_line_and_memory_is_trimmed_after_refusals(monkeypatch):
+    photo = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 96, 3), dtype=np.uint8))
+    trims = []
+    monkeypatch.setattr(images, "_return_freed_memory", lambda: trims.append(1))
+    for format in images.FORMATS:
+        whole = io_bytes(photo, format)
+        for cut in (12, 40, len(whole) // 2):
+            name = f"cut{cut}.{format.lower()}"
+            with pytest.raises(images.ImageError) as refused:
+                images.load_image(whole[:cut], name=name)
+            assert str(refused.value).startswith(f"{name}: ") and "\n" not in str(refused.value), refused.value
+        trims.clear()
+        images.load_image(whole, name=f"whole.{format.lower()}")  # and the whole file is read
+        assert trims, format
+    trims.clear()
+    with pytest.raises(images.ImageError, match="over the limit of 40,000,000"):
+        images.load_image(zeros_png(7000, 7000), name="bomb.png")  # refused from the header...
+    assert trims  # ...and what opening it allocated handed back
+    with pytest.raises(Image.DecompressionBombError):  # Pillow's own check, anywhere in the process: twice our cap
+        Image.open(io.BytesIO(zeros_png(9000, 9000)))
+
+
+def io_bytes(image: Image.Image, format: str) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format)
+    return buffer.getvalue()
+
+
+def test_an_icon_or_a_photoshop_file_sent_to_the_app_is_refused_by_name(server, capfd):
+    paths = upload(server.url, [("icon.ico", ico(zeros_png(6000, 6000))), ("flat.psd", flat_psd())],
+                   "127.0.9.1").json()
+    for path, refusal in zip(paths, ["icon.ico: ICO (Windows Icon) is an image format", "flat.psd: PSD (Adobe"]):
+        kind, error = api_call(server.url, "chat", chat_data("What is this?", [file_data(path)]), "127.0.9.1")
+        assert kind == "error" and error["error"].startswith(refusal), (kind, error)
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err
 
 
 # --- 2. uploads ---------------------------------------------------------------------------------------
@@ -288,6 +394,31 @@ def test_a_request_naming_thousands_of_files_is_refused_before_gradio_opens_any(
 def test_request_settings_over_the_ceilings_get_named_errors(server, changes, refusal):
     kind, error = api_call(server.url, "chat", chat_data("Hi", mode="speculative", **changes), "127.0.6.1")
     assert re.search(refusal, error["error"] if kind == "error" else error), (changes, kind, error)
+
+
+def test_whole_numbers_past_any_bound_are_refused_by_name_and_a_bare_string_is_the_text(server, capfd):
+    """Every integer setting has a bound that JSON encoders and servers take (2**64 was answered and
+    then the statistics could not be sent: `error: None`); a float setting sent as a whole number
+    over 1e308 is named too; a message sent as a string is its text (docs/app.md)."""
+    client = Client(server.url, verbose=False)
+    text_only = {"text": "Hi", "files": []}
+    for changes, refusal in [
+        (dict(max_image_tokens=2**64), r"max_image_tokens must be from 0 \(the model's own limit\) to 2\*\*20, got "
+                                       r"18446744073709551616"),
+        (dict(top_k=2**64), r"top_k must be from 0 \(off\) to 2\*\*20, got 18446744073709551616"),
+        (dict(temperature=10**400), r"temperature must be a finite number, got a 1,329-bit number"),
+        (dict(seed=-10**400), r"seed must be from 0 to 2\*\*63 - 1, got a 1,329-bit number"),
+    ]:
+        with pytest.raises(AppError, match=refusal):
+            client.predict(text_only, mode="plain", max_new_tokens=3, api_name="/chat", **changes)
+    answer, stats = client.predict("Hi", mode="plain", max_new_tokens=3, max_image_tokens=2**20, api_name="/chat")
+    client.predict(api_name="/clear")
+    assert answer == client.predict(text_only, mode="plain", max_new_tokens=3, api_name="/chat")[0]
+    assert stats["max_image_tokens"] == 2**20 and stats["new_tokens"] == 3
+    plain, speculative, *_ = client.predict("Hi", max_new_tokens=3, api_name="/ab")
+    assert plain == speculative == answer
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err
 
 
 @pytest.fixture

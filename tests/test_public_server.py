@@ -350,7 +350,7 @@ def test_typed_chat_markup_and_image_placeholders_are_plain_text(server, monkeyp
     ("max_new_tokens 5000", dict(max_new_tokens=5000), r"max_new_tokens must be from 1 to 4096, got 5000"),
     ("draft_tokens 65", dict(draft_tokens=65), r"draft_tokens must be from 0 \(chosen from cost\) to 64, got 65"),
     ("draft_tree 65", dict(draft_tree=65), r"draft_tree must be from 0 \(chains\) to 64, got 65"),
-    ("top_k -1", dict(top_k=-1), r"top_k must be 0 \(off\) or more, got -1"),
+    ("top_k -1", dict(top_k=-1), r"top_k must be from 0 \(off\) to 2\*\*20, got -1"),
     ("tree_branching 0", dict(tree_branching=0), r"tree_branching must be from 1 to 16, got 0"),
     ("draft_tokens 20", dict(draft_tokens=20), r"draft_tokens must be from 0 to 16 on this server \(VLM_MAX_DRAFT_TOKENS\)"),
     ("draft_tokens text", dict(draft_tokens="abc"), r"draft_tokens must be a whole number, got 'abc'"),

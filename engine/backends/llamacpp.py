@@ -30,6 +30,15 @@ empty: compare its text);
 server-common.cpp `server_slot_stats::to_json`, omitted when nothing was drafted). llama.cpp does
 not say which tokens were accepted drafts, nor its target passes: those stay unknown.
 
+Images: shrunk to what the model takes before they are sent (`image_fit`, the options the app's
+decoder, engine/images.py `load_image`, shrinks them with as it decodes): from a checkpoint, the
+size its processor resizes to under a budget of `max_image_tokens` tokens (CPU_IMAGE_TOKENS, as the
+built-in engine on a CPU: the built-in engine's pixels, and far under llama.cpp's batch of 2,048:
+in issue 39 a full-size photo, sent whole, came to 4,112 image tokens and was refused after 93 s
+and 5.6 GB); from GGUF
+files alone, MAX_SIDE pixels on the longest side. An image given at full size (`stream` called
+directly) is shrunk the same way; PNG always (`lossless`), never at more than that size.
+
 Speculative decoding: with a draft model, llama.cpp drafts on text turns; on a turn with images it
 refuses ("failed to process speculative batch": the target's image embeddings do not fit the
 draft's input width). That turn is answered again by a plain server (started on first need) and
@@ -49,8 +58,9 @@ from pathlib import Path
 
 from engine.backend import Capabilities, stream_timed
 from engine.backends.llamacpp_process import ServerFiles, ServerProcess
-from engine.backends.messages import labels_images, openai_content
+from engine.backends.messages import LongestSide, labels_images, openai_content
 from engine.engine import RequestError
+from engine.load_settings import CPU_IMAGE_TOKENS
 from engine.prompt import Prompt, normalize
 from engine.loop import Chunk, Done
 from engine.stats import Stats
@@ -73,9 +83,12 @@ class LlamaCpp:
     `draft` (a GGUF draft model for llama.cpp's speculative decoding on text turns)."""
 
     def __init__(self, model: str | Path, mmproj: str | Path | None = None, draft: str | Path | None = None,
-                 threads: int = 2, context: int = 4096, cache_prompt: bool = True):
+                 threads: int = 2, context: int = 4096, cache_prompt: bool = True, checkpoint: str | Path | None = None,
+                 max_image_tokens: int = CPU_IMAGE_TOKENS):
+        """`checkpoint`: the folder the GGUF files were converted from (its processor sizes images)."""
         self.paths = {"model": Path(model), "mmproj": mmproj and Path(mmproj), "draft": draft and Path(draft)}
         self.threads, self.context, self.cache_prompt = threads, context, cache_prompt
+        self.fit = _image_fit(checkpoint, max_image_tokens) if mmproj else {}
         self.server = self._start(draft=self.paths["draft"])
         self.plain_server = None if self.paths["draft"] else self.server  # for image turns, started on need
         self.label_images = labels_images(self._props().get("chat_template", ""))
@@ -88,7 +101,8 @@ class LlamaCpp:
         from models.gguf import converted
 
         mmproj = converted(target, outtype, mmproj=True) if _has_vision(target) else None
-        return cls(converted(target, outtype), mmproj, converted(draft, outtype) if draft else None, **options)
+        return cls(converted(target, outtype), mmproj, converted(draft, outtype) if draft else None,
+                   checkpoint=target, **options)
 
     @classmethod
     def open(cls, location: str | None = None, **options) -> LlamaCpp:
@@ -116,6 +130,10 @@ class LlamaCpp:
             raise ValueError(f"a folder needs a config.json (a checkpoint), or one model .gguf and at "
                              f"most one mmproj*.gguf; it has {', '.join(f.name for f in files) or 'neither'}")
         return cls(models[0], projectors[0] if projectors else None, **options)
+
+    def image_fit(self) -> dict:
+        """engine/images.py load_image's options: images shrunk, as they are decoded, to what is sent."""
+        return self.fit
 
     @property
     def url(self) -> str:
@@ -148,7 +166,8 @@ class LlamaCpp:
     def _body(self, messages: list[dict], request) -> dict:
         sampling, decode = request.sampling, request.decode
         counter = iter(range(1, 10**6))  # images are numbered across the conversation, as templates do
-        messages = [{"role": m["role"], "content": openai_content(m["content"], self.label_images, counter, lossless=True)}
+        messages = [{"role": m["role"], "content": openai_content(m["content"], self.label_images, counter, self.fit,
+                                                                  lossless=True)}
                     for m in messages]
         body = {"messages": messages, "stream": True, "max_tokens": decode.max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
@@ -283,6 +302,29 @@ class _Answer:
         if first_at is None:
             self.stats.total_s = time.perf_counter() - self.started
         return copy.deepcopy(self.stats)
+
+
+def _image_fit(checkpoint: str | Path | None, max_image_tokens: int) -> dict:
+    """load_image's options for this model's images: the checkpoint's image processor with the
+    family's budget of `max_image_tokens` applied (Family.image_budget: for Qwen-VL a pixel budget,
+    which `fitted_size` then meets exactly), and the family; without a checkpoint, or for a family
+    this project does not know, MAX_SIDE pixels on the longest side."""
+    if checkpoint is None:
+        return {"fit": LongestSide()}
+    from transformers import AutoConfig
+    from transformers.image_utils import SizeDict
+
+    from models.families import family_for_config
+
+    try:
+        family = family_for_config(AutoConfig.from_pretrained(str(checkpoint)))
+    except ValueError:
+        return {"fit": LongestSide()}
+    processor = family.load_processor(str(checkpoint))
+    images = copy.copy(processor.image_processor)  # the budget on a copy: this backend's alone
+    for key, value in family.image_budget(processor, max_image_tokens).items():
+        setattr(images, key, SizeDict(**value) if isinstance(value, dict) else value)
+    return {"fit": images, "family": family}
 
 
 def _has_vision(checkpoint) -> bool:

@@ -11,8 +11,10 @@ text parts and `image_url` parts with data URLs, in the order the user gave them
   when the model's template labels images (Qwen2-VL's `add_vision_id`; on by default in the demo
   model's template: `labels_images`). A server that hands the template the image parts (vLLM,
   SGLang) lets the template label them itself.
-- Images: shrunk to `max_side` pixels on the longest side (engine/images.py `fit_to_processor`,
-  never enlarged), then a PNG data URL, or a JPEG one (quality 90) when the PNG is over
+- Images: shrunk to what the backend's model takes (`fit`: the backend's `image_fit()`, the same
+  options engine/images.py `load_image` decodes with, so an image the app loaded is not touched
+  again and one given at full size is shrunk the same way; `fit_to_processor`, never enlarged),
+  then a PNG data URL, or a JPEG one (quality 90) when the PNG is over
   PNG_BUDGET bytes and the JPEG is smaller: diagrams and the demo's pictures stay lossless,
   a photo is sent in a few hundred kilobytes instead of megabytes.
 """
@@ -50,10 +52,11 @@ def labels_images(chat_template: str) -> bool:
 
 
 def openai_content(parts: list[dict], label_images: bool, counter: Iterator[int],
-                   max_side: int | None = None, lossless: bool = False) -> str | list[dict]:
-    """One message's parts in OpenAI's format (the module docstring); `max_side`: shrink images;
-    `lossless`: PNG always (a server in this process: no bytes to save, and the pixels the
-    built-in engine sees, so that greedy answers can be compared)."""
+                   fit: dict | None = None, lossless: bool = False) -> str | list[dict]:
+    """One message's parts in OpenAI's format (the module docstring); `fit`: load_image's options
+    that shrink images ({"fit": LongestSide(1536)}, or a processor and its family); `lossless`:
+    PNG always (a server in this process: no bytes to save, and the pixels the built-in engine
+    sees, so that greedy answers can be compared)."""
     out, text = [], ""
     for part in parts:
         if part["type"] == "text":
@@ -61,7 +64,7 @@ def openai_content(parts: list[dict], label_images: bool, counter: Iterator[int]
             continue
         text += f"Picture {next(counter)}: " if label_images else ""
         out += [{"type": "text", "text": text}] if text else []
-        image = part["image"] if max_side is None else fit_to_processor(part["image"], LongestSide(max_side))
+        image = part["image"] if not fit else fit_to_processor(part["image"], fit["fit"], fit.get("family"))
         out.append({"type": "image_url", "image_url": {"url": data_url(image, None if lossless else PNG_BUDGET)}})
         text = ""
     out += [{"type": "text", "text": text}] if text else []

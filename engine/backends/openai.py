@@ -148,7 +148,7 @@ class OpenAIServer:
         sampling, decode = request.sampling, request.decode
         counter = iter(range(1, 10**6))  # images are numbered across the conversation, as templates do
         messages = [{"role": m["role"], "content": openai_content(m["content"], server.label_images, counter,
-                                                                  self.max_image_side)}
+                                                                  self.image_fit())}
                     for m in request.messages]
         body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True},
                 "max_tokens": decode.max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p}
