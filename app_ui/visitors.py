@@ -326,7 +326,8 @@ class Visitors:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        """For FastAPI's `lifespan`: sweep every `sweep_s` while the server runs."""
+        """For FastAPI's `lifespan`: sweep every `sweep_s` while the server runs; at its end, delete
+        every upload and the journal."""
         import asyncio
 
         async def sweep_forever():
@@ -342,6 +343,9 @@ class Visitors:
             yield
         finally:
             task.cancel()
+            with self.lock:  # moved out of Gradio's paths, they are not in what Gradio deletes at close
+                for path in list(self.uploads):
+                    self._delete(path)
             if self.journal:
                 with contextlib.suppress(OSError):
                     os.remove(self.journal)

@@ -28,7 +28,7 @@ from PIL import Image
 
 from app_ui.layout import EXAMPLES_DIR
 from app_ui.visitors import Limits
-from tests.helpers import app_fixture, message
+from tests.helpers import app_fixture, launch_app, message
 from tests.test_hostile import SETTINGS, file_data, fn_index
 
 LIMITS = Limits(sessions_per_client=200, sweep_s=0.5)
@@ -258,3 +258,16 @@ def _chat_examples(url: str) -> list[list[str]]:
 
 def _absolute(base: str, url: str) -> str:
     return url if url.startswith("http") else base.rstrip("/") + url
+
+
+# --- 5. at shutdown --------------------------------------------------------------------------------------
+
+def test_uploads_and_the_journal_are_deleted_when_the_app_closes(zoo):
+    served = launch_app(zoo, limits=LIMITS)
+    visitors = next(m.kwargs["visitors"] for m in served.demo.app.user_middleware if "visitors" in m.kwargs)
+    visitor = Visitor(served.url)
+    paths = [visitor.upload(f"left{i}.png", picture(20 + i)) for i in range(2)]
+    assert all(os.path.exists(path) for path in paths) and os.path.exists(visitors.journal)
+    served.demo.close()
+    assert not any(os.path.exists(path) or os.path.exists(os.path.dirname(path)) for path in paths)
+    assert not os.path.exists(visitors.journal)
