@@ -103,7 +103,7 @@ class Guard:
         """A file route may answer `path` for `visitor`: never a URL, and in the upload folder only
         the visitor's own uploads (by the path as written, or reached through a link); the rest is
         Gradio's to allow (the examples, its own icons) or refuse."""
-        if "://" in path or path.startswith(("//", "\\")):
+        if "://" in path or path.startswith(("//", "\\")) or "\0" in path:
             return False
         if self.uploads is None or self.visitors.may_use(path, visitor):
             return True
@@ -127,7 +127,8 @@ class Guard:
             if isinstance(value, dict) and not isinstance(value.get("files", []), (list, type(None))):
                 return f"message 'files' must be a list of files, got {type(value['files']).__name__}"
             if isinstance(value, dict) and isinstance(value.get("files"), list):  # a message: each file a FileData
-                files.extend(file for file in value["files"] if not (isinstance(file, dict) and ("path" in file or "url" in file)))
+                files.extend(file for file in value["files"]  # (those with a path or URL come next, by the walk)
+                             if not (isinstance(file, dict) and ("path" in file or "url" in file)))
             if isinstance(value, dict) and ("path" in value or "url" in value):
                 files.append(value)
             if len(files) > limit:

@@ -202,7 +202,7 @@ def read_message(message: dict | str | None, engine: Served, session: Session | 
     check_text(text, engine.context_limit())
     if not isinstance(files, list):
         raise RequestError(f"message 'files' must be a list of files, got {type(files).__name__}")
-    text, files = text.strip(), list(dict.fromkeys(_path(file) for file in files))  # a file named twice is one
+    text, files = text.strip(), list(dict.fromkeys(os.path.abspath(_path(file)) for file in files))  # named twice: one
     if not text and not files:
         raise RequestError("the message is empty: type a question, add images, or both")
     earlier = session.num_images() if session else 0

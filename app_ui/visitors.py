@@ -127,7 +127,7 @@ class Visitors:
         self.reserved: dict[int, tuple[str, int]] = {}  # upload in progress -> (client, bytes)
         self.tokens = itertools.count()
         self.journal = journal  # this process's list of uploads (see sweep_journals)
-        self.public = [os.path.join(os.path.abspath(folder), "") for folder in public]  # anyone may name these (the examples)
+        self.public = [os.path.join(os.path.abspath(folder), "") for folder in public]  # anyone's: the examples
         self.moved: dict[str, str] = {}  # Gradio's path -> the latest upload moved from it (see `_private`)
         self.lock = threading.Lock()
 
@@ -177,7 +177,7 @@ class Visitors:
         with self.lock:
             if forget:
                 self.sessions.pop(id(session), None)
-            for path in files:
+            for path in map(os.path.abspath, files):  # as `claim` holds them
                 upload = self.uploads.get(path)
                 if upload is not None:
                     upload.owners.discard(id(session))
@@ -276,7 +276,7 @@ class Visitors:
             new = [path for path in private.values() if path is not None]
             refusal = None
             if len(new) < len(private):
-                refusal = "an uploaded file was lost on the way (the same file uploaded twice at once?); upload it again"
+                refusal = "an uploaded file was lost on the way (the same file uploaded twice at once?); upload again"
             elif files + len(new) > self.limits.upload_files_per_client:
                 refusal = (f"{len(new)} files would take your address over {self.limits.upload_files_per_client} "
                            "uploaded files; send fewer")

@@ -469,7 +469,7 @@ def test_phone_ab_tab_is_stacked_and_its_table_fits(fresh_phone):
     page.screenshot(path=os.path.join(SCREENSHOTS, "phone-ab.png"), full_page=True)
 
 
-LOADED = "s => [...document.querySelectorAll(s)].every(i => i.complete && i.naturalWidth > 0) && document.querySelector(s)"
+LOADED = "s => document.querySelector(s) && [...document.querySelectorAll(s)].every(i => i.naturalWidth > 0)"
 
 
 def test_another_visitors_new_chat_after_sending_an_examples_own_file_leaves_the_examples_working(url, browser):
@@ -487,6 +487,7 @@ def test_another_visitors_new_chat_after_sending_an_examples_own_file_leaves_the
         send(first, "chat-input", "Describe the image.", [name])
         expect(first.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
         first.wait_for_function(LOADED, arg="#chatbot .message.user img")  # A's own upload, served to A
+        assert [c["name"] for c in contexts[0].cookies()] == ["vlm_visitor"]  # the page gave A its own
         first.locator("#chat-new").click()
         expect(first.locator("#chatbot .message")).to_have_count(0)
         second.goto(url)

@@ -119,6 +119,8 @@ def test_the_upload_journal_is_in_no_served_folder_and_never_served(server, visi
         for target in (journal, old_place, get_upload_folder(), os.path.dirname(path), os.path.dirname(journal)):
             response = visitor.file(target)
             assert response.status_code in (403, 404) and path not in response.text, target
+        for target in ("http://127.0.0.1:1/x.png", "//127.0.0.1:1/x.png", path + "%00", "/etc/passwd%00.png"):
+            assert visitor.file(target).status_code == 404, target  # the server fetches nothing, fails on nothing
 
 
 def test_an_upload_is_served_only_to_the_client_that_uploaded_it(server, visitors, tmp_path):
@@ -202,9 +204,11 @@ def test_another_visitor_cannot_claim_or_delete_an_unsent_upload_and_a_path_twic
     assert kind == "refused" and "is not a file you uploaded" in refusal
     assert other.call("clear", [])[0] == "complete"
     assert os.path.exists(path) and owner.file(path).status_code == 200
-    # The owner names it twice: one file in the turn, held once, deleted by the owner's New chat.
+    # The owner names it twice (once through ".."): one file in the turn, held once, deleted by the
+    # owner's New chat.
     accept, respond = fn_index(server.demo, "accept"), fn_index(server.demo, "respond")
-    twice = {"text": "Describe the image.", "files": [file_data(path), file_data(path)]}
+    dotted = os.path.join(os.path.dirname(path), "..", *path.split(os.sep)[-2:])
+    twice = {"text": "Describe the image.", "files": [file_data(path), file_data(dotted), file_data(path)]}
     assert owner.page(accept, [twice, None], "owner-twice")[0] == "complete"
     session = next(s for s in visitors.sessions.values() if s.pending is not None and path in s.files())
     assert session.pending.files == [path]
@@ -244,6 +248,9 @@ def test_an_example_keeps_working_after_a_visitor_sends_its_bytes_and_starts_a_n
     kind, outputs = second.page(respond, [None, *SETTINGS.values()], "example-b")
     assert kind == "complete", outputs
     assert "no such file" not in json.dumps(outputs) and "Cannot answer" not in json.dumps(outputs)
+    # The A/B tab's examples put the example's own file in the box: the page's A/B handler takes it.
+    kind, outputs = _send(server, second, "ab_live", [file_data(os.path.join(EXAMPLES_DIR, "chart.png"))], "example-ab")
+    assert kind == "complete", outputs
     session = next(s for s in visitors.sessions.values() if s.turns and s.turns[-1].text == "Describe this photo."
                    and inside(s.turns[-1].files[0], EXAMPLES_DIR))
     assert session.turns[-1].answer
