@@ -291,8 +291,8 @@ class Visitors:
 
     def _private(self, path: str) -> str | None:
         """Move Gradio's `<folder>/<hash>/<name>` (equal contents share it) to `<folder>/<random>/<name>`,
-        a path nobody can guess and nobody else's upload shares; None when the file is gone (another
-        upload of the same bytes moved it a moment ago: then a copy of that one)."""
+        a path nobody can guess and nobody else's upload shares. When the file is gone because another
+        upload of the same bytes moved it a moment ago, a copy of that one; None when that is gone too."""
         path = os.path.abspath(path)
         folder, name = os.path.split(path)
         private = os.path.join(os.path.dirname(folder), secrets.token_hex(16), name)
