@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None, block: bool = True, limits=None):
 
     from app_ui.guard import Guard
     from app_ui.layout import CSS, EXAMPLES_DIR, build_demo
-    from app_ui.visitors import Limits, Visitors, sweep_journals
+    from app_ui.visitors import Limits, Visitors, journal_folder, sweep_journals
     from engine.engine import Ceilings, RequestError
     from engine.images import MAX_FILE_BYTES
 
@@ -68,16 +68,17 @@ def main(argv: list[str] | None = None, block: bool = True, limits=None):
         Ceilings.from_environ()
     except (ValueError, RequestError) as error:
         sys.exit(f"error: {error}")
-    # 5. Uploads an earlier process left are deleted; this one's are listed for the next.
-    journals = os.path.join(get_upload_folder(), ".vlm-uploads")
+    # 5. Uploads an earlier process left are deleted; this one's are listed for the next, in a
+    #    folder beside the upload folder (Gradio serves nothing there).
+    journals = journal_folder(get_upload_folder())
     sweep_journals(journals)
     os.makedirs(journals, exist_ok=True)
     # 6. Build the UI and serve it behind the visitors' guard; generations queue (one at a time,
     #    see app_ui/layout.py); idle conversations and unsent uploads are swept while it runs.
-    visitors = Visitors(limits)
+    visitors = Visitors(limits, public=[EXAMPLES_DIR])
     demo = build_demo(served, gpu=gpu_decorator(), visitors=visitors, ab_backend=ab_backend)
     demo.queue(default_concurrency_limit=1)
-    guard = Middleware(Guard, visitors=visitors, file_folders=[get_upload_folder(), EXAMPLES_DIR])
+    guard = Middleware(Guard, visitors=visitors, uploads=get_upload_folder())
     try:
         demo.launch(server_name=config.host, server_port=config.port, share=config.share,
                     inbrowser=config.open_browser, prevent_thread_lock=True, allowed_paths=[EXAMPLES_DIR],

@@ -2,9 +2,15 @@
 
 Cheap checks come first, before Gradio reads, hashes or copies anything: the path, the
 headers, the Content-Length; then, for a JSON body (bounded by `Limits.request_bytes`), one
-parse in a worker thread that counts the files the request names and checks where each is,
-without touching the disk. A refusal is one line naming the problem: text for an upload, and
-for a JSON request the 422 shape Gradio's clients show as a validation message.
+parse in a worker thread that counts the files the request names and checks that each is the
+visitor's own upload (or an example), without touching the disk. A refusal is one line naming
+the problem: text for an upload, and for a JSON request the 422 shape Gradio's clients show as
+a validation message.
+
+A visitor is known by a cookie (`COOKIE`) that the page and `/config` hand out (gradio_client
+keeps those of its `/config`), else by its address alone; a file in the upload folder is
+downloaded only by the visitor who uploaded it, and anything else there answers as a file that
+does not exist.
 """
 
 from __future__ import annotations
@@ -12,29 +18,42 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import secrets
 import time
 
 import anyio
 
-from app_ui.visitors import MB, Visitors
+from app_ui.visitors import MB, Visitor, Visitors
 
 logger = logging.getLogger(__name__)
+COOKIE = "vlm_visitor"  # a random name per visitor: whose uploads a request may use
+_COOKIE_VALUE = re.compile(rb"(?:^|;)\s*" + COOKIE.encode() + rb"=([A-Za-z0-9_-]{20,64})\s*(?:;|$)")
+FILE_ROUTES = ("/gradio_api/file=", "/gradio_api/file/")  # Gradio's downloads (the second: its old name)
+NO_SUCH_FILE = "no such file"
+
 
 class Guard:
-    """`file_folders`: where the files a request names may be (Gradio's upload folder, the
-    examples)."""
+    """`uploads`: Gradio's upload folder, whose files are downloaded only by their own visitor."""
 
-    def __init__(self, app, visitors: Visitors, file_folders: list[str] = ()):
+    def __init__(self, app, visitors: Visitors, uploads: str | None = None):
         self.app = app
         self.visitors = visitors
-        self.folders = [os.path.join(os.path.abspath(folder), "") for folder in file_folders]
+        self.uploads = uploads and os.path.abspath(uploads)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, headers = scope["path"].rstrip("/"), dict(scope.get("headers") or [])
         client = self.client(scope, headers)
-        scope.setdefault("state", {}).update(arrived=time.perf_counter(), client=client)
+        cookie = _COOKIE_VALUE.search(headers.get(b"cookie", b""))
+        visitor = Visitor(client, cookie and cookie.group(1).decode())
+        scope.setdefault("state", {}).update(arrived=time.perf_counter(), client=client, visitor=visitor)
+        if scope["method"] in ("GET", "HEAD") and visitor.cookie is None and (path == "" or path.endswith("/config")):
+            send = _with_cookie(send)  # the page and gradio_client's first request: the visitor's cookie
+        download = next((scope["path"].split(route, 1)[1] for route in FILE_ROUTES if route in scope["path"]), None)
+        if download is not None and not self.may_download(download, visitor):
+            return await refuse(send, 404, NO_SUCH_FILE)
         if path.endswith("/deep_link") or "deep_link=" in scope.get("query_string", b"").decode("latin-1"):
             return await refuse(send, 404, "deep links are off on this server: each visitor's conversation is private")
         if "/monitoring" in path:
@@ -48,7 +67,7 @@ class Guard:
             if refusal:
                 return await refuse(send, 429, refusal)
             try:
-                return await self.app(scope, receive, _recording_upload(send, self.visitors, token))
+                return await self.app(scope, receive, _recording_upload(send, self.visitors, token, visitor.cookie))
             finally:
                 self.visitors.unreserve(token)
         limit = self.visitors.limits.request_bytes
@@ -63,7 +82,7 @@ class Guard:
             if body.count(b'"path"') > files or body.count(b'"url"') > files:  # memchr speed: before any parse
                 return await refuse_json(send, f"the request names over {files} files; the limit is {files} "
                                                "images a message")
-            refusal = await anyio.to_thread.run_sync(self.check_body, body, client)
+            refusal = await anyio.to_thread.run_sync(self.check_body, body, visitor)
             if refusal:
                 logger.info("refused %s from %s: %s", path, client, refusal)
                 return await refuse_json(send, refusal)
@@ -80,7 +99,18 @@ class Guard:
             return forwarded[-hops]
         return (scope.get("client") or ("unknown",))[0]
 
-    def check_body(self, body: bytes, client: str) -> str | None:
+    def may_download(self, path: str, visitor: Visitor) -> bool:
+        """A file route may answer `path` for `visitor`: never a URL, and in the upload folder only
+        the visitor's own uploads (by the path as written, or reached through a link); the rest is
+        Gradio's to allow (the examples, its own icons) or refuse."""
+        if "://" in path or path.startswith(("//", "\\")) or "\0" in path:
+            return False
+        if self.uploads is None or self.visitors.may_use(path, visitor):
+            return True
+        return not (_inside(os.path.abspath(path), self.uploads)
+                    or _inside(os.path.realpath(path), os.path.realpath(self.uploads)))
+
+    def check_body(self, body: bytes, visitor: Visitor) -> str | None:
         """Why a JSON request body is refused, or None (not JSON: Gradio answers it)."""
         try:
             request = json.loads(body, parse_constant=_not_a_number)
@@ -96,27 +126,32 @@ class Guard:
         for value in _walk(request.get("data")):
             if isinstance(value, dict) and not isinstance(value.get("files", []), (list, type(None))):
                 return f"message 'files' must be a list of files, got {type(value['files']).__name__}"
+            if isinstance(value, dict) and isinstance(value.get("files"), list):  # a message: each file a FileData
+                files.extend(file for file in value["files"]  # (those with a path or URL come next, by the walk)
+                             if not (isinstance(file, dict) and ("path" in file or "url" in file)))
             if isinstance(value, dict) and ("path" in value or "url" in value):
                 files.append(value)
-                if len(files) > limit:
-                    return f"the request names over {limit} files; the limit is {limit} images a message"
+            if len(files) > limit:
+                return f"the request names over {limit} files; the limit is {limit} images a message"
         for file in files:
-            refusal = self.check_file(file)
+            refusal = self.check_file(file, visitor)
             if refusal:
                 return refusal
-        return self.visitors.admit_session(client, request.get("session_hash")
+        return self.visitors.admit_session(visitor.client, request.get("session_hash")
                                            if isinstance(request.get("session_hash"), str) else None)
 
-    def check_file(self, file: dict) -> str | None:
-        """Why a file a request names is refused: it must be a path in one of `folders`."""
-        path = file.get("path")
-        shown = repr(path if path is not None else file.get("url"))[:80]
-        if not isinstance(path, str) or not path:
-            return f"message 'files': {shown} is not a file path; upload the file and send the path it gets"
-        if "://" in path or path.startswith(("http:", "https:", "data:", "file:")):
+    def check_file(self, file, visitor: Visitor) -> str | None:
+        """Why a file a request names is refused: it must be a FileData ({"path": ...}) of one of
+        the visitor's own uploads, or of an example. The refusal is the same whether or not a file
+        is there."""
+        path = file.get("path") if isinstance(file, dict) else None
+        shown = repr(path if path is not None else file.get("url", file) if isinstance(file, dict) else file)[:80]
+        if isinstance(path, str) and ("://" in path or path.startswith(("http:", "https:", "data:", "file:"))):
             return f"message 'files': {shown} is a URL; this server takes only files uploaded to it (/upload)"
-        if not any(os.path.abspath(path).startswith(folder) for folder in self.folders):
-            return f"message 'files': {shown} is not a file uploaded to this server (upload it first: /upload)"
+        if not isinstance(path, str) or not path or not self.visitors.may_use(path, visitor):
+            return (f"message 'files': {shown} is not a file you uploaded to this server (or it was deleted: "
+                    "New chat and idle conversations delete theirs); upload it (/upload) and send the FileData it "
+                    "gets, {'path': ...}")
         return None
 
 
@@ -169,9 +204,26 @@ def _replay(body: bytes):
     return receive
 
 
-def _recording_upload(send, visitors: Visitors, token: int):
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(os.path.join(folder, ""))
+
+
+def _with_cookie(send):
+    """`send`, adding a new visitor cookie to the response."""
+    cookie = f"{COOKIE}={secrets.token_urlsafe(24)}; Path=/; HttpOnly; SameSite=Lax".encode()
+
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", cookie)]}
+        await send(message)
+
+    return sending
+
+
+def _recording_upload(send, visitors: Visitors, token: int, cookie: str | None):
     """`send`, holding back a successful upload response until its paths are recorded as
-    upload `token`'s; one that takes the client over its file count is answered 429 instead."""
+    upload `token`'s (of the visitor with `cookie`) and answering the private paths they were
+    moved to; one that takes the client over its file count is answered 429 instead."""
     start, body = [None], []
 
     async def recording(message):
@@ -189,11 +241,14 @@ def _recording_upload(send, visitors: Visitors, token: int):
             paths = json.loads(b"".join(body))
         except ValueError:
             paths = []
-        refusal = visitors.uploaded(token, [p for p in paths if isinstance(p, str)] if isinstance(paths, list) else [])
+        paths, refusal = visitors.uploaded(token, [p for p in paths if isinstance(p, str)]
+                                           if isinstance(paths, list) else [], cookie)
         if refusal:
             return await refuse(send, 429, refusal)
-        await send(start[0])
-        await send({"type": "http.response.body", "body": b"".join(body)})
+        answer = json.dumps(paths).encode()
+        headers = [(k, v) for k, v in start[0].get("headers", []) if k.lower() != b"content-length"]
+        await send({**start[0], "headers": [*headers, (b"content-length", str(len(answer)).encode())]})
+        await send({"type": "http.response.body", "body": answer})
 
     return recording
 

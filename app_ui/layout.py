@@ -130,6 +130,8 @@ def build_demo(engine: Engine | Served, gpu: Callable = lambda fn: fn, visitors:
     (see app.py)."""
     engine, visitors = served_of(engine), visitors or Visitors()
     demo_model = engine.demo
+    if not gr.utils.is_static_file(os.path.join(EXAMPLES_DIR, "chart.png")):  # once a process
+        gr.set_static_paths([EXAMPLES_DIR])  # served from their own folder, never copied among the uploads
     examples = [{"text": text, "files": [os.path.join(EXAMPLES_DIR, f) for f in files]}
                 for text, files in (DEMO_EXAMPLES if demo_model else PHOTO_EXAMPLES)]
     # Gradio's own backstop: its files older than a day are deleted, checked hourly (Visitors deletes
@@ -240,8 +242,8 @@ def _wire_chat(engine: Served, gpu: Callable, session: gr.State, settings: dict,
                                    "stays in the box)")
             session.check_not_expired(visitors.limits.idle_s)
             text, files = read_message(message_value, engine, session)
+            _claim(visitors, session, files, request)
             visitors.spoke(session, request.session_hash)
-            visitors.claim(session, files)
             _start(session, Turn(text, files, [], arrived=_arrival(request)))
 
     def accept_example(event: gr.SelectData, session: Session, request: gr.Request):
@@ -336,7 +338,7 @@ def _wire_api(engine: Served, gpu: Callable, session: gr.State, settings: list, 
         text and the statistics."""
         visitors.touch(session, request.session_hash)
         yield from _api_chat(engine, message, session, Options(**values), _arrival(request), visitors,
-                             request.session_hash)
+                             request.session_hash, request)
 
     @gpu
     def ab(message, session, request: gr.Request, **values):
@@ -523,6 +525,15 @@ def _next_seed(seed):
     return gr.skip()
 
 
+def _claim(visitors: Visitors, session: Session, files: list[str], request: gr.Request | None) -> None:
+    """The session holds `files` now; RequestError names one that is not the visitor's own upload
+    (the Guard refuses those before Gradio reads the request; this holds without it too)."""
+    state = getattr(getattr(request, "request", None), "state", None)
+    refused = visitors.claim(session, files, getattr(state, "visitor", None))
+    if refused is not None:
+        raise RequestError(f"{os.path.basename(refused)}: not a file you uploaded to this server; upload it again")
+
+
 def _arrival(request: gr.Request | None) -> float:
     """When the request reached the server (stamped by visitors.Guard), else now."""
     state = getattr(getattr(request, "request", None), "state", None)
@@ -600,7 +611,7 @@ def _panels(messages: list[dict], side=None, plain_tok_s: float | None = None,
 
 
 def _api_chat(engine: Served, message_value, session: Session, options: Options, arrived: float,
-              visitors: Visitors, session_id: str | None = None):
+              visitors: Visitors, session_id: str | None = None, request: gr.Request | None = None):
     """/chat: (answer text, statistics dict), streamed; the turn joins the session's history. A
     request stopped while it waited in the queue answers "" with finish_reason "stopped"."""
     started, tick = time.perf_counter(), views.Throttle(views.UPDATES_PER_SECOND)
@@ -609,8 +620,8 @@ def _api_chat(engine: Served, message_value, session: Session, options: Options,
         options = checked(options, engine)
         turn = new_turn(message_value, engine, session)
         turn.arrived = arrived
+        _claim(visitors, session, turn.files, request)
         visitors.spoke(session, session_id)
-        visitors.claim(session, turn.files)
         for side in answer(engine, session, turn, options, started):
             if tick.ready():
                 yield side.text, _public_stats(engine, side.stats, session.dropped)

@@ -202,7 +202,7 @@ def read_message(message: dict | str | None, engine: Served, session: Session | 
     check_text(text, engine.context_limit())
     if not isinstance(files, list):
         raise RequestError(f"message 'files' must be a list of files, got {type(files).__name__}")
-    text, files = text.strip(), [_path(file) for file in files]
+    text, files = text.strip(), list(dict.fromkeys(os.path.abspath(_path(file)) for file in files))  # named twice: one
     if not text and not files:
         raise RequestError("the message is empty: type a question, add images, or both")
     earlier = session.num_images() if session else 0
@@ -214,9 +214,10 @@ def read_message(message: dict | str | None, engine: Served, session: Session | 
 
 
 def _path(file) -> str:
-    """A file as Gradio hands it over: a path, or a dict with one (gradio_client, FileData)."""
+    """A file as Gradio hands it over: a path, or a FileData dict (gradio_client; the Guard lets
+    through only the visitor's own uploads and the examples)."""
     if isinstance(file, dict):
-        path = file.get("path") or file.get("name") or ""
+        path = file.get("path") or ""
     else:
         path = getattr(file, "path", file)
     if not isinstance(path, str) or not path:

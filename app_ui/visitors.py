@@ -4,10 +4,13 @@ of its routes and the shape of its request bodies.
 - `Visitors` knows every live conversation, every Gradio session id an address holds, and every
   file uploaded to this app. Its `sweep` (every `Limits.sweep_s`, from the app's lifespan)
   empties conversations idle for `idle_s` and deletes uploads that nobody sent once they are
-  `unsent_upload_s` old. An upload is held by each conversation that sent it and by each of its
-  uploads not sent yet (equal contents share one path); a conversation that is cleared or
-  expires lets go of its files, and a file goes when nobody holds it. Each upload is written to a journal of this process, so that the next process
-  deletes what this one left (`sweep_journals`, at start).
+  `unsent_upload_s` old. An upload is held by each conversation that sent it, and while no
+  conversation sent it yet; a conversation that is cleared or expires lets go of its files, and a
+  file goes when nobody holds it. Each upload is its `Visitor`'s: Gradio stores equal contents at
+  one path (`<upload folder>/<hash>/<name>`), so `uploaded` moves each file to a folder of its
+  own with an unguessable name, and only its visitor may name it in a message or download it
+  (`may_use`). Each upload is written to a journal of this process, outside every folder Gradio
+  serves, so that the next process deletes what this one left (`sweep_journals`, at start).
 - `Guard` (app_ui/guard.py) is the ASGI middleware in front of Gradio that applies these
   bounds before Gradio reads a request: deep links and the monitoring route answer 404; the
   client's address is the socket's, or behind `proxy_hops` trusted proxies (a Space: 1) the
@@ -15,8 +18,9 @@ of its routes and the shape of its request bodies.
   the entries to its left, never that one; see docs/security.md); an upload's bytes are
   reserved under one lock before its body is read (`reserve`), so a burst cannot race the
   bound, and its files are counted when Gradio answers (`uploaded`); a JSON body is checked
-  for the number of files it names, where they are, and a new session past the address's
-  `sessions_per_client` (`admit_session`).
+  for the number of files it names, whose they are (`may_use`), and a new session past the
+  address's `sessions_per_client` (`admit_session`); a file download (`/gradio_api/file=`) from
+  the upload folder answers only the file's own visitor.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import itertools
 import logging
 import math
 import os
+import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -79,12 +85,25 @@ class Limits:
         return cls(**values)
 
 
+@dataclass(frozen=True)
+class Visitor:
+    """Who makes a request: the client's address, and the visitor cookie the Guard gave it (None:
+    the request carried none, as a script's may not)."""
+    client: str
+    cookie: str | None = None
+
+    def holds(self, upload: Upload) -> bool:
+        """An upload made with a cookie is that cookie's; one made without, its address's."""
+        return upload.cookie == self.cookie if upload.cookie else upload.client == self.client
+
+
 @dataclass
 class Upload:
-    client: str  # the address that first uploaded these bytes (Gradio stores equal contents at one path)
+    client: str  # the address that uploaded it
     disk: int  # bytes on disk, its folder included
-    unsent: list[float] = field(default_factory=list)  # the times of its uploads that no conversation sent yet
+    unsent: list[float] = field(default_factory=list)  # when it was uploaded, until a conversation sends it
     owners: set[int] = field(default_factory=set)  # the live conversations that sent it (ids of Sessions)
+    cookie: str | None = None  # the visitor cookie of its upload request, if it carried one
 
 
 @dataclass
@@ -99,7 +118,7 @@ class Known:
 
 class Visitors:
     def __init__(self, limits: Limits = Limits(), clock: Callable[[], float] = time.perf_counter,
-                 journal: str | None = None):
+                 journal: str | None = None, public: list[str] = ()):
         self.limits = limits
         self.clock = clock  # the clock of Turn.arrived
         self.sessions: dict[int, Session] = {}  # id -> live session
@@ -108,6 +127,8 @@ class Visitors:
         self.reserved: dict[int, tuple[str, int]] = {}  # upload in progress -> (client, bytes)
         self.tokens = itertools.count()
         self.journal = journal  # this process's list of uploads (see sweep_journals)
+        self.public = [os.path.join(os.path.abspath(folder), "") for folder in public]  # anyone's: the examples
+        self.moved: dict[str, str] = {}  # Gradio's path -> the latest upload moved from it (see `_private`)
         self.lock = threading.Lock()
 
     # --- conversations --------------------------------------------------------------------------
@@ -156,22 +177,37 @@ class Visitors:
         with self.lock:
             if forget:
                 self.sessions.pop(id(session), None)
-            for path in files:
+            for path in map(os.path.abspath, files):  # as `claim` holds them
                 upload = self.uploads.get(path)
                 if upload is not None:
                     upload.owners.discard(id(session))
                     if not upload.owners and not upload.unsent:
                         self._delete(path)
 
-    def claim(self, session: Session, files: list[str]) -> None:
-        """`session` sent `files`: one unsent upload of each is now its own."""
+    def may_use(self, path: str, visitor: Visitor) -> bool:
+        """`visitor` may name `path` in a message, and download it: one of its own uploads, or a
+        file in a public folder (the examples). Decided from the path as written, never from the disk."""
+        path = os.path.abspath(path)
+        if any(path.startswith(folder) for folder in self.public):
+            return True
         with self.lock:
-            for path in files:
-                if path in self.uploads:
-                    upload = self.uploads[path]
-                    if upload.unsent:
-                        upload.unsent.pop(0)
+            upload = self.uploads.get(path)
+            return upload is not None and visitor.holds(upload)
+
+    def claim(self, session: Session, files: list[str], visitor: Visitor | None) -> str | None:
+        """`session` (of `visitor`) sent `files`: each of its uploads among them is now the
+        session's. Returns the first file `visitor` may not use (nothing is claimed then), or None.
+        `visitor` None: no Guard in front (it stamps each request's), so no upload is recorded either."""
+        refused = next((path for path in files if visitor and not self.may_use(path, visitor)), None)
+        if refused is not None:
+            return refused
+        with self.lock:
+            for path in dict.fromkeys(os.path.abspath(path) for path in files):
+                upload = self.uploads.get(path)
+                if upload is not None:
+                    upload.unsent.clear()
                     upload.owners.add(id(session))
+        return None
 
     def sweep(self) -> None:
         """Empty idle conversations (freeing their images and uploads), forget idle session ids,
@@ -227,25 +263,53 @@ class Visitors:
         with self.lock:
             self.reserved.pop(token, None)
 
-    def uploaded(self, token: int, paths: list[str]) -> str | None:
-        """The upload `token` wrote `paths`: they replace its reservation. Returns why they are
-        refused (and deletes them) when they take `client` over its file count."""
+    def uploaded(self, token: int, paths: list[str], cookie: str | None = None) -> tuple[list[str], str | None]:
+        """The upload `token` (whose request carried `cookie`) wrote `paths`: each is moved to a
+        folder of its own (`_private`) and replaces its reservation. Returns the new paths (a path
+        Gradio gave twice is one file), and why they are refused (and deletes them) when they
+        take `client` over its file count or one was lost on the way."""
         now = self.clock()
         with self.lock:
             client, _ = self.reserved.pop(token, ("unknown", 0))
             files = sum(1 for u in self.uploads.values() if u.client == client)
-            new = [p for p in paths if p not in self.uploads]
-            if files + len(new) > self.limits.upload_files_per_client:
-                for path in new:
-                    self.uploads[path] = Upload(client, 0)
+            private = {path: self._private(path) for path in dict.fromkeys(paths)}
+            new = [path for path in private.values() if path is not None]
+            refusal = None
+            if len(new) < len(private):
+                refusal = "an uploaded file was lost on the way (the same file uploaded twice at once?); upload again"
+            elif files + len(new) > self.limits.upload_files_per_client:
+                refusal = (f"{len(new)} files would take your address over {self.limits.upload_files_per_client} "
+                           "uploaded files; send fewer")
+            for path in new:
+                self.uploads[path] = Upload(client, 0 if refusal else disk_use(path), [now], cookie=cookie)
+                if refusal:
                     self._delete(path)
-                return (f"{len(new)} files would take your address over {self.limits.upload_files_per_client} "
-                        "uploaded files; send fewer")
-            for path in paths:
-                upload = self.uploads.setdefault(path, Upload(client, disk_use(path)))
-                upload.unsent.append(now)
+            if refusal:
+                return [], refusal
             self._journal(new)
-        return None
+        return [private[path] for path in paths], None
+
+    def _private(self, path: str) -> str | None:
+        """Move Gradio's `<folder>/<hash>/<name>` (equal contents share it) to `<folder>/<random>/<name>`,
+        a path nobody can guess and nobody else's upload shares. When the file is gone because another
+        upload of the same bytes moved it a moment ago, a copy of that one; None when that is gone too."""
+        path = os.path.abspath(path)
+        folder, name = os.path.split(path)
+        private = os.path.join(os.path.dirname(folder), secrets.token_hex(16), name)
+        try:
+            os.makedirs(os.path.dirname(private))
+            try:
+                os.rename(path, private)
+            except FileNotFoundError:
+                shutil.copyfile(self.moved[path], private)  # KeyError or FileNotFoundError: lost
+        except (OSError, KeyError):
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(private))
+            return None
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+        self.moved = {**dict(list(self.moved.items())[-63:]), path: private}
+        return private
 
     def _delete(self, path: str) -> None:
         """Remove an upload and its folder if that is now empty (Gradio keeps one folder a file)."""
@@ -262,7 +326,8 @@ class Visitors:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        """For FastAPI's `lifespan`: sweep every `sweep_s` while the server runs."""
+        """For FastAPI's `lifespan`: sweep every `sweep_s` while the server runs; at its end, delete
+        every upload and the journal."""
         import asyncio
 
         async def sweep_forever():
@@ -278,6 +343,9 @@ class Visitors:
             yield
         finally:
             task.cancel()
+            with self.lock:  # moved out of Gradio's paths, they are not in what Gradio deletes at close
+                for path in list(self.uploads):
+                    self._delete(path)
             if self.journal:
                 with contextlib.suppress(OSError):
                     os.remove(self.journal)
@@ -289,6 +357,13 @@ def disk_use(path: str) -> int:
         return max(BLOCK, math.ceil(os.stat(path).st_blocks * 512 / BLOCK) * BLOCK) + BLOCK
     except OSError:
         return 2 * BLOCK
+
+
+def journal_folder(uploads: str) -> str:
+    """Where the journals of uploads to the folder `uploads` are: beside it, never inside (Gradio
+    serves what is inside)."""
+    uploads = os.path.abspath(uploads)
+    return os.path.join(os.path.dirname(uploads), os.path.basename(uploads) + "-vlm-journals")
 
 
 def sweep_journals(folder: str) -> int:

@@ -467,3 +467,36 @@ def test_phone_ab_tab_is_stacked_and_its_table_fits(fresh_phone):
     assert table.evaluate("e => e.getBoundingClientRect().right") <= 390
     os.makedirs(SCREENSHOTS, exist_ok=True)
     page.screenshot(path=os.path.join(SCREENSHOTS, "phone-ab.png"), full_page=True)
+
+
+LOADED = "s => document.querySelector(s) && [...document.querySelectorAll(s)].every(i => i.naturalWidth > 0)"
+
+
+def test_another_visitors_new_chat_after_sending_an_examples_own_file_leaves_the_examples_working(url, browser):
+    """Issue 38: visitor A attaches an example's own file with the clip button, sends it (its
+    picture shows in A's chat) and presses New chat; visitor B, in a browser of its own, still
+    sees every example's picture, and the example answers."""
+    from playwright.sync_api import expect
+
+    contexts = [browser.new_context(viewport=DESKTOP) for _ in range(2)]
+    try:
+        first, second = (context.new_page() for context in contexts)
+        first.goto(url)
+        first.wait_for_function(LOADED, arg="#chatbot .example img")
+        name = first.locator("#chatbot .example img").first.get_attribute("src").rsplit("/", 1)[-1]
+        send(first, "chat-input", "Describe the image.", [name])
+        expect(first.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+        first.wait_for_function(LOADED, arg="#chatbot .message.user img")  # A's own upload, served to A
+        assert [c["name"] for c in contexts[0].cookies()] == ["vlm_visitor"]  # the page gave A its own
+        first.locator("#chat-new").click()
+        expect(first.locator("#chatbot .message")).to_have_count(0)
+        second.goto(url)
+        second.wait_for_function(LOADED, arg="#chatbot .example img", timeout=30_000)
+        second.locator("#chatbot .example").first.click()
+        expect(second.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+        expect(second.locator("#chatbot .message.user img")).to_have_count(1)
+        second.wait_for_function(LOADED, arg="#chatbot .message.user img")
+        expect(second.locator("body")).not_to_contain_text("no such file")
+    finally:
+        for context in contexts:
+            context.close()

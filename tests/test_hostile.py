@@ -489,9 +489,9 @@ def test_visitor_mistakes_are_named_without_tracebacks_and_statistics_hold_no_pa
     cases = [
         ([{"text": "Hi", "files": "abc"}], "refused", "message 'files' must be a list of files, got str"),
         ([{"text": "Hi", "files": [{"path": 5, "meta": {"_type": "gradio.FileData"}}]}], "refused",
-         "message 'files': 5 is not a file path"),
+         "message 'files': 5 is not a file you uploaded to this server"),
         ([{"text": "Hi", "files": [file_data("/etc/hostname")]}], "refused",
-         "message 'files': '/etc/hostname' is not a file uploaded to this server"),
+         "message 'files': '/etc/hostname' is not a file you uploaded to this server"),
         ([{"text": "Hi", "files": [file_data(server.url + "gradio_api/startup-events")]}], "refused",
          "is a URL; this server takes only files uploaded to it"),
     ]

@@ -89,12 +89,14 @@ def upload(url: str, paths: list[str], source: str = "127.0.0.1") -> httpx.Respo
                            files=[("files", (os.path.basename(p), open(p, "rb").read(), "image/jpeg")) for p in paths])
 
 
-def call(url: str, data: list, api: str = "chat") -> tuple[str, object]:
-    """One raw /gradio_api/call request (a new session each): ("complete", outputs) or ("error", message)."""
+def call(url: str, data: list, api: str = "chat", source: str = "127.0.0.1") -> tuple[str, object]:
+    """One raw /gradio_api/call request (a new session each) from the loopback address `source`
+    (the address of the uploads it names): ("complete", outputs) or ("error", message)."""
     body = json.dumps({"data": data}).encode()  # json.dumps escapes a lone surrogate, as a browser would not
-    event = httpx.post(url + f"gradio_api/call/{api}", content=body,
-                       headers={"content-type": "application/json"}).json()["event_id"]
-    stream = httpx.get(url + f"gradio_api/call/{api}/{event}", timeout=120).text
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=120) as client:
+        event = client.post(url + f"gradio_api/call/{api}", content=body,
+                            headers={"content-type": "application/json"}).json()["event_id"]
+        stream = client.get(url + f"gradio_api/call/{api}/{event}").text
     kind, payload = re.findall(r"event: (\w+)\ndata: (.*)\n", stream)[-1]
     return kind, json.loads(payload)
 
@@ -117,7 +119,8 @@ def test_memory_per_visitor_is_bounded_and_idle_visitors_expire(server, engine, 
         for k, copy in enumerate(copies):
             copy.write_bytes(open(photos[(i + k) % 4], "rb").read() + f"visitor {i}".encode())
         paths = upload(server.url, [str(copy) for copy in copies], f"127.0.0.{20 + i}").json()
-        kind, outputs = call(server.url, settings(f"Visitor {i}: what is in these photos?", paths))
+        kind, outputs = call(server.url, settings(f"Visitor {i}: what is in these photos?", paths),
+                             source=f"127.0.0.{20 + i}")  # the uploads' own address: they are its
         assert kind == "complete", outputs
         answer, stats = outputs
         assert stats["prefill_image_tokens"] > 0, (i, answer, stats)
