@@ -487,7 +487,8 @@ def main(argv=None) -> None:
     parser.add_argument("--verifier", help="the target's hub id or path (speculators_config.verifier.name_or_path)")
     args = parser.parse_args(argv)
     config = export_speculators(args.specforge, args.to_speculators, args.verifier)
-    print(f"wrote {args.to_speculators}: speculators eagle3, verifier {config['speculators_config']['verifier']['name_or_path']}, "
+    verifier = config["speculators_config"]["verifier"]["name_or_path"]
+    print(f"wrote {args.to_speculators}: speculators eagle3, verifier {verifier}, "
           f"draft vocabulary {config['draft_vocab_size']}")
 
 
