@@ -21,7 +21,8 @@ DRAFTER_LABELS = {"vlm": "Small VLM: sees the images", "text_lm": "Text-only LM:
                   "ngram": "N-gram lookup: no model, repeats earlier text",
                   "mtp": "MTP head: reads the target's hidden states",
                   "dflash": "Block drafter: a whole draft in one pass",
-                  "shared_cache": "Assistant: shares the target's cache"}
+                  "shared_cache": "Assistant: shares the target's cache",
+                  "eagle3": "EAGLE-3 head: reads three of the target's layers"}
 HIGHLIGHT_LEGEND = ('<p class="legend"><strong>{title}</strong>: <mark class="draft">green</mark> tokens the '
                     'drafter guessed and the target accepted; the rest the target wrote itself.</p>')
 NO_ORIGINS_LEGEND = ('<p class="legend"><strong>{title}</strong>: which tokens were drafted is not reported by '

@@ -40,6 +40,20 @@ PRESETS: dict[str, Preset] = {
                             "the 3B VLM drafter sees the images through its own vision tower."),
     "qwen3-vl-2b": Preset("Qwen/Qwen3-VL-2B-Instruct", ("Qwen/Qwen3-0.6B", "ngram"),
                           "M-RoPE (interleaved). Qwen3 and Qwen3-VL share the Qwen tokenizer; 151936 rows."),
+    # Published EAGLE-3 drafters (engine/drafters/eagle3.py checks hidden size, vocabulary and
+    # layers against the target at load, so a wrong pair is refused with the reason).
+    "qwen2.5-vl-7b-eagle3": Preset(
+        "Qwen/Qwen2.5-VL-7B-Instruct", ("Rayzl/qwen2.5-vl-7b-eagle3-sgl", "ngram"),
+        "EAGLE-3 (SpecForge format). SpecForge's configs/qwen2-5-vl-7b-eagle3.json, the recipe of that "
+        "name: hidden 3584, vocab_size 152064 (the target's rows), draft_vocab_size 32000, mrope_section "
+        "[16, 24, 24], one layer, 28/4 heads; no layer ids, so (2, 14, 25) of the target's 28. Rayzl's own "
+        "config.json was not read (no hub here)."),
+    "qwen3-vl-2b-eagle3": Preset(
+        "Qwen/Qwen3-VL-2B-Instruct", ("taobao-mnn/Qwen3-VL-2B-Instruct-Eagle3", "ngram"),
+        "EAGLE-3, trained with SpecForge per its model card (accept length ~1.9 at 4 draft tokens, text "
+        "benchmarks). Its config.json (hidden size, vocabulary, layer ids, M-RoPE) was not read here: "
+        "the load-time check is the only check. Qwen3-VL-4B/8B drafters (taobao-mnn, MNN, AngelSlim) "
+        "were not verified and have no preset."),
 }
 
 

@@ -214,9 +214,11 @@ _TEMPLATES = {
 # Entry points
 
 
-def build_target(family: str, out_dir: Path, seed: int = 0) -> Path:
-    """A tiny random VLM of `family` with its processor, saved in `out_dir`."""
-    return _build_vlm(family, Path(out_dir), seed, _TARGET_TEXT)
+def build_target(family: str, out_dir: Path, seed: int = 0, num_hidden_layers: int | None = None) -> Path:
+    """A tiny random VLM of `family` with its processor, saved in `out_dir` (`num_hidden_layers`:
+    a deeper text model than the default 2, for drafters that read several target layers)."""
+    text = _TARGET_TEXT if num_hidden_layers is None else dict(_TARGET_TEXT, num_hidden_layers=num_hidden_layers)
+    return _build_vlm(family, Path(out_dir), seed, text)
 
 
 def build_vlm_drafter(family: str, out_dir: Path, seed: int = 1) -> Path:

@@ -96,6 +96,24 @@ class TargetPass:
         self.answer = assistant_labels(inputs["input_ids"], processor.tokenizer) != -100  # (B, S)
 
 
+def answer_chains(batch: TargetPass) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unrolled draft chains of a batch: chain c starts at entry c when token c + 1 is in an
+    answer. Returns chains (B, A) (entry indices, padded), used (B, A), and the masks of steps
+    2..: sees (B, 1, A, n), a chain's step sees the step-1 entries <= c, and eye (B, 1, A, A),
+    each chain sees its own earlier steps."""
+    starts = batch.answer[:, 1:]  # (B, n): chains that draft inside an answer
+    bsz, n = starts.shape
+    width = int(starts.sum(1).max())
+    chains = torch.zeros(bsz, width, dtype=torch.long)
+    used = torch.zeros(bsz, width, dtype=torch.bool)
+    for row in range(bsz):
+        found = starts[row].nonzero()[:, 0]
+        chains[row, :len(found)], used[row, :len(found)] = found, True
+    sees = (torch.arange(n)[None, None, :] <= chains[:, :, None])[:, None]
+    eye = torch.eye(width, dtype=torch.bool).expand(bsz, 1, width, width)
+    return chains, used, sees, eye
+
+
 def mtp_loss(head, batch: TargetPass, lm_head: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """Cross-entropy of each unrolled step (see the module docstring). Step 1 runs every entry
     c = 0 .. S - 2 (the cache the later steps attend to); steps 2.. run only the chains that
@@ -108,15 +126,7 @@ def mtp_loss(head, batch: TargetPass, lm_head: torch.Tensor, steps: int) -> list
     causal = (causal | torch.eye(n, dtype=torch.bool))[:, None]
     cache = DynamicCache()
     out = head(embeds[:, 1:], last[:, :-1], batch.positions[:, :, 1:], mask=causal, cache=cache)  # (B, n, H)
-    starts = batch.answer[:, 1:]  # (B, n): chains that draft inside an answer
-    width = int(starts.sum(1).max())
-    chains = torch.zeros(bsz, width, dtype=torch.long)
-    used = torch.zeros(bsz, width, dtype=torch.bool)
-    for row in range(bsz):
-        found = starts[row].nonzero()[:, 0]
-        chains[row, :len(found)], used[row, :len(found)] = found, True
-    sees = (entries[None, None, :] <= chains[:, :, None])[:, None]  # (B, 1, A, n): step-1 entries <= c
-    eye = torch.eye(width, dtype=torch.bool).expand(bsz, 1, width, width)
+    chains, used, sees, eye = answer_chains(batch)
     losses, hidden = [], None
     for step in range(1, steps + 1):
         at = (chains + step).clamp(max=seq - 1)  # step s of chain c: embeds token c + s, predicts the one after it
@@ -179,6 +189,27 @@ def block_loss(drafter, batch: TargetPass, lm_head: torch.Tensor, embed: torch.n
     return loss, accuracy
 
 
+class LossLog:
+    """Running means of named figures, printed and kept every `every` steps and at the last."""
+
+    def __init__(self, every: int = 25):
+        self.every, self.entries, self.sums, self.started = every, [], {}, time.perf_counter()
+
+    def add(self, step: int, steps: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+        if (step + 1) % self.every == 0 or step + 1 == steps:
+            count = self.every if (step + 1) % self.every == 0 else (step + 1) % self.every
+            entry = {"step": step + 1, "seconds": round(self.seconds(), 1)} | \
+                    {key: round(value / count, 4) for key, value in self.sums.items()}
+            self.entries.append(entry)
+            print(json.dumps(entry), flush=True)
+            self.sums = {}
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+
 def save(args, argv, mtp, block, log: list[dict], seconds: float) -> None:
     """Both folders and drafters_training.json (settings, time, parameter counts, the loss log)."""
     for name, module in (("mtp_drafter", mtp), ("block_drafter", block)):
@@ -222,7 +253,7 @@ def main(argv=None) -> None:
     layers = (0, -1) + BLOCK_TARGET_LAYERS
     optimizers = {name: torch.optim.AdamW(module.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
                   for name, module in (("mtp", mtp), ("block", block))}
-    log, sums, started = [], {}, time.perf_counter()
+    log = LossLog()
     for step in range(args.steps):
         first = args.first_example + step * args.batch_size
         examples = list(world.train_examples(first, args.batch_size))
@@ -241,20 +272,12 @@ def main(argv=None) -> None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        for key, value in [(f"mtp_step{i + 1}", loss.item()) for i, loss in enumerate(mtp_losses)] + \
-                [("block", blk.item())] + [(f"block_acc{i + 1}", a) for i, a in enumerate(accuracy)]:
-            sums[key] = sums.get(key, 0.0) + value
-        if (step + 1) % 25 == 0 or step + 1 == args.steps:
-            count = 25 if (step + 1) % 25 == 0 else (step + 1) % 25
-            entry = {"step": step + 1, "seconds": round(time.perf_counter() - started, 1)} | \
-                    {key: round(value / count, 4) for key, value in sums.items()}
-            log.append(entry)
-            print(json.dumps(entry), flush=True)
-            sums = {}
+        log.add(step, args.steps, {f"mtp_step{i + 1}": loss.item() for i, loss in enumerate(mtp_losses)} |
+                {"block": blk.item()} | {f"block_acc{i + 1}": a for i, a in enumerate(accuracy)})
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            save(args, argv, mtp, block, log, time.perf_counter() - started)
-    seconds = time.perf_counter() - started
-    save(args, argv, mtp, block, log, seconds)
+            save(args, argv, mtp, block, log.entries, log.seconds())
+    seconds = log.seconds()
+    save(args, argv, mtp, block, log.entries, seconds)
     print(f"saved {args.out}/mtp_drafter and {args.out}/block_drafter ({seconds:.0f} s)")
 
 

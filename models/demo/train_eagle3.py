@@ -1,0 +1,183 @@
+"""Train an EAGLE-3 drafter for the bundled target, written in SpecForge's format.
+
+    python -m models.demo.train_eagle3 --out assets/demo/eagle3_drafter [--steps N] [--seed 0]
+
+writes OUT/config.json + OUT/model.safetensors (SpecForge: `LlamaForCausalLMEagle3`, weights
+`embed_tokens`, `fc`, `midlayer.*`, `norm`, `lm_head`, buffers `d2t` / `t2d`; models/eagle3.py)
+and OUT/training.json (settings, time, losses). `python -m models.eagle3 OUT --to-speculators
+DIR` exports it for vLLM.
+
+Data and labels are models/demo/train_drafters.py's: the demo world's training conversations
+(their reference answers, which the target mostly reproduces: 6 of the first 8; with
+`--target-answers` each assistant turn is replaced by the target's own greedy answer, a
+`generate` per batch), one frozen target pass per batch for the hidden states, and the target's
+greedy next token at every answer position as the label, so it learns what the target says.
+
+Training is SpecForge's test-time training (TTT), unrolled `--ttt-steps` steps the way the
+engine drafts: step 1 runs every entry j (the merged input embedding of token j + 1, image
+features at image positions, and g_j = fc of the target's layers `LAYERS` of token j, at the
+target's position of token j); step s of the chain starting at entry c embeds token c + s, reads
+step s - 1's pre-norm output at position p(c) + s - 1 and attends to the step-1 entries <= c and
+its own earlier steps. Every step's loss is the cross-entropy against the target's next token
+over the draft vocabulary (the `--draft-vocab` most frequent tokens of the reference answers,
+end-of-turn included; a token outside it is not a label). The embedding table is the
+target's, frozen, as SpecForge freezes it; lm_head starts from the target's rows of the draft
+vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForImageTextToText
+
+from models import eagle3
+from models.demo import world
+from models.demo.processor import load_processor
+from models.demo.train import learning_rate
+from models.demo.train_drafters import DEFAULT_TARGET, LossLog, TargetPass, answer_chains, target_answers
+
+LAYERS_AS_OUTPUTS = [1, 3, 4]  # SpecForge's numbering (output of layer i) for the 6-layer target
+
+
+def specforge_config(target_config, draft_vocab_size: int, target_name: str) -> dict:
+    """The SpecForge config.json of a drafter for `target_config` (its text sizes and M-RoPE)."""
+    text = target_config.get_text_config()
+    rope = text.rope_parameters
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "target_model_type": target_config.model_type, "target_name_or_path": target_name,
+        "target_architectures": list(target_config.architectures or []),
+        "hidden_size": text.hidden_size, "intermediate_size": text.intermediate_size,
+        "num_attention_heads": text.num_attention_heads, "num_key_value_heads": text.num_key_value_heads,
+        "head_dim": text.hidden_size // text.num_attention_heads, "num_hidden_layers": 1, "hidden_act": "silu",
+        "rms_norm_eps": text.rms_norm_eps, "max_position_embeddings": text.max_position_embeddings,
+        "rope_theta": rope["rope_theta"], "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]},
+        "vocab_size": text.vocab_size, "draft_vocab_size": draft_vocab_size, "tie_word_embeddings": False,
+        "attention_bias": False, "pretraining_tp": 1, "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": LAYERS_AS_OUTPUTS},
+    }
+
+
+def draft_vocabulary(processor, size: int, examples: int = 4000) -> torch.Tensor:
+    """(size,) ascending target ids: the most frequent tokens of the reference answers of the
+    first `examples` training conversations, and the end-of-turn tokens."""
+    tokenizer = processor.tokenizer
+    counts = collections.Counter()
+    for example in world.train_examples(0, examples):
+        for message in example.messages:
+            if message["role"] == "assistant":
+                text = " ".join(c["text"] for c in message["content"] if c.get("type") == "text")
+                counts.update(tokenizer(text, add_special_tokens=False)["input_ids"])
+    always = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", tokenizer.eos_token) if t}
+    frequent = [token for token, _ in counts.most_common() if token not in always]
+    return torch.tensor(sorted(always | set(frequent[:size - len(always)])))
+
+
+def eagle3_losses(module: eagle3.Eagle3, batch: TargetPass, layers: list[int], steps: int,
+                  draft_of: torch.Tensor) -> tuple[list[torch.Tensor], list[float]]:
+    """Cross-entropy and accuracy of each unrolled step (see the module docstring)."""
+    embeds = batch.hidden[0]  # (B, S, H) merged input embeddings
+    g = module.project(torch.cat([batch.hidden[layer] for layer in layers], dim=-1))
+    bsz, seq, _ = embeds.shape
+    n = seq - 1
+    entries = torch.arange(n)
+    causal = (entries[None, :] <= entries[:, None])[None] & batch.valid[:, None, :-1]
+    causal = (causal | torch.eye(n, dtype=torch.bool))[:, None]
+    cache = eagle3.KVCache()
+    out = module(embeds[:, 1:], g[:, :-1], batch.positions[:, :, :-1], cache, causal)  # (B, n, H) entries j
+    chains, used, sees, eye = answer_chains(batch)
+    losses, accuracy, rows = [], [], None
+    for step in range(1, steps + 1):
+        at = (chains + step).clamp(max=seq - 1)  # step s of chain c embeds token c + s, predicts the one after it
+        if step > 1:
+            where = (chains + step - 1).clamp(max=seq - 1)
+            inputs = torch.gather(embeds, 1, at[..., None].expand(-1, -1, embeds.shape[-1]))
+            rows = module(inputs, module.feedback(rows), torch.gather(batch.positions, 2, where[None].expand(3, -1, -1)),
+                          cache, torch.cat([sees] + [eye] * (step - 1), dim=-1))
+        else:
+            rows = torch.gather(out, 1, chains[..., None].expand(-1, -1, out.shape[-1]))
+        labels = draft_of[torch.gather(batch.greedy, 1, at)]
+        valid = used & (chains + step + 1 < seq) & (labels >= 0) & \
+            torch.gather(batch.answer, 1, (chains + step + 1).clamp(max=seq - 1))
+        logits = module.draft_logits(rows[valid])
+        losses.append(F.cross_entropy(logits, labels[valid]))
+        accuracy.append((logits.argmax(-1) == labels[valid]).float().mean().item())
+    return losses, accuracy
+
+
+def save(args, argv, module, config: dict, log: list[dict], seconds: float) -> None:
+    eagle3.save_specforge(module, args.out, config)
+    with open(os.path.join(args.out, "training.json"), "w") as file:
+        json.dump({"command": " ".join(["python -m models.demo.train_eagle3", *(argv or sys.argv[1:])]),
+                   "settings": vars(args), "train_seconds": round(seconds), "steps_done": log[-1]["step"] if log else 0,
+                   "trained_parameters": sum(p.numel() for p in module.parameters() if p.requires_grad),
+                   "log": log}, file, indent=1)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m models.demo.train_eagle3", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--steps", type=int, default=220)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--ttt-steps", type=int, default=5, help="unrolled steps (the draft length it learns)")
+    parser.add_argument("--draft-vocab", type=int, default=512, help="draft vocabulary size (d2t / t2d)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--max-answer-tokens", type=int, default=96)
+    parser.add_argument("--target-answers", action="store_true",
+                        help="replace each assistant turn by the target's greedy answer (slower: a generate per batch)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    target = AutoModelForImageTextToText.from_pretrained(args.target, dtype=torch.float32).eval().requires_grad_(False)
+    processor = load_processor(args.target)
+    vocabulary = draft_vocabulary(processor, args.draft_vocab)
+    config = specforge_config(target.config, len(vocabulary), "assets/demo/target")
+    module = eagle3.Eagle3(eagle3.read_config_dict(config))
+    with torch.no_grad():
+        module.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        module.lm_head.weight.copy_(target.get_output_embeddings().weight[vocabulary])
+        module.d2t.copy_(vocabulary - torch.arange(len(vocabulary)))
+        module.t2d.zero_()
+        module.t2d[vocabulary] = True
+    module.embed_tokens.requires_grad_(False)
+    draft_of = torch.full((module.config.vocab_size,), -1, dtype=torch.long)
+    draft_of[vocabulary] = torch.arange(len(vocabulary))
+    layers = [i + 1 for i in LAYERS_AS_OUTPUTS]  # hidden_states indices
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr,
+                                  betas=(0.9, 0.98), weight_decay=0.01)
+    log = LossLog()
+    for step in range(args.steps):
+        examples = list(world.train_examples(step * args.batch_size, args.batch_size))
+        if args.target_answers:
+            examples = target_answers(target, processor, examples, args.max_answer_tokens)
+        batch = TargetPass(target, processor, examples, tuple([0] + layers))
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args.steps, args.lr, warmup=20)
+        losses, accuracy = eagle3_losses(module, batch, layers, args.ttt_steps, draft_of)
+        (sum(losses) / len(losses)).backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        log.add(step, args.steps, {f"loss{i + 1}": loss.item() for i, loss in enumerate(losses)} |
+                {f"acc{i + 1}": a for i, a in enumerate(accuracy)})
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            save(args, argv, module, config, log.entries, log.seconds())
+    seconds = log.seconds()
+    save(args, argv, module, config, log.entries, seconds)
+    print(f"saved {args.out} ({seconds:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

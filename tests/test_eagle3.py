@@ -1,0 +1,361 @@
+"""EAGLE-3 checkpoints as SpecForge and vLLM's `speculators` write them (engine/drafters/eagle3.py,
+models/eagle3.py), on tiny 6-layer targets of every family that has published EAGLE-3 drafters:
+Qwen2.5-VL (M-RoPE), Qwen3-VL (interleaved M-RoPE, deepstack) and SmolVLM (Llama text, 1-axis).
+
+The checkpoints are written here key by key, at shrunken shapes of the published configs
+(SpecForge `configs/qwen2-5-vl-7b-eagle3.json`, a speculators `Eagle3Speculator` config), with
+random weights and a draft vocabulary smaller than the target's (d2t), saved as the publishers
+save them (config.json + model.safetensors) and loaded through `load_drafter`, the path a hub id
+takes. Greedy speculative answers must equal plain ones (float32, 0-2 images); forced drafts
+check every round's logits against a from-scratch reference (an uncached target forward, then
+the EAGLE-3 layer over all entries without a cache).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.drafters.registry import load_drafter
+from engine.engine import Engine
+from engine.loop import DecodeSettings
+from models import tiny
+from engine.target import load_target
+from models.loading import LoadError
+from tests.conftest import MODEL_OPTIONS
+from tests.mocks import ForcedDrafter, assert_forced_acceptance, corrupt
+from tests.oracles import uncached_forward, uncached_inputs
+from tests.tiny_next import IMAGE_COUNTS, MAX_NEW, answer, messages
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "smolvlm")
+TARGET_LAYERS = 6  # vLLM's default layers (2, 3, 3) as hidden_states indices
+INTERMEDIATE = 96
+STD = 0.3
+
+
+class Eagle3Zoo:
+    def __init__(self, root):
+        self.root, self.targets, self.drafters = root, {}, {}
+
+    def target(self, family: str):
+        if family not in self.targets:
+            folder = tiny.build_target(family, self.root / family, num_hidden_layers=TARGET_LAYERS)
+            self.targets[family] = load_target(str(folder), MODEL_OPTIONS)
+        return self.targets[family]
+
+    def folder(self, family: str, fmt: str, **changes) -> str:
+        out = self.root / f"{family}-{fmt}-{'-'.join(f'{k}{v}' for k, v in changes.items())}"
+        if not out.exists():
+            writer = write_specforge if fmt == "specforge" else write_speculators
+            writer(out, self.target(family), **changes)
+        return str(out)
+
+    def drafter(self, family: str, fmt: str):
+        if (family, fmt) not in self.drafters:
+            self.drafters[family, fmt] = load_drafter(self.folder(family, fmt), self.target(family))
+        return self.drafters[family, fmt]
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    return Eagle3Zoo(tmp_path_factory.mktemp("eagle3"))
+
+
+# Checkpoints, written key by key
+
+
+def _text(target):
+    return target.model.config.get_text_config()
+
+
+def _head_dim(text) -> int:
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def _layer_sizes(target, hidden: int | None = None) -> dict:
+    text = _text(target)
+    return dict(hidden_size=hidden or text.hidden_size, intermediate_size=INTERMEDIATE,
+                num_attention_heads=text.num_attention_heads, num_key_value_heads=text.num_key_value_heads,
+                head_dim=_head_dim(text), rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=2048)
+
+
+def _rope(target) -> dict:
+    """SpecForge's rope fields for the target: `rope_scaling` mrope for Qwen-VL, none for Llama."""
+    rope = getattr(_text(target), "rope_parameters", None) or {}
+    fields = {"rope_theta": rope.get("rope_theta", 10000.0)}
+    if rope.get("mrope_section"):
+        fields["rope_scaling"] = {"type": "mrope", "mrope_section": list(rope["mrope_section"]),
+                                  **({"mrope_interleaved": True} if rope.get("mrope_interleaved") else {})}
+    return fields
+
+
+def _draft_vocabulary(vocab_size: int, seed: int) -> torch.Tensor:
+    """A sorted subset of the target's ids: every third id dropped, but the first 40."""
+    ids = [i for i in range(vocab_size) if i < 40 or i % 3]
+    return torch.tensor(ids)
+
+
+def _weights(target, hidden: int, draft_ids: torch.Tensor, layer_prefix: str, embed: bool, seed: int) -> dict:
+    """Random tensors under the published names and shapes (H: the drafter's hidden size)."""
+    text = _text(target)
+    generator = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim, target_hidden = (text.num_attention_heads, text.num_key_value_heads, _head_dim(text),
+                                                text.hidden_size)
+    shapes = {
+        "fc.weight": (hidden, 3 * target_hidden),
+        "self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
+        "self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "mlp.gate_proj.weight": (INTERMEDIATE, hidden),
+        "mlp.up_proj.weight": (INTERMEDIATE, hidden),
+        "mlp.down_proj.weight": (hidden, INTERMEDIATE),
+        "lm_head.weight": (len(draft_ids), hidden),
+    }
+    if embed:
+        shapes["embed_tokens.weight"] = (text.vocab_size, hidden)
+    weights = {}
+    for key, shape in shapes.items():
+        name = key if key in ("fc.weight", "lm_head.weight", "embed_tokens.weight") else layer_prefix + key
+        weights[name] = torch.randn(shape, generator=generator) * STD
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        weights[f"{layer_prefix}{norm}.weight"] = 1 + 0.1 * torch.randn(hidden, generator=generator)
+    weights["norm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=generator)
+    weights["d2t"] = draft_ids - torch.arange(len(draft_ids))  # int64: target id = draft id + d2t
+    t2d = torch.zeros(text.vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    weights["t2d"] = t2d
+    return weights
+
+
+def _save(out, config: dict, weights: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+
+
+def write_specforge(out, target, hidden: int | None = None, vocab: int | None = None, layers=None, seed: int = 1):
+    """SpecForge's Qwen2.5-VL-7B config shrunk: `LlamaForCausalLMEagle3`, one layer, `midlayer.*`."""
+    text = _text(target)
+    draft_ids = _draft_vocabulary(text.vocab_size, seed)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+              "target_model_type": target.model.config.model_type, "num_hidden_layers": 1,
+              "attention_bias": False, "tie_word_embeddings": False, "pretraining_tp": 1, "torch_dtype": "float32",
+              **_layer_sizes(target), **_rope(target), "vocab_size": vocab or text.vocab_size,
+              "draft_vocab_size": len(draft_ids)}
+    if hidden:  # a drafter made for a target of another width
+        config["target_hidden_size"] = hidden
+    if layers:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layers}
+    weights = _weights(target, text.hidden_size, draft_ids, "midlayer.", embed=True, seed=seed)
+    if hidden:
+        weights["fc.weight"] = torch.randn(text.hidden_size, 3 * hidden) * STD
+    _save(out, config, weights)
+
+
+def write_speculators(out, target, layers=(1, 3, 5), seed: int = 2, vocab: int | None = None):
+    """A speculators `Eagle3Speculator`: `speculators_config`, a Llama `transformer_layer_config`,
+    `layers.0.*`, no `embed_tokens` (the target's table is used), explicit layer ids."""
+    text = _text(target)
+    draft_ids = _draft_vocabulary(text.vocab_size, seed)
+    layer = {"model_type": "llama", "num_hidden_layers": 1, "attention_bias": False, "mlp_bias": False,
+             "vocab_size": vocab or text.vocab_size, **_layer_sizes(target), **_rope(target)}
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
+              "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                     "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                                     "verifier": {"name_or_path": "tiny", "architectures": ["Tiny"]}},
+              "transformer_layer_config": layer, "draft_vocab_size": len(draft_ids), "norm_before_residual": True,
+              "target_hidden_size": text.hidden_size, "eagle_aux_hidden_state_layer_ids": list(layers)}
+    _save(out, config, _weights(target, text.hidden_size, draft_ids, "layers.0.", embed=False, seed=seed))
+
+
+CASES = [pytest.param(family, fmt, id=f"{family}-{fmt}") for family in FAMILIES for fmt in ("specforge", "speculators")]
+
+
+# Exactness
+
+
+@pytest.mark.parametrize("family, fmt", CASES)
+@pytest.mark.parametrize("num_images", IMAGE_COUNTS)
+def test_eagle3_speculation_equals_plain(zoo, family, fmt, num_images):
+    target, drafter = zoo.target(family), zoo.drafter(family, fmt)
+    plain = answer(target, num_images)
+    speculative = answer(target, num_images, drafter)
+    assert speculative.token_ids == plain.token_ids
+    assert speculative.stats.fallback_reason is None
+    assert speculative.stats.drafter_kind == "eagle3"
+    assert max(speculative.stats.draft_lengths) == 4
+
+
+def reference_logits(target, drafter, prompt, tokens: list[int], draft: list[int]) -> torch.Tensor:
+    """(len(draft) + 1, V): step i drafting after `tokens` with draft[:i] fed, from scratch. One
+    uncached target forward over tokens[:-1] gives every entry's g and the merged embeddings
+    (image placeholders' rows); positions from the family's own prefill positions of the whole
+    sequence; then the layer over all entries, causal, no cache, once per step."""
+    module, num_prompt = drafter.module, len(prompt.input_ids)
+    layers = drafter.layers
+    states = uncached_forward(target, prompt, tokens[num_prompt:-1], output_hidden_states=True).hidden_states
+    inputs = uncached_inputs(prompt, tokens[num_prompt:-1])
+    positions, _ = target.family.prefill_positions(target.model, inputs)  # (1, T) or (3, 1, T)
+    image_id = getattr(target.model.config, "image_token_id", None)
+    with torch.inference_mode():
+        g = module.project(torch.cat([states[layer][0] for layer in layers], dim=-1))  # (T, H)
+        ids = torch.tensor(tokens[1:])
+        embeds = drafter.embed(ids)
+        image = torch.tensor(tokens[1:num_prompt] + [-1] * (len(tokens) - num_prompt)) == image_id
+        embeds[image] = states[0][0][1:][image[:-1]]  # x_T is never an image token
+        hidden, logits = g, []
+        for step in range(len(draft) + 1):
+            step_positions = torch.cat([positions, positions[..., -1:] + torch.arange(1, step + 1)], dim=-1)
+            step_embeds = torch.cat([embeds, drafter.embed(torch.tensor(draft[:step], dtype=torch.long))])
+            h = module(step_embeds[None], hidden[None], step_positions)[0]
+            logits.append(drafter.logits(h[-1:])[0])
+            hidden = torch.cat([g, module.feedback(h[len(g) - 1:])])
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("family, fmt", CASES)
+@pytest.mark.parametrize("num_images", IMAGE_COUNTS)
+def test_eagle3_forced_acceptance_matches_reference(zoo, family, fmt, num_images):
+    """Forced drafts through the real drafter: accepted exactly up to each corruption, and every
+    round's logits equal the from-scratch reference, whatever was accepted before."""
+    target, inner = zoo.target(family), zoo.drafter(family, fmt)
+    truth = answer(target, num_images).token_ids
+    proposed = corrupt(truth)
+    drafter = ForcedDrafter(inner, proposed)
+    done = answer(target, num_images, drafter, k=4)
+    assert_forced_acceptance(done, truth, proposed, drafter.accepted)
+    prompt = Engine(target).prepare(messages(num_images))
+    for answer_len, logits in drafter.rounds[:6]:
+        tokens = prompt.input_ids + truth[:answer_len]
+        draft = proposed[answer_len:answer_len + len(logits) - 1]
+        expected = reference_logits(target, inner, prompt, tokens, draft)
+        got = torch.stack(logits)
+        assert torch.equal(torch.isinf(got), torch.isinf(expected))  # the same draft vocabulary (d2t)
+        finite = ~torch.isinf(expected)
+        # float32 noise of the target's cached passes, grown by chained steps (the pre-norm h is fed back)
+        scale = float(expected[finite].abs().max())
+        torch.testing.assert_close(got[finite], expected[finite], atol=2e-4 * max(1.0, scale), rtol=1e-3)
+
+
+def test_d2t_places_draft_ids_at_target_ids(zoo):
+    """Logits are -inf exactly at the target ids outside the draft vocabulary, and each draft
+    row d lands at target id d + d2t[d]."""
+    drafter = zoo.drafter("qwen2_5_vl", "specforge")
+    h = torch.randn(2, drafter.module.config.hidden_size)
+    with torch.inference_mode():
+        full, draft = drafter.logits(h), drafter.module.draft_logits(h)
+    kept = _draft_vocabulary(_text(zoo.target("qwen2_5_vl")).vocab_size, 1)
+    assert torch.isinf(full).sum(-1).tolist() == [full.shape[1] - len(kept)] * 2
+    assert torch.equal(full[:, kept], draft)
+    assert not torch.equal(kept, torch.arange(len(kept)))  # the mapping is not the identity
+
+
+def test_eagle3_samples_without_falling_back(zoo):
+    """Sampling (rejection sampling against the drafter's distributions, -inf outside the draft
+    vocabulary) runs through; equal seeds give equal answers."""
+    from engine.sampling import SamplingSettings
+
+    target, drafter = zoo.target("qwen3_vl"), zoo.drafter("qwen3_vl", "specforge")
+    engine = Engine(target, {"drafter": drafter})
+    decode = DecodeSettings(max_new_tokens=12, draft_tokens=3, stop_token_ids=frozenset({-1}))
+    runs = [list(engine.stream(messages(1), drafter="drafter", decode=decode,
+                               sampling=SamplingSettings(temperature=1.0, seed=7)))[-1] for _ in range(2)]
+    assert runs[0].stats.fallback_reason is None and runs[0].stats.drafted > 0
+    assert runs[0].token_ids == runs[1].token_ids
+
+
+def test_eagle3_drafts_chains_for_a_tree_request(zoo):
+    target, drafter = zoo.target("qwen2_5_vl"), zoo.drafter("qwen2_5_vl", "speculators")
+    plain = answer(target, 1)
+    engine = Engine(target, {"drafter": drafter})
+    decode = DecodeSettings(max_new_tokens=MAX_NEW, draft_tree=6, stop_token_ids=frozenset({-1}))
+    done = list(engine.stream(messages(1), drafter="drafter", decode=decode))[-1]
+    assert done.token_ids == plain.token_ids
+    assert done.stats.draft_shape == "chain"
+    assert "eagle3 drafter drafts chains only" in done.stats.tree_fallback
+
+
+def test_eagle3_without_context_decodes_plainly(zoo):
+    """A target pass that kept no hidden states: the named fallback, the plain answer."""
+    target, drafter = zoo.target("smolvlm"), zoo.drafter("smolvlm", "specforge")
+
+    class Blind:
+        name, kind, reads = drafter.name, drafter.kind, drafter.reads
+
+        def begin(self, prompt, state):
+            state.hidden = {}
+            return drafter.begin(prompt, state)
+
+    plain = answer(target, 1)
+    done = answer(target, 1, Blind())
+    assert done.token_ids == plain.token_ids
+    assert "has no context" in done.stats.fallback_reason and done.stats.drafted == 0
+
+
+# Refusals at load
+
+
+@pytest.mark.parametrize("fmt, changes, reason", [
+    ("specforge", {"hidden": 48}, "reads target hidden states of size 48, the target's are 64"),
+    ("specforge", {"vocab": 1000}, "made for a vocabulary of 1000"),
+    ("specforge", {"layers": [1, 2, 9]}, r"reads target layers \[2, 3, 10\], the target has 6"),
+    ("speculators", {"layers": (1, 3, 6)}, r"reads target layers \[1, 3, 6\], the target has 6"),
+    ("speculators", {"vocab": 1000}, "made for a vocabulary of 1000"),
+])
+def test_mismatched_checkpoint_is_refused_at_load(zoo, fmt, changes, reason):
+    folder = zoo.folder("qwen2_5_vl", fmt, **changes)
+    with pytest.raises(LoadError, match=reason) as error:
+        load_drafter(folder, zoo.target("qwen2_5_vl"))
+    assert "\n" not in str(error.value) and "does not fit the target" in str(error.value)
+
+
+def test_one_axis_checkpoint_is_refused_for_an_mrope_target(zoo):
+    folder = zoo.folder("smolvlm", "specforge")  # written for SmolVLM: no rope_scaling
+    with pytest.raises(LoadError, match="1-axis, the target .* M-RoPE rows"):
+        load_drafter(folder, zoo.target("qwen2_5_vl"))
+
+
+def test_missing_weight_is_named(zoo, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "broken"
+    shutil.copytree(zoo.folder("qwen2_5_vl", "specforge"), folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    del weights["midlayer.hidden_norm.weight"]
+    save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(LoadError, match=r"missing \['midlayer.hidden_norm.weight'\]"):
+        load_drafter(str(folder), zoo.target("qwen2_5_vl"))
+
+
+# The demo's trained drafter: its command, its folder, the export
+
+
+def test_train_eagle3_writes_a_specforge_folder_that_loads_and_exports(tmp_path):
+    """Two steps of `python -m models.demo.train_eagle3`: a SpecForge folder that loads for the
+    bundled target, and its speculators export, which loads too and drafts the same logits."""
+    from models import eagle3
+    from models.demo import train_eagle3
+
+    out = tmp_path / "specforge"
+    train_eagle3.main(["--out", str(out), "--steps", "2", "--batch-size", "2", "--threads", "1", "--ttt-steps", "2"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] < config["vocab_size"]
+    exported = eagle3.export_speculators(str(out), str(tmp_path / "speculators"), "assets/demo/target")
+    assert exported["speculators_config"]["algorithm"] == "eagle3"
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in train_eagle3.LAYERS_AS_OUTPUTS]
+    target = load_target(train_eagle3.DEFAULT_TARGET, MODEL_OPTIONS)
+    drafters = [load_drafter(str(folder), target) for folder in (out, tmp_path / "speculators")]
+    assert drafters[0].layers == drafters[1].layers == (2, 4, 5)
+    h = torch.randn(3, config["hidden_size"])
+    with torch.inference_mode():
+        torch.testing.assert_close(drafters[0].logits(h), drafters[1].logits(h))
+    done = answer(target, 1, drafters[1])
+    assert done.token_ids == answer(target, 1).token_ids and done.stats.fallback_reason is None
