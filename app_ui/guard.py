@@ -2,7 +2,8 @@
 
 Cheap checks come first, before Gradio reads, hashes or copies anything: the path, the
 headers, the Content-Length; then, for a JSON body (bounded by `Limits.request_bytes`), one
-parse in a worker thread that counts the files the request names and checks where each is,
+parse in a worker thread that counts the files the request names as it goes (keys as JSON
+reads them, escaped or not; it stops past the limit) and checks where each is,
 without touching the disk. A refusal is one line naming the problem: text for an upload, and
 for a JSON request the 422 shape Gradio's clients show as a validation message.
 """
@@ -16,17 +17,20 @@ import time
 
 import anyio
 
+from app_ui import queue_rules
 from app_ui.visitors import MB, Visitors
 
 logger = logging.getLogger(__name__)
 
 class Guard:
     """`file_folders`: where the files a request names may be (Gradio's upload folder, the
-    examples)."""
+    examples); `answer_group`: the concurrency group of the events that answer, bounded per
+    conversation and per address before they join the queue (app_ui/queue_rules.py)."""
 
-    def __init__(self, app, visitors: Visitors, file_folders: list[str] = ()):
+    def __init__(self, app, visitors: Visitors, file_folders: list[str] = (), answer_group: str = "generate"):
         self.app = app
         self.visitors = visitors
+        self.group = answer_group  # the concurrency group whose events answer (app_ui/queue_rules.py)
         self.folders = [os.path.join(os.path.abspath(folder), "") for folder in file_folders]
 
     async def __call__(self, scope, receive, send):
@@ -47,10 +51,13 @@ class Guard:
             token, refusal = self.visitors.reserve(client, length)
             if refusal:
                 return await refuse(send, 429, refusal)
+            body = _MeteredBody(receive, length, self.visitors, token)
             try:
-                return await self.app(scope, receive, _recording_upload(send, self.visitors, token))
+                return await self.app(scope, body.receive, _recording_upload(send, self.visitors, token, body))
             finally:
                 self.visitors.unreserve(token)
+                if body.cut:
+                    logger.info("upload from %s cut after %d of %d bytes: %s", client, body.received, length, body.cut)
         limit = self.visitors.limits.request_bytes
         if length > limit:
             return await refuse(send, 413, f"the request is {length / MB:.1f} MB; the limit is {limit / MB:.0f} MB "
@@ -59,15 +66,21 @@ class Guard:
             body = await _read_body(receive, limit)
             if body is None:
                 return await refuse(send, 413, f"the request is over the limit of {limit / MB:.0f} MB")
-            files = self.visitors.limits.files_per_message
-            if body.count(b'"path"') > files or body.count(b'"url"') > files:  # memchr speed: before any parse
-                return await refuse_json(send, f"the request names over {files} files; the limit is {files} "
-                                               "images a message")
-            refusal = await anyio.to_thread.run_sync(self.check_body, body, client)
+            refusal, request = await anyio.to_thread.run_sync(self.check_body, body, client)
+            blocks = _blocks(scope)
+            answer = request is not None and queue_rules.generates(blocks, self.group, path, request)
+            if answer and not refusal:
+                session_hash = request.get("session_hash") if isinstance(request.get("session_hash"), str) else None
+                refusal = queue_rules.refusal(blocks, self.group, session_hash, client,
+                                              self.visitors.limits.answers_per_client)
             if refusal:
                 logger.info("refused %s from %s: %s", path, client, refusal)
                 return await refuse_json(send, refusal)
-            return await self.app(scope, _replay(body), send)
+            try:
+                return await self.app(scope, _replay(body), send)
+            finally:
+                if answer:
+                    queue_rules.interleave(blocks, self.group)
         return await self.app(scope, receive, send)
 
     def client(self, scope, headers: dict) -> str:
@@ -80,32 +93,39 @@ class Guard:
             return forwarded[-hops]
         return (scope.get("client") or ("unknown",))[0]
 
-    def check_body(self, body: bytes, client: str) -> str | None:
-        """Why a JSON request body is refused, or None (not JSON: Gradio answers it)."""
-        try:
-            request = json.loads(body, parse_constant=_not_a_number)
-        except RecursionError:
-            return "the request is nested too deeply"
-        except NotANumber as error:
-            return f"the request holds {error}, which is not a number JSON carries: send finite numbers"
-        except ValueError:
-            return None
-        if not isinstance(request, dict):
-            return None
+    def check_body(self, body: bytes, client: str) -> tuple[str | None, dict | None]:
+        """(why a JSON request body is refused, or None; the request parsed, None if it is not
+        an object: Gradio answers it)."""
         files, limit = [], self.visitors.limits.files_per_message
-        for value in _walk(request.get("data")):
-            if isinstance(value, dict) and not isinstance(value.get("files", []), (list, type(None))):
-                return f"message 'files' must be a list of files, got {type(value['files']).__name__}"
-            if isinstance(value, dict) and ("path" in value or "url" in value):
+
+        def count_files(value: dict) -> dict:  # each object as it is parsed: the parse stops past the limit
+            if "path" in value or "url" in value:  # keys as parsed: "\u0070ath" is "path" here
                 files.append(value)
                 if len(files) > limit:
-                    return f"the request names over {limit} files; the limit is {limit} images a message"
+                    raise TooManyFiles
+            return value
+
+        try:
+            request = json.loads(body, parse_constant=_not_a_number, object_hook=count_files)
+        except RecursionError:
+            return "the request is nested too deeply", None
+        except NotANumber as error:
+            return f"the request holds {error}, which is not a number JSON carries: send finite numbers", None
+        except TooManyFiles:
+            return f"the request names over {limit} files; the limit is {limit} images a message", None
+        except ValueError:
+            return None, None
+        if not isinstance(request, dict):
+            return None, None
+        for value in _walk(request.get("data")):
+            if isinstance(value, dict) and not isinstance(value.get("files", []), (list, type(None))):
+                return f"message 'files' must be a list of files, got {type(value['files']).__name__}", request
         for file in files:
             refusal = self.check_file(file)
             if refusal:
-                return refusal
+                return refusal, request
         return self.visitors.admit_session(client, request.get("session_hash")
-                                           if isinstance(request.get("session_hash"), str) else None)
+                                           if isinstance(request.get("session_hash"), str) else None), request
 
     def check_file(self, file: dict) -> str | None:
         """Why a file a request names is refused: it must be a path in one of `folders`."""
@@ -124,8 +144,18 @@ class NotANumber(ValueError):
     pass
 
 
+class TooManyFiles(Exception):
+    pass
+
+
 def _not_a_number(constant: str):
     raise NotANumber(constant)
+
+
+def _blocks(scope):
+    """The Gradio Blocks behind the app (Starlette puts the app in the scope), or None."""
+    get_blocks = getattr(scope.get("app"), "get_blocks", None)
+    return get_blocks() if get_blocks else None
 
 
 def _walk(value):
@@ -169,16 +199,62 @@ def _replay(body: bytes):
     return receive
 
 
-def _recording_upload(send, visitors: Visitors, token: int):
+class _MeteredBody:
+    """An upload's `receive`: counts its bytes (`Visitors.received`) and cuts the body when it
+    ends before its Content-Length (the client went), runs past `upload_deadline_s`, falls
+    under `upload_min_bytes_per_s` on average after `upload_grace_s`, or takes the server past
+    its upload space. A cut raises Gradio's MultiPartException inside its multipart parser,
+    whose own error path closes and deletes the request's temporary files; Gradio then answers
+    400 with the reason, which `status` turns into 408 or 429."""
+
+    def __init__(self, receive, length: int, visitors: Visitors, token: int):
+        self._receive, self.length, self.visitors, self.token = receive, length, visitors, token
+        self.started, self.received, self.done = time.monotonic(), 0, False
+        self.cut, self.status = "", 400
+
+    async def receive(self):
+        if self.done:  # the whole body is in: what follows (a disconnect) is Gradio's to see
+            return await self._receive()
+        limits = self.visitors.limits
+        rate = max(limits.upload_min_bytes_per_s, 1)
+        by = min(self.started + limits.upload_deadline_s,  # the next byte is due by then
+                 self.started + limits.upload_grace_s + (self.received + 1) / rate)
+        with anyio.move_on_after(max(0.0, by - time.monotonic())) as waited:
+            message = await self._receive()
+        if waited.cancelled_caught:
+            seconds = time.monotonic() - self.started
+            why = (f"the upload took over {limits.upload_deadline_s:g} s" if seconds >= limits.upload_deadline_s else
+                   f"the upload arrived too slowly ({self.received / max(seconds, 1e-9) / 1024:.1f} kB/s; the server "
+                   f"takes {rate / 1024:g} kB/s at least)")
+            return self._cut(408, f"{why}; {self.received:,} of {self.length:,} bytes came: send it again")
+        if message["type"] != "http.request":
+            return self._cut(400, f"the upload ended after {self.received:,} of its {self.length:,} bytes")
+        chunk = message.get("body", b"")
+        self.received += len(chunk)
+        refusal = self.visitors.received(self.token, len(chunk))
+        if refusal:
+            return self._cut(429, refusal)
+        self.done = not message.get("more_body")
+        return message
+
+    def _cut(self, status: int, why: str):
+        from gradio.route_utils import MultiPartException
+
+        self.cut, self.status = why, status
+        raise MultiPartException(why)
+
+
+def _recording_upload(send, visitors: Visitors, token: int, metered: _MeteredBody):
     """`send`, holding back a successful upload response until its paths are recorded as
-    upload `token`'s; one that takes the client over its file count is answered 429 instead."""
+    upload `token`'s; one that takes the client over its file count is answered 429 instead.
+    An upload whose body was cut (`metered`) is answered with the cut's status."""
     start, body = [None], []
 
     async def recording(message):
         if message["type"] == "http.response.start":
             start[0] = message
             if message["status"] != 200:
-                await send(message)
+                await send({**message, "status": metered.status} if metered.cut else message)
             return
         if start[0]["status"] != 200:
             return await send(message)
