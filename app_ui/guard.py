@@ -10,6 +10,7 @@ for a JSON request the 422 shape Gradio's clients show as a validation message.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -85,13 +86,14 @@ class Guard:
 
     def client(self, scope, headers: dict) -> str:
         """The client's address: the socket's, or behind `proxy_hops` trusted proxies the entry
-        the nearest one appended to X-Forwarded-For (entries further left are the client's own)."""
+        the nearest one appended to X-Forwarded-For (entries further left are the client's own);
+        an IPv6 address counts as its /64 (`bucket`)."""
         hops = self.visitors.limits.proxy_hops
         forwarded = [entry.strip() for entry in headers.get(b"x-forwarded-for", b"").decode("latin-1").split(",")]
         forwarded = [entry for entry in forwarded if entry]
         if hops and len(forwarded) >= hops:
-            return forwarded[-hops]
-        return (scope.get("client") or ("unknown",))[0]
+            return bucket(forwarded[-hops])
+        return bucket((scope.get("client") or ("unknown",))[0])
 
     def check_body(self, body: bytes, client: str) -> tuple[str | None, dict | None]:
         """(why a JSON request body is refused, or None; the request parsed, None if it is not
@@ -138,6 +140,20 @@ class Guard:
         if not any(os.path.abspath(path).startswith(folder) for folder in self.folders):
             return f"message 'files': {shown} is not a file uploaded to this server (upload it first: /upload)"
         return None
+
+
+def bucket(address: str) -> str:
+    """The address whose bounds a client shares: an IPv6 address's /64 (one subscriber's
+    network: a host picks any address in it), an IPv4 address (mapped into IPv6 or not) itself."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if ip.version == 4:
+        return str(ip)
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False))
 
 
 class NotANumber(ValueError):

@@ -55,7 +55,7 @@ class Limits:
     request_bytes: int = 4 * MB  # any request body but an upload's
     files_per_message: int = 64  # files one request may name, refused before Gradio opens any (--max-images is 64 at most)
     sessions_per_client: int = 32  # live sessions (conversations) per client address
-    answers_per_client: int = 3  # answers waiting or running per client address (a conversation: one waiting)
+    answers_per_client: int = 4  # answers waiting or running per client address (a conversation: one waiting)
     pending_turn_s: float = 60.0  # a turn accepted whose answer neither waits nor runs is dropped after this
     proxy_hops: int = 0  # trusted proxies in front (a Space: 1): the address is this far from X-Forwarded-For's right
     time_budget_s: float = 120.0  # wall-clock time one answer may take (then it ends: "time_budget")
@@ -152,19 +152,36 @@ class Visitors:
 
     def admit_session(self, client: str, session_id: str | None) -> str | None:
         """Why a request of Gradio session `session_id` (None: Gradio makes a new one) from
-        `client` is refused, or None; a new id is counted as one of `client`'s sessions."""
+        `client` is refused, or None; a new id is counted as one of `client`'s sessions. At
+        `sessions_per_client`, the address's own session that has been idle longest (one that
+        never held a conversation first: a page loaded and left) is closed to make room; its
+        next message is told so, once. Only when every one of them is answering is the new one
+        refused."""
         now = self.clock()
         with self.lock:
             if session_id in self.known:
                 self.known[session_id].seen = now
                 return None
-            live = sum(1 for known in self.known.values() if known.client == client)
-            if live >= self.limits.sessions_per_client:
-                return (f"{live} conversations from your address are open, the limit is "
-                        f"{self.limits.sessions_per_client}: keep using one (gradio_client does; raw HTTP: send "
-                        f"its session_hash) or wait {self.limits.idle_s / 60:g} minutes for idle ones to close")
+            mine = {key: known for key, known in self.known.items() if known.client == client}
+            closed = None
+            if len(mine) >= self.limits.sessions_per_client:
+                idle = [key for key, known in mine.items() if not self._busy(known.session)]
+                if not idle:
+                    return (f"{len(mine)} conversations from your address are answering or waiting, the limit is "
+                            f"{self.limits.sessions_per_client}: wait for one to end")
+                oldest = min(idle, key=lambda key: (mine[key].conversation, mine[key].seen))
+                closed = self.sessions.get(self.known.pop(oldest).session)
             self.known[session_id or f"one-shot-{next(self.tokens)}"] = Known(client, now, one_shot=not session_id)
+        if closed is not None:
+            files = closed.files()
+            closed.clear()
+            closed.dropped_by_server = True
+            self.release(closed, files, forget=True)
         return None
+
+    def _busy(self, key: int | None) -> bool:
+        session = self.sessions.get(key) if key is not None else None
+        return session is not None and (session.running or session.pending is not None)
 
     def release(self, session: Session, files: set[str], forget: bool = False) -> None:
         """`session` no longer holds `files` (its conversation was cleared or expired): delete
