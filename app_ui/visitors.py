@@ -14,9 +14,12 @@ of its routes and the shape of its request bodies.
   entry the nearest proxy appended to X-Forwarded-For, counted from the right (a client writes
   the entries to its left, never that one; see docs/security.md); an upload's bytes are
   reserved under one lock before its body is read (`reserve`), so a burst cannot race the
-  bound, and its files are counted when Gradio answers (`uploaded`); a JSON body is checked
+  bound; its body is metered as it arrives (`received`: a deadline, a minimum rate, the
+  server-wide space counted by bytes received) and its files are counted when Gradio answers
+  (`uploaded`); a JSON body is checked
   for the number of files it names, where they are, and a new session past the address's
-  `sessions_per_client` (`admit_session`).
+  `sessions_per_client` (`admit_session`: the address's own oldest idle session makes room),
+  and an answer against the queue's bounds (app_ui/queue_rules.py).
 """
 
 from __future__ import annotations
