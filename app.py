@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None, block: bool = True, limits=None):
     from starlette.middleware import Middleware
 
     from app_ui.guard import Guard
-    from app_ui.layout import CSS, EXAMPLES_DIR, build_demo
+    from app_ui import queue_rules
+    from app_ui.layout import CSS, EXAMPLES_DIR, GENERATE, build_demo
     from app_ui.visitors import Limits, Visitors, journal_folder, sweep_journals
     from engine.engine import Ceilings, RequestError
     from engine.images import MAX_FILE_BYTES
@@ -78,7 +79,9 @@ def main(argv: list[str] | None = None, block: bool = True, limits=None):
     visitors = Visitors(limits, public=[EXAMPLES_DIR])
     demo = build_demo(served, gpu=gpu_decorator(), visitors=visitors, ab_backend=ab_backend)
     demo.queue(default_concurrency_limit=1)
-    guard = Middleware(Guard, visitors=visitors, uploads=get_upload_folder())
+    group = GENERATE["concurrency_id"]  # the events that answer: bounded per session and address (queue_rules)
+    visitors.answering = lambda: queue_rules.sessions(demo, group)
+    guard = Middleware(Guard, visitors=visitors, uploads=get_upload_folder(), answer_group=group)
     try:
         demo.launch(server_name=config.host, server_port=config.port, share=config.share,
                     inbrowser=config.open_browser, prevent_thread_lock=True, allowed_paths=[EXAMPLES_DIR],

@@ -2,10 +2,11 @@
 
 Cheap checks come first, before Gradio reads, hashes or copies anything: the path, the
 headers, the Content-Length; then, for a JSON body (bounded by `Limits.request_bytes`), one
-parse in a worker thread that counts the files the request names and checks that each is the
-visitor's own upload (or an example), without touching the disk. A refusal is one line naming
-the problem: text for an upload, and for a JSON request the 422 shape Gradio's clients show as
-a validation message.
+parse in a worker thread that counts the files the request names as it goes (keys as JSON
+reads them, escaped or not; it stops past the limit) and checks that each is the visitor's own
+upload (or an example), without touching the disk. A refusal is one line naming the problem:
+text for an upload, and for a JSON request the 422 shape Gradio's clients show as a validation
+message.
 
 A visitor is known by a cookie (`COOKIE`) that the page and `/config` hand out (gradio_client
 keeps those of its `/config`), else by its address alone; a file in the upload folder is
@@ -15,6 +16,7 @@ does not exist.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -24,6 +26,7 @@ import time
 
 import anyio
 
+from app_ui import queue_rules
 from app_ui.visitors import MB, Visitor, Visitors
 
 logger = logging.getLogger(__name__)
@@ -34,12 +37,15 @@ NO_SUCH_FILE = "no such file"
 
 
 class Guard:
-    """`uploads`: Gradio's upload folder, whose files are downloaded only by their own visitor."""
+    """`uploads`: Gradio's upload folder, whose files are downloaded only by their own visitor;
+    `answer_group`: the concurrency group of the events that answer, bounded per conversation and
+    per address before they join the queue (app_ui/queue_rules.py)."""
 
-    def __init__(self, app, visitors: Visitors, uploads: str | None = None):
+    def __init__(self, app, visitors: Visitors, uploads: str | None = None, answer_group: str = "generate"):
         self.app = app
         self.visitors = visitors
         self.uploads = uploads and os.path.abspath(uploads)
+        self.group = answer_group
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -66,10 +72,14 @@ class Guard:
             token, refusal = self.visitors.reserve(client, length)
             if refusal:
                 return await refuse(send, 429, refusal)
+            body = _MeteredBody(receive, length, self.visitors, token)
             try:
-                return await self.app(scope, receive, _recording_upload(send, self.visitors, token, visitor.cookie))
+                return await self.app(scope, body.receive, _recording_upload(send, self.visitors, token,
+                                                                              visitor.cookie, body))
             finally:
                 self.visitors.unreserve(token)
+                if body.cut:
+                    logger.info("upload from %s cut after %d of %d bytes: %s", client, body.received, length, body.cut)
         limit = self.visitors.limits.request_bytes
         if length > limit:
             return await refuse(send, 413, f"the request is {length / MB:.1f} MB; the limit is {limit / MB:.0f} MB "
@@ -78,26 +88,33 @@ class Guard:
             body = await _read_body(receive, limit)
             if body is None:
                 return await refuse(send, 413, f"the request is over the limit of {limit / MB:.0f} MB")
-            files = self.visitors.limits.files_per_message
-            if body.count(b'"path"') > files or body.count(b'"url"') > files:  # memchr speed: before any parse
-                return await refuse_json(send, f"the request names over {files} files; the limit is {files} "
-                                               "images a message")
-            refusal = await anyio.to_thread.run_sync(self.check_body, body, visitor)
+            refusal, request = await anyio.to_thread.run_sync(self.check_body, body, visitor)
+            blocks = _blocks(scope)
+            answer = request is not None and queue_rules.generates(blocks, self.group, path, request)
+            if answer and not refusal:
+                session_hash = request.get("session_hash") if isinstance(request.get("session_hash"), str) else None
+                refusal = queue_rules.refusal(blocks, self.group, session_hash, client,
+                                              self.visitors.limits.answers_per_client)
             if refusal:
                 logger.info("refused %s from %s: %s", path, client, refusal)
                 return await refuse_json(send, refusal)
-            return await self.app(scope, _replay(body), send)
+            try:
+                return await self.app(scope, _replay(body), send)
+            finally:
+                if answer:
+                    queue_rules.interleave(blocks, self.group)
         return await self.app(scope, receive, send)
 
     def client(self, scope, headers: dict) -> str:
         """The client's address: the socket's, or behind `proxy_hops` trusted proxies the entry
-        the nearest one appended to X-Forwarded-For (entries further left are the client's own)."""
+        the nearest one appended to X-Forwarded-For (entries further left are the client's own);
+        an IPv6 address counts as its /64 (`bucket`)."""
         hops = self.visitors.limits.proxy_hops
         forwarded = [entry.strip() for entry in headers.get(b"x-forwarded-for", b"").decode("latin-1").split(",")]
         forwarded = [entry for entry in forwarded if entry]
         if hops and len(forwarded) >= hops:
-            return forwarded[-hops]
-        return (scope.get("client") or ("unknown",))[0]
+            return bucket(forwarded[-hops])
+        return bucket((scope.get("client") or ("unknown",))[0])
 
     def may_download(self, path: str, visitor: Visitor) -> bool:
         """A file route may answer `path` for `visitor`: never a URL, and in the upload folder only
@@ -110,35 +127,48 @@ class Guard:
         return not (_inside(os.path.abspath(path), self.uploads)
                     or _inside(os.path.realpath(path), os.path.realpath(self.uploads)))
 
-    def check_body(self, body: bytes, visitor: Visitor) -> str | None:
-        """Why a JSON request body is refused, or None (not JSON: Gradio answers it)."""
+    def check_body(self, body: bytes, visitor: Visitor) -> tuple[str | None, dict | None]:
+        """(why a JSON request body is refused, or None; the request parsed, None if it is not
+        an object: Gradio answers it)."""
+        named, limit = [0], self.visitors.limits.files_per_message
+
+        def count_files(value: dict) -> dict:  # each object as it is parsed: the parse stops past the limit
+            if "path" in value or "url" in value:  # keys as parsed: "\u0070ath" is "path" here
+                named[0] += 1
+                if named[0] > limit:
+                    raise TooManyFiles
+            return value
+
+        too_many = f"the request names over {limit} files; the limit is {limit} images a message"
         try:
-            request = json.loads(body, parse_constant=_not_a_number)
+            request = json.loads(body, parse_constant=_not_a_number, object_hook=count_files)
         except RecursionError:
-            return "the request is nested too deeply"
+            return "the request is nested too deeply", None
         except NotANumber as error:
-            return f"the request holds {error}, which is not a number JSON carries: send finite numbers"
+            return f"the request holds {error}, which is not a number JSON carries: send finite numbers", None
+        except TooManyFiles:
+            return too_many, None
         except ValueError:
-            return None
+            return None, None
         if not isinstance(request, dict):
-            return None
-        files, limit = [], self.visitors.limits.files_per_message
+            return None, None
+        files = []
         for value in _walk(request.get("data")):
             if isinstance(value, dict) and not isinstance(value.get("files", []), (list, type(None))):
-                return f"message 'files' must be a list of files, got {type(value['files']).__name__}"
+                return f"message 'files' must be a list of files, got {type(value['files']).__name__}", request
             if isinstance(value, dict) and isinstance(value.get("files"), list):  # a message: each file a FileData
                 files.extend(file for file in value["files"]  # (those with a path or URL come next, by the walk)
                              if not (isinstance(file, dict) and ("path" in file or "url" in file)))
             if isinstance(value, dict) and ("path" in value or "url" in value):
                 files.append(value)
             if len(files) > limit:
-                return f"the request names over {limit} files; the limit is {limit} images a message"
+                return too_many, request
         for file in files:
             refusal = self.check_file(file, visitor)
             if refusal:
-                return refusal
+                return refusal, request
         return self.visitors.admit_session(visitor.client, request.get("session_hash")
-                                           if isinstance(request.get("session_hash"), str) else None)
+                                           if isinstance(request.get("session_hash"), str) else None), request
 
     def check_file(self, file, visitor: Visitor) -> str | None:
         """Why a file a request names is refused: it must be a FileData ({"path": ...}) of one of
@@ -155,12 +185,36 @@ class Guard:
         return None
 
 
+def bucket(address: str) -> str:
+    """The address whose bounds a client shares: an IPv6 address's /64 (one subscriber's
+    network: a host picks any address in it), an IPv4 address (mapped into IPv6 or not) itself."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if ip.version == 4:
+        return str(ip)
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+
+
 class NotANumber(ValueError):
+    pass
+
+
+class TooManyFiles(Exception):
     pass
 
 
 def _not_a_number(constant: str):
     raise NotANumber(constant)
+
+
+def _blocks(scope):
+    """The Gradio Blocks behind the app (Starlette puts the app in the scope), or None."""
+    get_blocks = getattr(scope.get("app"), "get_blocks", None)
+    return get_blocks() if get_blocks else None
 
 
 def _walk(value):
@@ -220,17 +274,63 @@ def _with_cookie(send):
     return sending
 
 
-def _recording_upload(send, visitors: Visitors, token: int, cookie: str | None):
+class _MeteredBody:
+    """An upload's `receive`: counts its bytes (`Visitors.received`) and cuts the body when it
+    ends before its Content-Length (the client went), runs past `upload_deadline_s`, falls
+    under `upload_min_bytes_per_s` on average after `upload_grace_s`, or takes the server past
+    its upload space. A cut raises Gradio's MultiPartException inside its multipart parser,
+    whose own error path closes and deletes the request's temporary files; Gradio then answers
+    400 with the reason, which `status` turns into 408 or 429."""
+
+    def __init__(self, receive, length: int, visitors: Visitors, token: int):
+        self._receive, self.length, self.visitors, self.token = receive, length, visitors, token
+        self.started, self.received, self.done = time.monotonic(), 0, False
+        self.cut, self.status = "", 400
+
+    async def receive(self):
+        if self.done:  # the whole body is in: what follows (a disconnect) is Gradio's to see
+            return await self._receive()
+        limits = self.visitors.limits
+        rate = max(limits.upload_min_bytes_per_s, 1)
+        by = min(self.started + limits.upload_deadline_s,  # the next byte is due by then
+                 self.started + limits.upload_grace_s + (self.received + 1) / rate)
+        with anyio.move_on_after(max(0.0, by - time.monotonic())) as waited:
+            message = await self._receive()
+        if waited.cancelled_caught:
+            seconds = time.monotonic() - self.started
+            why = (f"the upload took over {limits.upload_deadline_s:g} s" if seconds >= limits.upload_deadline_s else
+                   f"the upload arrived too slowly ({self.received / max(seconds, 1e-9) / 1024:.1f} kB/s; the server "
+                   f"takes {rate / 1024:g} kB/s at least)")
+            return self._cut(408, f"{why}; {self.received:,} of {self.length:,} bytes came: send it again")
+        if message["type"] != "http.request":
+            return self._cut(400, f"the upload ended after {self.received:,} of its {self.length:,} bytes")
+        chunk = message.get("body", b"")
+        self.received += len(chunk)
+        refusal = self.visitors.received(self.token, len(chunk))
+        if refusal:
+            return self._cut(429, refusal)
+        self.done = not message.get("more_body")
+        return message
+
+    def _cut(self, status: int, why: str):
+        from gradio.route_utils import MultiPartException
+
+        self.cut, self.status = why, status
+        raise MultiPartException(why)
+
+
+def _recording_upload(send, visitors: Visitors, token: int, cookie: str | None, metered: _MeteredBody):
     """`send`, holding back a successful upload response until its paths are recorded as
     upload `token`'s (of the visitor with `cookie`) and answering the private paths they were
-    moved to; one that takes the client over its file count is answered 429 instead."""
+    moved to; one that takes the client over its file count is answered 429 instead. An upload
+    whose body was cut (`metered`) is answered with the cut's status."""
     start, body = [None], []
 
     async def recording(message):
         if message["type"] == "http.response.start":
             start[0] = message
             if message["status"] != 200:
-                await send(message)
+                await send({**message, "status": metered.status} if metered.cut else message)
             return
         if start[0]["status"] != 200:
             return await send(message)

@@ -24,7 +24,7 @@ from gradio.components.multimodal_textbox import MultimodalData
 from gradio.data_classes import FileData
 from pydantic import field_validator, model_validator
 
-from app_ui import views
+from app_ui import queue_rules, views
 from app_ui.served import Served, served_of
 from app_ui.session import (Options, Session, Turn, answer, checked, drafter_for, messages_for, new_turn, question_of,
                             read_message)
@@ -242,6 +242,7 @@ def _wire_chat(engine: Served, gpu: Callable, session: gr.State, settings: dict,
                                    "stays in the box)")
             session.check_not_expired(visitors.limits.idle_s)
             text, files = read_message(message_value, engine, session)
+            _check_queue(request, visitors)  # the answer would be refused when it joins the queue: say so now
             _claim(visitors, session, files, request)
             visitors.spoke(session, request.session_hash)
             _start(session, Turn(text, files, [], arrived=_arrival(request)))
@@ -275,11 +276,13 @@ def _wire_chat(engine: Served, gpu: Callable, session: gr.State, settings: dict,
     @gpu
     def respond(session: Session, *values):
         visitors.touch(session)
-        yield from _respond(engine, session, Options(**dict(zip(settings, values))), demo_model)
+        yield from _respond(engine, session, dict(zip(settings, values)), demo_model)
 
+    # preprocess=False: the settings reach _respond as sent, which checks them and clears the turn
+    # when one is wrong (Gradio's own check would refuse before the callback, leaving the turn pending).
     respond_event = dict(fn=respond, inputs=[session, *settings.values()], outputs=[*chat.panels, chat.message],
                          show_progress_on=[chat.chatbot], show_progress="minimal", api_visibility="private",
-                         **GENERATE)
+                         preprocess=False, **GENERATE)
     idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[chat.stop],
                 js=FOCUS_INPUT, **INSTANT)
     shown = [chat.message, chat.chatbot, chat.stop]
@@ -294,7 +297,7 @@ def _wire_chat(engine: Served, gpu: Callable, session: gr.State, settings: dict,
     chat.chatbot.undo(undo, [session], [chat.message, *chat.panels], **INSTANT)
     chat.new_chat.click(new_conversation, [session], [chat.message, *chat.panels], **INSTANT)
     chat.chatbot.clear(new_conversation, [session], [chat.message, *chat.panels], **INSTANT)
-    chat.stop.click(_stop, [session], None, queue=False, api_name="stop")
+    chat.stop.click(_stopper(visitors), [session], None, queue=False, api_name="stop")
 
 
 def _wire_ab(engine: Served, gpu: Callable, session: gr.State, settings: list, ab: SimpleNamespace,
@@ -312,7 +315,7 @@ def _wire_ab(engine: Served, gpu: Callable, session: gr.State, settings: list, a
     ab.message.submit(**running).then(ab_live, [ab.message, session, *settings.values()], ab.panels,
                                       show_progress_on=ab.panels[:1], api_visibility="private", **GENERATE) \
         .then(**idle)
-    ab.stop.click(_stop, [session], None, queue=False, api_visibility="private")
+    ab.stop.click(_stopper(visitors), [session], None, queue=False, api_visibility="private")
 
 
 def _wire_api(engine: Served, gpu: Callable, session: gr.State, settings: list, visitors: Visitors,
@@ -501,11 +504,42 @@ def _number(value) -> float:
         return 0.0
 
 
-async def _stop(session: Session, request: gr.Request) -> None:
+async def _stop(session: Session, request: gr.Request, visitors: Visitors) -> None:
     """Stop the session's running answer, and let its answers still waiting in Gradio's queue
-    run at once (each sees the stop and ends without an answer)."""
+    run at once (each sees the stop and ends without an answer); a turn accepted whose answer
+    neither waits nor runs (its respond step never came) is dropped, its files freed."""
     session.request_stop()
     await leave_queue(request, request.session_hash)
+    blocks = _blocks_of(request)
+    if session.pending is not None and not session.running and blocks is not None \
+            and request.session_hash not in queue_rules.sessions(blocks, GENERATE["concurrency_id"]):
+        visitors.release(session, session.drop_pending())
+
+
+def _stopper(visitors: Visitors):
+    """The Stop buttons' callback."""
+    async def stop(session: Session, request: gr.Request) -> None:
+        await _stop(session, request, visitors)
+    return stop
+
+
+def _blocks_of(request: gr.Request | None):
+    """The Blocks serving `request`, or None (a test calling the handler)."""
+    app = getattr(getattr(request, "request", None), "app", None)
+    return app.get_blocks() if hasattr(app, "get_blocks") else None
+
+
+def _check_queue(request: gr.Request | None, visitors: Visitors) -> None:
+    """RequestError when an answer of this session, from this address, may not join the queue
+    now (app_ui/queue_rules.py: one waiting per conversation, a few per address)."""
+    blocks = _blocks_of(request)
+    state = getattr(getattr(request, "request", None), "state", None)
+    if blocks is None or state is None:
+        return
+    refusal = queue_rules.refusal(blocks, GENERATE["concurrency_id"], request.session_hash,
+                                  getattr(state, "client", None), visitors.limits.answers_per_client)
+    if refusal:
+        raise RequestError(refusal)
 
 
 def _clear(session: Session, visitors: Visitors) -> None:
@@ -544,21 +578,25 @@ def _start(session: Session, turn: Turn) -> None:
     session.pending = turn
 
 
-def _respond(engine: Engine | Served, session: Session, options: Options, demo_model: bool = False):
+def _respond(engine: Engine | Served, session: Session, options: Options | dict, demo_model: bool = False):
     """Prepare the pending turn's images, then stream its answer into the chat panels (and,
     last, the message box), throttled; plots less often. A refused turn (an unreadable image, a
     prompt too long for the context) goes back into the message box, less a refused file, with
     the reason in a notice; the conversation is unchanged. A turn stopped before it started, or
-    that failed, is shown with the reason. A chat cleared meanwhile gets empty panels."""
+    that failed, is shown with the reason. A chat cleared meanwhile gets empty panels. `options`
+    as sent (a dict: the page sends them unprocessed), checked here: a bad one is refused like a
+    bad image, and the turn is cleared whatever fails."""
     turn, history, engine = session.pending, session.turns, served_of(engine)
     if turn is None:
         return
+    turn.queue_wait_s = time.perf_counter() - turn.arrived
     text_tick, plot_tick = views.Throttle(views.UPDATES_PER_SECOND), views.Throttle(views.PLOT_UPDATES_PER_SECOND)
     side, points, returned = None, [], gr.skip()
     plain_tok_s = session.plain_speed_for(turn)
     try:
+        options = checked(Options(**options) if isinstance(options, dict) else options, engine)
         _prepare_images(engine, session, turn)
-        for side in answer(engine, session, turn, checked(options, engine)):
+        for side in answer(engine, session, turn, options):
             if side.stats.decode_tokens:
                 points.append((side.stats.new_tokens, round(side.stats.decode_tok_s, 2)))
             if side.text and session.turns is history and text_tick.ready():
@@ -614,23 +652,24 @@ def _api_chat(engine: Served, message_value, session: Session, options: Options,
               visitors: Visitors, session_id: str | None = None, request: gr.Request | None = None):
     """/chat: (answer text, statistics dict), streamed; the turn joins the session's history. A
     request stopped while it waited in the queue answers "" with finish_reason "stopped"."""
-    started, tick = time.perf_counter(), views.Throttle(views.UPDATES_PER_SECOND)
+    waited, tick = time.perf_counter() - arrived, views.Throttle(views.UPDATES_PER_SECOND)
     with _user_errors():
         session.check_not_expired(visitors.limits.idle_s)
         options = checked(options, engine)
         turn = new_turn(message_value, engine, session)
-        turn.arrived = arrived
+        turn.arrived, turn.queue_wait_s = arrived, waited
         _claim(visitors, session, turn.files, request)
         visitors.spoke(session, session_id)
-        for side in answer(engine, session, turn, options, started):
+        for side in answer(engine, session, turn, options):
             if tick.ready():
-                yield side.text, _public_stats(engine, side.stats, session.dropped)
-    yield side.text, _public_stats(engine, side.stats, session.dropped)
+                yield side.text, _public_stats(engine, side.stats, session.dropped, waited)
+    yield side.text, _public_stats(engine, side.stats, session.dropped, waited)
 
 
-def _public_stats(engine: Served, stats, dropped: int) -> dict:
-    """views.stats_dict, the drafter named by its key (e.g. "text"), never by the folder it was loaded from."""
-    values = views.stats_dict(stats, dropped)
+def _public_stats(engine: Served, stats, dropped: int, queue_wait_s: float = 0.0) -> dict:
+    """views.stats_dict, the drafter named by its key (e.g. "text"), never by the folder it was loaded from,
+    and `queue_wait_s`: from the send to the answer's start, part of `prepare_s` and `ttft_s`."""
+    values = {**views.stats_dict(stats, dropped), "queue_wait_s": round(queue_wait_s, 4)}
     keys = {getattr(drafter, "name", key): key for key, drafter in engine.drafters.items()}
     values["drafter"] = keys.get(values["drafter"], values["drafter"] and os.path.basename(str(values["drafter"])))
     return values

@@ -50,6 +50,7 @@ class Turn:
     error: str = ""  # why the turn could not be answered; such turns are not sent to the model
     arrived: float = field(default_factory=time.perf_counter)  # when the request arrived (a Stop after it applies)
     load_s: float = 0.0  # time spent opening and shrinking its images, part of the answer's time to first token
+    queue_wait_s: float = 0.0  # from `arrived` to the start of its answer's handler (the wait in Gradio's queue)
 
     @property
     def message(self) -> dict:
@@ -136,6 +137,13 @@ class Session:
         waiting for its answer is dropped (so a send failed on the way can never wedge the chat)."""
         self.request_stop()
         self.turns, self.dropped, self.expired, self.pending = [], 0, False, None
+
+    def drop_pending(self) -> set[str]:
+        """Drop the turn waiting for its answer (none will come); the files only it showed."""
+        turn, self.pending = self.pending, None
+        if turn is None:
+            return set()
+        return set(turn.files) - self.files()
 
     def expire(self) -> None:
         """Free an idle conversation; its next message is told so."""
@@ -278,9 +286,9 @@ def answer(engine: Engine | Served, session: Session, turn: Turn, options: Optio
     caller (a cancelled request keeps what was answered so far). A request stopped before it
     started, or that fails (out of memory, say), leaves the history as it was, so the turn can
     be sent again. A chat cleared meanwhile (`session.turns` replaced) does not get the turn.
-    `started` (time.perf_counter()): when the request started (default: now, less the time its
-    images took to load when the turn was accepted)."""
-    started, engine = time.perf_counter() - turn.load_s if started is None else started, served_of(engine)
+    `started` (time.perf_counter()): when the request started (default: when the visitor sent
+    it, `turn.arrived`, so time to first token counts the wait in the queue and the images' loading)."""
+    started, engine = turn.arrived if started is None else started, served_of(engine)
     history, stop = session.turns, session.begin(turn.arrived)
     side, failed = Side(options.mode), False
     session.running = True

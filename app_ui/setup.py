@@ -35,7 +35,7 @@ class Config:
     port: int | None = None
     share: bool = False
     open_browser: bool = True
-    behind_proxy: bool = False  # on a Space: a client's address is the first of X-Forwarded-For
+    behind_proxy: bool = False  # on a Space: a client's address is the rightmost entry of X-Forwarded-For
     backend: str | None = None  # a server's URL, or llamacpp[:PATH], answering instead of the loaded model
     ab_backend: str | None = None  # the same, for the A/B tab to compare with the app's backend
 

@@ -17,10 +17,13 @@ of its routes and the shape of its request bodies.
   entry the nearest proxy appended to X-Forwarded-For, counted from the right (a client writes
   the entries to its left, never that one; see docs/security.md); an upload's bytes are
   reserved under one lock before its body is read (`reserve`), so a burst cannot race the
-  bound, and its files are counted when Gradio answers (`uploaded`); a JSON body is checked
-  for the number of files it names, whose they are (`may_use`), and a new session past the
-  address's `sessions_per_client` (`admit_session`); a file download (`/gradio_api/file=`) from
-  the upload folder answers only the file's own visitor.
+  bound; its body is metered as it arrives (`received`: a deadline, a minimum rate, the
+  server-wide space counted by bytes received) and its files are counted when Gradio answers
+  (`uploaded`); a JSON body is checked for the number of files it names, whose they are
+  (`may_use`), a new session past the address's `sessions_per_client` (`admit_session`: the
+  address's own oldest idle session makes room), and an answer against the queue's bounds
+  (app_ui/queue_rules.py); a file download (`/gradio_api/file=`) from the upload folder answers
+  only the file's own visitor.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ MB = 1024 * 1024
 # A request without a session id gets a new Gradio session that no later request can reach; it
 # counts among its address's sessions for this long (Gradio's state for it lasts longer).
 ONE_SHOT_S = 60.0
+UPLOAD_SPACE_FULL = "the server's upload space is full; try again in a few minutes"
 BLOCK = 4096  # a file's disk use is rounded up to blocks, and its folder takes one more
 logger = logging.getLogger(__name__)
 
@@ -54,9 +58,14 @@ class Limits:
     upload_bytes_per_client: int = 200 * MB  # on disk at once, per client address
     upload_files_per_client: int = 200  # files on disk at once, per client address
     upload_bytes_total: int = 2048 * MB  # on disk at once, all clients
+    upload_deadline_s: float = 300.0  # an upload's body must have arrived within this
+    upload_min_bytes_per_s: int = 16 * 1024  # ...and, after upload_grace_s, at this average rate at least
+    upload_grace_s: float = 10.0
     request_bytes: int = 4 * MB  # any request body but an upload's
     files_per_message: int = 64  # files one request may name, refused before Gradio opens any (--max-images is 64 at most)
     sessions_per_client: int = 32  # live sessions (conversations) per client address
+    answers_per_client: int = 4  # answers waiting or running per client address (a conversation: one waiting)
+    pending_turn_s: float = 60.0  # a turn accepted whose answer neither waits nor runs is dropped after this
     proxy_hops: int = 0  # trusted proxies in front (a Space: 1): the address is this far from X-Forwarded-For's right
     time_budget_s: float = 120.0  # wall-clock time one answer may take (then it ends: "time_budget")
     sweep_s: float = 10.0
@@ -107,6 +116,14 @@ class Upload:
 
 
 @dataclass
+class Reservation:
+    """An upload in progress."""
+    client: str
+    declared: int  # its Content-Length
+    received: int = 0  # bytes of its body read so far (on disk in Gradio's temporary files)
+
+
+@dataclass
 class Known:
     """A Gradio session id this server has seen."""
     client: str
@@ -124,11 +141,14 @@ class Visitors:
         self.sessions: dict[int, Session] = {}  # id -> live session
         self.known: dict[str, Known] = {}  # Gradio session id -> its address and when it was last seen
         self.uploads: dict[str, Upload] = {}  # path -> who uploaded it
-        self.reserved: dict[int, tuple[str, int]] = {}  # upload in progress -> (client, bytes)
+        self.reserved: dict[int, Reservation] = {}  # upload in progress -> its address, declared and received bytes
         self.tokens = itertools.count()
         self.journal = journal  # this process's list of uploads (see sweep_journals)
         self.public = [os.path.join(os.path.abspath(folder), "") for folder in public]  # anyone's: the examples
         self.moved: dict[str, str] = {}  # Gradio's path -> the latest upload moved from it (see `_private`)
+        # The Gradio session ids with an answer waiting in the queue or running (app.py sets it:
+        # app_ui/queue_rules.py `sessions`); called from the sweep, in the server's event loop.
+        self.answering: Callable[[], set[str]] = set
         self.lock = threading.Lock()
 
     # --- conversations --------------------------------------------------------------------------
@@ -156,19 +176,36 @@ class Visitors:
 
     def admit_session(self, client: str, session_id: str | None) -> str | None:
         """Why a request of Gradio session `session_id` (None: Gradio makes a new one) from
-        `client` is refused, or None; a new id is counted as one of `client`'s sessions."""
+        `client` is refused, or None; a new id is counted as one of `client`'s sessions. At
+        `sessions_per_client`, the address's own session that has been idle longest (one that
+        never held a conversation first: a page loaded and left) is closed to make room; its
+        next message is told so, once. Only when every one of them is answering is the new one
+        refused."""
         now = self.clock()
         with self.lock:
             if session_id in self.known:
                 self.known[session_id].seen = now
                 return None
-            live = sum(1 for known in self.known.values() if known.client == client)
-            if live >= self.limits.sessions_per_client:
-                return (f"{live} conversations from your address are open, the limit is "
-                        f"{self.limits.sessions_per_client}: keep using one (gradio_client does; raw HTTP: send "
-                        f"its session_hash) or wait {self.limits.idle_s / 60:g} minutes for idle ones to close")
+            mine = {key: known for key, known in self.known.items() if known.client == client}
+            closed = None
+            if len(mine) >= self.limits.sessions_per_client:
+                idle = [key for key, known in mine.items() if not self._busy(known.session)]
+                if not idle:
+                    return (f"{len(mine)} conversations from your address are answering or waiting, the limit is "
+                            f"{self.limits.sessions_per_client}: wait for one to end")
+                oldest = min(idle, key=lambda key: (mine[key].conversation, mine[key].seen))
+                closed = self.sessions.get(self.known.pop(oldest).session)
             self.known[session_id or f"one-shot-{next(self.tokens)}"] = Known(client, now, one_shot=not session_id)
+        if closed is not None:
+            files = closed.files()
+            closed.clear()
+            closed.dropped_by_server = True
+            self.release(closed, files, forget=True)
         return None
+
+    def _busy(self, key: int | None) -> bool:
+        session = self.sessions.get(key) if key is not None else None
+        return session is not None and (session.running or session.pending is not None)
 
     def release(self, session: Session, files: set[str], forget: bool = False) -> None:
         """`session` no longer holds `files` (its conversation was cleared or expired): delete
@@ -213,8 +250,18 @@ class Visitors:
         """Empty idle conversations (freeing their images and uploads), forget idle session ids,
         and delete old uploads that no live conversation shows. A conversation with an answer
         waiting or streaming is active now: its idle time starts again when the answer ends (at
-        most `sweep_s` earlier), however long the answer took."""
+        most `sweep_s` earlier), however long the answer took. A turn accepted whose answer has
+        neither waited in the queue nor run for `pending_turn_s` is dropped and its files freed
+        (the page's accept step without its respond step would hold them, and the
+        conversation, for ever)."""
         now = self.clock()
+        answering = self.answering()
+        with self.lock:
+            answering = {known.session for key, known in self.known.items() if key in answering}
+            stale = [s for key, s in self.sessions.items() if s.pending is not None and not s.running
+                     and key not in answering and now - s.pending.arrived > self.limits.pending_turn_s]
+        for session in stale:  # accepted, and its answer never asked for (or refused before it ran)
+            self.release(session, session.drop_pending())
         with self.lock:
             busy = {key for key, s in self.sessions.items() if s.running or s.pending is not None}
             for key in busy:
@@ -238,11 +285,14 @@ class Visitors:
     # --- uploads --------------------------------------------------------------------------------
     def reserve(self, client: str, size: int) -> tuple[int | None, str | None]:
         """(a reservation, None), or (None, why) when an upload of `size` bytes from `client`
-        is refused. The bytes count against the bounds from now until `uploaded` or `unreserve`."""
+        is refused. Against the address's own bounds the bytes count from now until `uploaded`
+        or `unreserve` (so a burst cannot race them); against the server-wide bound another
+        upload in progress counts the bytes it has sent (`received`), so uploads that declare
+        much and send little hold no space that others could use."""
         with self.lock:
-            total = sum(u.disk for u in self.uploads.values()) + sum(b for _, b in self.reserved.values())
+            total = sum(u.disk for u in self.uploads.values()) + sum(r.received for r in self.reserved.values())
             mine = sum(u.disk for u in self.uploads.values() if u.client == client) + \
-                sum(b for c, b in self.reserved.values() if c == client)
+                sum(r.declared for r in self.reserved.values() if r.client == client)
             files = sum(1 for u in self.uploads.values() if u.client == client)
             if mine + size > self.limits.upload_bytes_per_client:
                 return None, (f"uploads from your address hold {mine / MB:.1f} MB and this one is {size / MB:.1f} MB; "
@@ -254,10 +304,21 @@ class Visitors:
                               f"{self.limits.upload_files_per_client}: send or clear your conversation, or wait "
                               f"{self.limits.unsent_upload_s / 60:g} minutes for unsent uploads to be deleted")
             if total + size > self.limits.upload_bytes_total:
-                return None, "the server's upload space is full; try again in a few minutes"
+                return None, UPLOAD_SPACE_FULL
             token = next(self.tokens)
-            self.reserved[token] = (client, size)
+            self.reserved[token] = Reservation(client, size)
             return token, None
+
+    def received(self, token: int, size: int) -> str | None:
+        """Upload `token` has `size` more bytes on disk; why it must stop (the server-wide bound
+        is reached: uploads that reserved together sent more than there is room for), or None."""
+        with self.lock:
+            reservation = self.reserved.get(token)
+            if reservation is None:
+                return None
+            reservation.received += size
+            total = sum(u.disk for u in self.uploads.values()) + sum(r.received for r in self.reserved.values())
+            return UPLOAD_SPACE_FULL if total > self.limits.upload_bytes_total else None
 
     def unreserve(self, token: int) -> None:
         with self.lock:
@@ -270,7 +331,7 @@ class Visitors:
         take `client` over its file count or one was lost on the way."""
         now = self.clock()
         with self.lock:
-            client, _ = self.reserved.pop(token, ("unknown", 0))
+            client = self.reserved.pop(token, Reservation("unknown", 0)).client
             files = sum(1 for u in self.uploads.values() if u.client == client)
             private = {path: self._private(path) for path in dict.fromkeys(paths)}
             new = [path for path in private.values() if path is not None]

@@ -345,10 +345,10 @@ def test_a_new_chat_never_deletes_an_upload_another_visitor_has_not_sent(server,
 # --- 4. sessions -------------------------------------------------------------------------------------
 
 def test_one_address_cannot_open_sessions_without_bound_and_a_dropped_conversation_is_told(server):
+    # Past the bound, the address's own oldest idle session makes room (tests/test_server_limits.py).
     answers = [api_call(server.url, "clear", [], "127.0.4.1")[0] for _ in range(LIMITS.sessions_per_client + 1)]
-    assert answers[:-1] == ["complete"] * LIMITS.sessions_per_client and answers[-1] == "refused"
-    kind, refusal = api_call(server.url, "clear", [], "127.0.4.1")
-    assert "6 conversations from your address are open, the limit is 6" in refusal
+    assert answers == ["complete"] * (LIMITS.sessions_per_client + 1)
+    assert sum(known.client == "127.0.4.1" for known in server.visitors.known.values()) == LIMITS.sessions_per_client
     # Many addresses together can still fill Gradio's store (LIMITS.sessions): a conversation it
     # dropped is told so once, then starts again.
     visitor = Client(server.url, verbose=False)

@@ -219,14 +219,15 @@ def test_uploads_are_bounded_per_client_and_in_all_and_unsent_ones_are_deleted(s
 # --- 4. stop -------------------------------------------------------------------------------------------
 
 def test_stop_applies_to_a_queued_request_and_a_stopped_ab_says_so(server, engine):
-    running, waiting = Client(server.url, verbose=False), Client(server.url, verbose=False)
+    running, waiting, other = (Client(server.url, verbose=False) for _ in range(3))
     with Gate(server.engine.target.runner) as gate:  # the running answer holds the engine at its first pass
         long_job = running.submit(message("Describe the image."), mode="plain", max_new_tokens=LONG, api_name="/chat")
         gate.wait()
         queued = waiting.submit(message("Describe the image."), mode="plain", max_new_tokens=LONG, api_name="/chat")
-        queued_ab = waiting.submit(message("Describe the image."), max_new_tokens=LONG, api_name="/ab")
+        queued_ab = other.submit(message("Describe the image."), max_new_tokens=LONG, api_name="/ab")  # one waits a session
         wait_until_queued(queued, queued_ab)
         waiting.predict(api_name="/stop")
+        other.predict(api_name="/stop")
         running.predict(api_name="/stop")
     assert long_job.result(timeout=60)[1]["finish_reason"] == "stopped"
     answer, stats = queued.result(timeout=60)

@@ -46,6 +46,7 @@ from PIL import Image
 import app
 from app_ui import layout, setup
 from app_ui.session import Options, Session, new_turn
+from app_ui.visitors import Limits
 from engine.__main__ import main as cli_main
 from engine.images import MAX_FILE_BYTES, load_image
 from engine.loop import DecodeSettings
@@ -68,7 +69,7 @@ RSS_PER_REQUEST_BYTES = 40 * 2**10
 
 # The app as `python app.py --model M --drafter D --no-browser` starts it (no --host, no --share, no
 # related environment variables), and the engine it built, for gates and faults.
-server = app_fixture()
+server = app_fixture(limits=Limits(answers_per_client=8))  # 8 clients at once, all from 127.0.0.1
 
 
 @pytest.fixture(scope="module")
