@@ -324,9 +324,13 @@ def _wire_ab(engine: Served, gpu: Callable, session: gr.State, settings: list, a
 
     running = dict(fn=lambda: gr.Button(variant="stop", interactive=True), outputs=[ab.stop], **INSTANT)
     idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[ab.stop], **INSTANT)
-    ab.message.submit(**running).then(ab_live, [ab.message, session, *settings.values()], ab.panels,
-                                      show_progress_on=ab.panels[:1], api_visibility="private", **GENERATE) \
-        .then(**idle)
+    # Like the chat's: once the run has taken the message, the box empties (the verdict shows what was
+    # asked), so the next run's inputs are what the box then shows, never copies added to the last ones.
+    # A refused message stays in the box.
+    live = ab.message.submit(**running).then(ab_live, [ab.message, session, *settings.values()], ab.panels,
+                                             show_progress_on=ab.panels[:1], api_visibility="private", **GENERATE)
+    live.then(**idle)
+    live.success(lambda: gr.MultimodalTextbox(value=None), None, [ab.message], **INSTANT)
     ab.stop.click(_stop, [session], None, queue=False, api_visibility="private")
 
 
@@ -671,10 +675,11 @@ def _ab_live(engine: Served, message_value, session: Session, options: Options, 
              ab_backend: Backend | None):
     tick, names = views.Throttle(views.UPDATES_PER_SECOND), ab_names(engine, ab_backend)
     with _user_errors():
+        asked = views.asked(*read_message(message_value, engine))
         for event in _ab_events(engine, message_value, session, options, arrived, ab_backend):
             done = not isinstance(event, ABProgress)
             if done or tick.ready():
-                verdict = views.ab_markdown(event if done else None, None if done else event.running, names)
+                verdict = asked + views.ab_markdown(event if done else None, None if done else event.running, names)
                 first = (views.plain_html(event.plain.text) if ab_backend is None
                          else views.highlight_html(event.plain, names[0]))
                 yield (verdict, first, views.highlight_html(event.speculative, "Speculative" if ab_backend is None else names[1]),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import html
+import os
 import re
 import time
 from difflib import SequenceMatcher
@@ -293,6 +294,13 @@ def _user_message(turn: Turn) -> dict:
 
 def _assistant_message(turn: Turn) -> dict:
     return {"role": "assistant", "content": f"**Cannot answer:** {turn.error}" if turn.error else turn.answer}
+
+
+def asked(text: str, files: list[str]) -> str:
+    """The A/B's question, over its verdict: the message box empties when a run takes it."""
+    names = ", ".join(os.path.basename(path) for path in files)
+    parts = [f"“{_cell(text)}”" if text else "", f"{plural(len(files), 'image')}: {names}" if files else ""]
+    return f"**Asked:** {' · '.join(part for part in parts if part)}\n\n"
 
 
 def ab_markdown(result: ABResult | None, running: str | None = None, names: tuple[str, str] = AB_SIDES) -> str:
