@@ -53,6 +53,10 @@ PHOTO_EXAMPLES = [
     ("What is in each picture?", ["chelsea.png", "rocket.jpg"]),
     ("What does this chart show?", ["chart.png"]),
 ]
+TEXT_EXAMPLES = [  # a backend that reads no images (a llama.cpp model without its vision projector)
+    ("What can you help me with?", []),
+    ("Explain speculative decoding in two sentences.", []),
+]
 DEMO_NOTE = ("This demo model is tiny (3.6 M parameters, trained here from scratch): it knows only synthetic "
              "pictures of coloured shapes, bar charts and text cards like the examples, and gives confident "
              "nonsense about anything else.")
@@ -104,7 +108,7 @@ CSS = """
 #ab-table td, #ab-table th { overflow-wrap: anywhere; }
 #ab-table td:first-child, #ab-table th:first-child { width: 30%; white-space: normal; }
 .tokens { max-height: 360px; overflow-y: auto; }
-.tokens .answer-text { white-space: pre-wrap; line-height: 1.7; }
+.tokens .answer-text { white-space: pre-wrap; overflow-wrap: anywhere; line-height: 1.7; }
 .tokens .legend { margin: 0 0 6px; font-size: var(--text-sm); color: var(--body-text-color-subdued); }
 .tokens mark.draft { background: #bbf7d0; color: #14532d; border-radius: 3px; padding: 0; }
 .dark .tokens mark.draft { background: #166534; color: #f0fdf4; }
@@ -133,7 +137,7 @@ def build_demo(engine: Engine | Served, gpu: Callable = lambda fn: fn, visitors:
     if not gr.utils.is_static_file(os.path.join(EXAMPLES_DIR, "chart.png")):  # once a process
         gr.set_static_paths([EXAMPLES_DIR])  # served from their own folder, never copied among the uploads
     examples = [{"text": text, "files": [os.path.join(EXAMPLES_DIR, f) for f in files]}
-                for text, files in (DEMO_EXAMPLES if demo_model else PHOTO_EXAMPLES)]
+                for text, files in examples_for(engine)]
     # Gradio's own backstop: its files older than a day are deleted, checked hourly (Visitors deletes
     # unsent uploads after minutes, and a conversation's uploads when it is cleared or expires).
     with gr.Blocks(title="VLM chat · speculative decoding", fill_width=True, delete_cache=(3600, 86400)) as demo:
@@ -145,7 +149,7 @@ def build_demo(engine: Engine | Served, gpu: Callable = lambda fn: fn, visitors:
         demo.load(None, js=ON_LOAD)
         demo.load(None, js=DROP_ON_CHAT)
         with gr.Tab("Chat"):
-            chat = _chat_tab(examples, demo_model)
+            chat = _chat_tab(examples, demo_model, engine.reads_images)
         with gr.Tab(f"A/B: {' vs '.join(ab_names(engine, ab_backend))}"):
             ab = _ab_tab(examples, engine, ab_backend)
         _wire_chat(engine, gpu, session, settings, chat, visitors, examples)
@@ -154,18 +158,30 @@ def build_demo(engine: Engine | Served, gpu: Callable = lambda fn: fn, visitors:
     return demo
 
 
-def _chat_tab(examples: list[dict], demo_model: bool) -> SimpleNamespace:
+def examples_for(served: Served) -> list[tuple[str, list[str]]]:
+    """The examples the loaded model can answer: the demo model's own kind of pictures for it
+    (whichever backend serves it), photographs for another model that reads images, text only
+    for a backend that reads none (none for the demo model, which knows only its pictures)."""
+    if not served.reads_images:
+        return [] if served.demo else TEXT_EXAMPLES
+    return DEMO_EXAMPLES if served.demo else PHOTO_EXAMPLES
+
+
+def _chat_tab(examples: list[dict], demo_model: bool, reads_images: bool = True) -> SimpleNamespace:
     """The chat (examples inside it while it is empty: a click sends one), then the live
     statistics (beside it on a wide screen, below it on a phone, in a section that folds); the
     latest answer's highlight and plots appear with the first answer."""
-    placeholder = "Ask about one or more images: drop them here or add them with the clip button below."
+    placeholder = ("Ask about one or more images: drop them here or add them with the clip button below."
+                   if reads_images else "Ask a question: this model reads text only, not images.")
     if demo_model:
         placeholder += f"\n\n{DEMO_NOTE}"
+    if examples:
+        placeholder += "\n\n**Try an example** (a click sends it):"
     with gr.Row(equal_height=False):
         with gr.Column(scale=3):
             chatbot = gr.Chatbot(label="Chat", show_label=False, height=CHAT_HEIGHT, elem_id="chatbot",
-                                 buttons=["copy"], placeholder=placeholder + "\n\n**Try an example** (a click sends it):",
-                                 examples=[{**example, "display_text": example["text"]} for example in examples],
+                                 buttons=["copy"], placeholder=placeholder,
+                                 examples=[{**example, "display_text": example["text"]} for example in examples] or None,
                                  group_consecutive_messages=False)
             message = _message_box("chat-input")
             with gr.Row():
@@ -217,7 +233,8 @@ def _ab_tab(examples: list[dict], served: Served, ab_backend: Backend | None) ->
     with gr.Row():
         stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="ab-stop", interactive=False, scale=0,
                          min_width=160)
-    gr.Examples(examples, inputs=[message], label="Examples (a click puts one in the message box)")
+    if examples:
+        gr.Examples(examples, inputs=[message], label="Examples (a click puts one in the message box)")
     verdict = gr.Markdown(views.ab_markdown(None), elem_id="ab-verdict", container=True)
     with gr.Row(equal_height=False, elem_id="ab-answers"):
         plain = gr.HTML(container=True, min_width=320, elem_id="ab-plain", elem_classes=["tokens"])
@@ -251,8 +268,8 @@ def _wire_chat(engine: Served, gpu: Callable, session: gr.State, settings: dict,
         accept(examples[event.index], session, request)  # our own list: the click names only its place
 
     def show(session: Session, clear_box: bool = True):
-        return (gr.MultimodalTextbox(value=None) if clear_box else gr.skip(),
-                views.chatbot_messages(session, demo=demo_model), gr.Button(variant="stop", interactive=True))
+        return (gr.MultimodalTextbox(value=None) if clear_box else gr.skip(), views.chatbot_messages(session),
+                gr.Button(variant="stop", interactive=True), views.preparing(session.pending))
 
     def retry(session: Session, temperature, seed, request: gr.Request):
         """The last turn again; with sampling, from the next seed (the same seed gives the same answer;
@@ -263,11 +280,11 @@ def _wire_chat(engine: Served, gpu: Callable, session: gr.State, settings: dict,
                 seed = _next_seed(seed)
             last = session.turns.pop()
             _start(session, Turn(last.text, last.files, last.images))
-        return views.chatbot_messages(session, demo=demo_model), seed, gr.Button(variant="stop", interactive=True)
+        return views.chatbot_messages(session), seed, gr.Button(variant="stop", interactive=True)
 
     def undo(session: Session):
         message = session.turns.pop().message if session.pending is None and session.turns else gr.skip()
-        return message, *_panels(views.chatbot_messages(session, demo=demo_model))
+        return message, *_panels(views.chatbot_messages(session))
 
     def new_conversation(session: Session):
         _clear(session, visitors)
@@ -285,7 +302,7 @@ def _wire_chat(engine: Served, gpu: Callable, session: gr.State, settings: dict,
                          preprocess=False, **GENERATE)
     idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[chat.stop],
                 js=FOCUS_INPUT, **INSTANT)
-    shown = [chat.message, chat.chatbot, chat.stop]
+    shown = [chat.message, chat.chatbot, chat.stop, chat.panels[1]]  # the last: the statistics panel
     chat.message.submit(accept, [chat.message, session], None, **INSTANT) \
         .success(show, [session], shown, **INSTANT).success(**respond_event).then(**idle)
     chat.chatbot.example_select(accept_example, [session], None, **INSTANT) \
@@ -312,9 +329,13 @@ def _wire_ab(engine: Served, gpu: Callable, session: gr.State, settings: list, a
 
     running = dict(fn=lambda: gr.Button(variant="stop", interactive=True), outputs=[ab.stop], **INSTANT)
     idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[ab.stop], **INSTANT)
-    ab.message.submit(**running).then(ab_live, [ab.message, session, *settings.values()], ab.panels,
-                                      show_progress_on=ab.panels[:1], api_visibility="private", **GENERATE) \
-        .then(**idle)
+    # Like the chat's: once the run has taken the message, the box empties (the verdict shows what was
+    # asked), so the next run's inputs are what the box then shows, never copies added to the last ones.
+    # A refused message stays in the box.
+    live = ab.message.submit(**running).then(ab_live, [ab.message, session, *settings.values()], ab.panels,
+                                             show_progress_on=ab.panels[:1], api_visibility="private", **GENERATE)
+    live.then(**idle)
+    live.success(lambda: gr.MultimodalTextbox(value=None), None, [ab.message], **INSTANT)
     ab.stop.click(_stopper(visitors), [session], None, queue=False, api_visibility="private")
 
 
@@ -593,6 +614,12 @@ def _respond(engine: Engine | Served, session: Session, options: Options | dict,
     text_tick, plot_tick = views.Throttle(views.UPDATES_PER_SECOND), views.Throttle(views.PLOT_UPDATES_PER_SECOND)
     side, points, returned = None, [], gr.skip()
     plain_tok_s = session.plain_speed_for(turn)
+    kinds = {key: drafter.kind for key, drafter in engine.drafters.items()}
+
+    def statistics(stats):
+        hint = demo_model and views.asked_without_a_picture(session)
+        return views.stats_markdown(stats, plain_tok_s, session.dropped, hint, kinds)
+
     try:
         options = checked(Options(**options) if isinstance(options, dict) else options, engine)
         _prepare_images(engine, session, turn)
@@ -601,7 +628,7 @@ def _respond(engine: Engine | Served, session: Session, options: Options | dict,
                 points.append((side.stats.new_tokens, round(side.stats.decode_tok_s, 2)))
             if side.text and session.turns is history and text_tick.ready():
                 plots = plot_tick.ready()
-                yield _panels(views.chatbot_messages(session, side, demo_model), side, plain_tok_s,
+                yield _panels(views.chatbot_messages(session, side), side, statistics(side.stats),
                               points if plots else None) + (gr.skip(),)
         if side is not None and not side.stats.new_tokens:
             turn.error = "stopped before the answer started; nothing was answered (Retry sends it again)"
@@ -616,13 +643,15 @@ def _respond(engine: Engine | Served, session: Session, options: Options | dict,
         history.append(turn)
     finally:
         session.pending = None
-    messages = views.chatbot_messages(session, demo=demo_model)
+    messages = views.chatbot_messages(session)
     if session.turns is not history:  # New chat while it ran: the stopped answer is not shown
         yield _panels(messages) + (returned,)
     elif side is None or not side.text:  # nothing answered: the panels keep the latest answer
-        yield (messages, *[gr.skip()] * (len(_panels([])) - 1), returned)
+        answered = session.answered()
+        latest = statistics(answered[-1].stats) if answered else views.stats_markdown(None)
+        yield (messages, latest, *[gr.skip()] * (len(_panels([])) - 2), returned)
     else:
-        yield _panels(messages, side, plain_tok_s, points) + (returned,)
+        yield _panels(messages, side, statistics(side.stats), points) + (returned,)
 
 
 def _prepare_images(engine: Served, session: Session, turn: Turn) -> None:
@@ -632,10 +661,11 @@ def _prepare_images(engine: Served, session: Session, turn: Turn) -> None:
         turn.images, turn.load_s = prepared.images, prepared.load_s
 
 
-def _panels(messages: list[dict], side=None, plain_tok_s: float | None = None,
+def _panels(messages: list[dict], side=None, statistics: str | None = None,
             points: list[tuple[int, float]] | None = ()) -> tuple:
-    """The chat panels' values: chat, statistics, highlight, the two plots (points None: left
-    as they are) and the column holding the last three (shown once there is an answer)."""
+    """The chat panels' values: chat, statistics (views.stats_markdown's text; None: the empty
+    panel's), highlight, the two plots (points None: left as they are) and the column holding
+    the last three (shown once there is an answer)."""
     stats = side.stats if side else None
     if points is None:
         plots = (gr.skip(), gr.skip())
@@ -644,7 +674,7 @@ def _panels(messages: list[dict], side=None, plain_tok_s: float | None = None,
         speed_max = max([10] + [tokens for tokens, _ in points])
         plots = (gr.update(value=views.acceptance_frame(stats), visible=drafted),
                  gr.update(value=views.speed_frame(list(points)), x_lim=[0, speed_max]))
-    return (messages, views.stats_markdown(stats, plain_tok_s), views.highlight_html(side), *plots,
+    return (messages, statistics or views.stats_markdown(None), views.highlight_html(side), *plots,
             gr.Column(visible=bool(side and side.text)))
 
 
@@ -691,7 +721,7 @@ def _ab_events(engine: Served, message_value, session: Session, options: Options
     try:
         for event in run_ab(engine.backend, messages, drafter, options.sampling(), options.decode(), stop,
                             options.max_image_tokens, against=ab_backend):
-            if not isinstance(event, ABProgress) and not event.stopped:
+            if not isinstance(event, ABProgress) and not event.stopped and event.plain.stats.speed_measured:
                 session.plain_tok_s, session.plain_question = event.plain.stats.decode_tok_s, question_of(turn)
             yield event
     finally:
@@ -702,10 +732,11 @@ def _ab_live(engine: Served, message_value, session: Session, options: Options, 
              ab_backend: Backend | None):
     tick, names = views.Throttle(views.UPDATES_PER_SECOND), ab_names(engine, ab_backend)
     with _user_errors():
+        asked = views.asked(*read_message(message_value, engine))
         for event in _ab_events(engine, message_value, session, options, arrived, ab_backend):
             done = not isinstance(event, ABProgress)
             if done or tick.ready():
-                verdict = views.ab_markdown(event if done else None, None if done else event.running, names)
+                verdict = asked + views.ab_markdown(event if done else None, None if done else event.running, names)
                 first = (views.plain_html(event.plain.text) if ab_backend is None
                          else views.highlight_html(event.plain, names[0]))
                 yield (verdict, first, views.highlight_html(event.speculative, "Speculative" if ab_backend is None else names[1]),

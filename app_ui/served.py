@@ -42,7 +42,7 @@ class Served:
     def built_in(cls, engine: Engine) -> Served:
         return cls(BuiltIn(engine), engine.target.name, engine.target.family.name, dict(engine.drafters), engine.auto,
                    engine.max_images, engine.max_image_tokens, _image_budget_range(engine),
-                   os.path.abspath(engine.target.name) == os.path.abspath(DEFAULT_MODEL), engine)
+                   _is_demo(engine.target.name), engine)
 
     @classmethod
     def remote(cls, backend: Backend, max_images: int = 8) -> Served:
@@ -50,9 +50,15 @@ class Served:
         as an OpenAI-compatible server does), no image budget, no draft-length settings."""
         capabilities = backend.capabilities
         kinds = dict(zip(capabilities.drafters, capabilities.drafter_kinds))
+        checkpoint = getattr(backend, "checkpoint", None)  # llama.cpp here: the folder it was converted from
         return cls(backend, capabilities.name, drafters={name: Named(kinds.get(name, name))
                                                          for name in capabilities.drafters},
-                   max_images=max_images)
+                   max_images=max_images, demo=checkpoint is not None and _is_demo(checkpoint))
+
+    @property
+    def reads_images(self) -> bool:
+        """Messages may carry images (a llama.cpp model without its vision projector: no)."""
+        return self.engine is not None or self.backend.capabilities.images
 
     @property
     def name(self) -> str:
@@ -99,6 +105,11 @@ class Named:
 def served_of(engine: Engine | Served) -> Served:
     """`engine` described, or the description itself."""
     return engine if isinstance(engine, Served) else Served.built_in(engine)
+
+
+def _is_demo(model) -> bool:
+    """The bundled demo model (its checkpoint folder)."""
+    return os.path.abspath(str(model)) == os.path.abspath(DEFAULT_MODEL)
 
 
 def _image_budget_range(engine: Engine) -> int | None:

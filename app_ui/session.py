@@ -46,7 +46,7 @@ class Turn:
     files: list[str]  # the uploaded files, shown in the history
     images: list[Image.Image]  # the same files, validated and shrunk to the processor's size, for the model
     answer: str = ""
-    summary: str = ""  # one line of this answer's statistics
+    stats: Stats | None = None  # the answer's statistics (the panel beside the chat shows the latest)
     error: str = ""  # why the turn could not be answered; such turns are not sent to the model
     arrived: float = field(default_factory=time.perf_counter)  # when the request arrived (a Stop after it applies)
     load_s: float = 0.0  # time spent opening and shrinking its images, part of the answer's time to first token
@@ -316,36 +316,15 @@ def record(session: Session, turn: Turn, side: Side, history: list[Turn]) -> Non
     session.end_budget()
     if stats.finish_reason == "stopped" and getattr(session.stop, "reason", None) == "time_budget":
         stats.finish_reason = "time_budget"
-    if stats.mode == "plain" and stats.finish_reason != "stopped" and stats.decode_tokens:
+    if stats.mode == "plain" and stats.finish_reason != "stopped" and stats.speed_measured:
         session.plain_tok_s, session.plain_question = stats.decode_tok_s, question_of(turn)
-    turn.answer = side.text
-    turn.summary = summary(stats, session.plain_speed_for(turn), session.dropped)  # speedups on one question
+    turn.answer, turn.stats = side.text, stats
     history.append(turn)
 
 
 def question_of(turn: Turn) -> tuple:
     """What makes two turns the same question: the text and the files' names."""
     return turn.text, tuple(os.path.basename(path) for path in turn.files)
-
-
-def summary(stats: Stats, plain_tok_s: float | None = None, dropped: int = 0) -> str:
-    """Stats.summary() with the speedup over the latest plain answer, when there is one, and
-    what the context cut."""
-    line = stats.summary()
-    if stats.mode == "speculative" and plain_tok_s:
-        first, _, rest = line.partition(" · ")
-        line = f"{first} ({stats.decode_tok_s / plain_tok_s:.2f}× plain) · {rest}"
-    if stats.finish_reason == "stopped":
-        line += " · stopped"
-    if stats.finish_reason == "max_new_tokens":
-        line += " · cut at max new tokens"
-    if stats.finish_reason == "time_budget":
-        line += " · cut at the server's time budget for one answer"
-    if stats.finish_reason == "context":
-        line += " · cut: the model's context is full (start a new chat)"
-    if dropped:
-        line += f" · left out the {dropped} oldest turn{'s' if dropped > 1 else ''}: the conversation outgrew the context"
-    return line
 
 
 def _out_of_time(stop: threading.Event) -> None:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import html
+import os
+import re
 import time
 from difflib import SequenceMatcher
 
@@ -25,6 +27,7 @@ DRAFTER_LABELS = {"vlm": "Small VLM: sees the images", "text_lm": "Text-only LM:
                   "eagle3": "EAGLE-3 head: reads three of the target's layers"}
 HIGHLIGHT_LEGEND = ('<p class="legend"><strong>{title}</strong>: <mark class="draft">green</mark> tokens the '
                     'drafter guessed and the target accepted; the rest the target wrote itself.</p>')
+PLAIN_LEGEND = '<p class="legend"><strong>{title}</strong>: decoded plainly, every token by the target.</p>'
 NO_ORIGINS_LEGEND = ('<p class="legend"><strong>{title}</strong>: which tokens were drafted is not reported by '
                      'this server.</p>')
 NO_PICTURE_HINT = ("The demo model only learned to answer about pictures like the examples (coloured shapes, bar "
@@ -32,7 +35,8 @@ NO_PICTURE_HINT = ("The demo model only learned to answer about pictures like th
 NOT_REPORTED = "not reported by this server"  # a statistic the backend cannot measure (Stats.unknown)
 AB_SIDES = ("plain", "speculative")  # the A/B tab's sides, unless it compares two backends
 FINISH_REASONS = {"stop_token": "end of answer", "max_new_tokens": "max new tokens reached", "stopped": "stopped",
-                  "context": "the model's context is full"}
+                  "context": "the model's context is full",
+                  "time_budget": "cut at the server's time budget for one answer"}
 
 
 class Throttle:
@@ -59,14 +63,52 @@ def stats_dict(stats: Stats | None, dropped_turns: int = 0) -> dict:
     return {**values, "summary": stats.summary() if stats else "", "dropped_turns": dropped_turns}
 
 
-def stats_markdown(stats: Stats | None, plain_tok_s: float | None = None) -> str:
-    """The live statistics panel: a two-column table."""
+def stats_markdown(stats: Stats | None, plain_tok_s: float | None = None, dropped: int = 0, hint: bool = False,
+                   drafters: dict[str, str] | None = None) -> str:
+    """The statistics panel beside the chat: a two-column table of the latest answer (`plain_tok_s`:
+    the plain speed measured on the same question; `dropped`: the oldest turns left out to fit the
+    context; `hint`: the demo model was asked without a picture; `drafters`: key -> kind, for
+    naming the drafters in auto's reason as the menu does)."""
     if stats is None:
         return "*Statistics appear here while an answer streams.*"
     rows = _stat_rows(stats)
-    if stats.mode == "speculative" and plain_tok_s and stats.decode_tokens > 1:
-        rows[0] = (rows[0][0], f"{rows[0][1]} ({stats.decode_tok_s / plain_tok_s:.2f}× plain on this question)")
-    return _table(["Statistic", "This answer"], [row for row in rows if row[1] is not None])
+    ratio = (stats.decode_tok_s / plain_tok_s if stats.mode == "speculative" and plain_tok_s and stats.speed_measured
+             else None)
+    if ratio is not None:
+        rows[0] = (rows[0][0], f"{rows[0][1]} ({ratio:.2f}× plain on this question)")
+    named = dict(rows)
+    if named.get("Drafter choice"):
+        named["Drafter choice"] = auto_choice_text(named["Drafter choice"], drafters or {})
+    if named.get("Draft length"):
+        named["Draft length"] = _expected_beside_measured(named["Draft length"], ratio)
+    if dropped:
+        named["Conversation"] = (f"left out the {plural(dropped, 'oldest turn')}: the conversation outgrew the "
+                                 "model's context")
+    table = _table(["Statistic", "This answer"], [(name, value) for name, value in named.items() if value is not None])
+    return (f"ℹ️ {NO_PICTURE_HINT}\n\n" if hint else "") + table
+
+
+EXPECTED = re.compile(r" \((\d+\.\d+)× plain expected\)")  # the cost rule's estimate in a draft-length reason
+PAUSED_EXPECTED = re.compile(r"the best draft length was \d+\.\d+× plain expected")  # engine/draft_length.py
+
+
+def _expected_beside_measured(reason: str, measured: float | None) -> str:
+    """A draft-length reason with the cost rule's expected gain only beside the measured one
+    (the speed against plain decoding on this question), or without it."""
+    reason = PAUSED_EXPECTED.sub("no draft length was expected to beat plain decoding", reason)
+    if measured is None:
+        return EXPECTED.sub("", reason)
+    return EXPECTED.sub(lambda m: f" ({m.group(1)}× plain expected, {measured:.2f}× measured)", reason)
+
+
+def auto_choice_text(reason: str, drafters: dict[str, str]) -> str:
+    """engine/auto.py's reason with each drafter key (`drafters`: key -> kind) named as the menu
+    names it: "auto: Small VLM (... Block drafter 14.9 tok/s ...)", never "auto: vlm"."""
+    for key, kind in drafters.items():
+        name = drafter_name(kind)
+        reason = re.sub(rf"(?<=auto: ){re.escape(key)}(?= \()", name, reason)
+        reason = re.sub(rf"(?<=[:,] ){re.escape(key)}(?= [\d.]+ tok/s)", name, reason)
+    return reason
 
 
 def ab_table(plain: Stats | None, speculative: Stats | None, names: tuple[str, str] = AB_SIDES) -> str:
@@ -107,9 +149,9 @@ def _prompt_row(stats: Stats, unknown: set[str]) -> str:
 def _measured_rows(stats: Stats) -> list[tuple[str, str | None]]:
     speculative = stats.mode == "speculative"
     drafter = drafter_name(stats.drafter_kind) if stats.drafter_kind else "—"
-    budget = f", at most {stats.max_image_tokens} per image" if stats.max_image_tokens else ""
-    images = f" ({stats.prefill_image_tokens} for images{budget})" if stats.prefill_image_tokens else ""
-    speed = (f"**{stats.decode_tok_s:.1f} tok/s**" if stats.decode_tokens > 1 else
+    budget = f", at most {plural(stats.max_image_tokens, 'token')} per image" if stats.max_image_tokens else ""
+    images = f" ({plural(stats.prefill_image_tokens, 'token')} for images{budget})" if stats.prefill_image_tokens else ""
+    speed = (f"**{stats.decode_tok_s:.1f} tok/s**" if stats.speed_measured else
              "— (too few tokens to measure)" if stats.new_tokens else "—")
     return [
         ("Decode speed", speed),
@@ -117,7 +159,7 @@ def _measured_rows(stats: Stats) -> list[tuple[str, str | None]]:
         ("Prompt", f"{plural(stats.prefill_tokens, 'token')}{images} read in {stats.prefill_s * 1000:.0f} ms"),
         ("Answer", f"{plural(stats.new_tokens, 'token')} in {stats.total_s:.2f} s "
                    f"({plural(stats.decode_tokens, 'token')} decoded in {stats.decode_s:.2f} s)"),
-        ("Accepted / drafted", f"{stats.accepted} / {stats.drafted}" + (
+        ("Accepted / drafted", f"{stats.accepted} / {plural(stats.drafted, 'token')}" + (
             f" (approximate: {stats.drafts_approximate})" if stats.drafts_approximate else "") if speculative else None),
         ("Acceptance", None if stats.acceptance is None else f"{stats.acceptance:.0%}"),
         ("Tokens per target pass", None if stats.tokens_per_forward is None else f"{stats.tokens_per_forward:.2f}"),
@@ -193,14 +235,15 @@ def highlight_html(side: Side | None, title: str = "Latest answer") -> str:
     runs = "".join(f'<mark class="draft">{html.escape(text)}</mark>' if label else html.escape(text)
                    for text, label in highlighted(side))
     origins_known = any(origin != "unknown" for _, origin in side.spans) or not side.spans
-    legend = HIGHLIGHT_LEGEND if origins_known else NO_ORIGINS_LEGEND
+    stats = side.stats  # plain decoding where the backend reports it (a server that decides may draft)
+    plain = side.mode == "plain" if stats is None else stats.mode == "plain" and "mode" not in stats.unknown
+    legend = PLAIN_LEGEND if plain else HIGHLIGHT_LEGEND if origins_known else NO_ORIGINS_LEGEND
     return f'{legend.format(title=title)}<div class="answer-text">{runs}</div>'
 
 
 def plain_html(text: str) -> str:
     """An answer as running text (the A/B tab's plain side)."""
-    legend = '<p class="legend"><strong>Plain</strong>: the target alone, one token per pass.</p>'
-    return f'{legend}<div class="answer-text">{html.escape(text)}</div>' if text else ""
+    return highlight_html(Side("plain", text=text), "Plain")
 
 
 def acceptance_frame(stats: Stats | None) -> pd.DataFrame:
@@ -219,46 +262,46 @@ def speed_frame(points: list[tuple[int, float]]) -> pd.DataFrame:
                          "tok/s": pd.Series([p[1] for p in points], dtype=float)})
 
 
-def chatbot_messages(session: Session, live: Side | None = None, demo: bool = False) -> list[dict]:
-    """The Chatbot's value: every turn with its images, answer and statistics note; the pending
-    turn last, with the answer streaming in (`live`), or a "preparing" note until it does.
-    `demo`: the bundled demo model, whose answers to a conversation without a picture get a hint."""
-    messages, pictures = [], False
+def chatbot_messages(session: Session, live: Side | None = None) -> list[dict]:
+    """The Chatbot's value: every turn with its images and its answer, one message each (the
+    statistics are beside the chat, so an answer has one action row and Copy copies the answer);
+    the pending turn last, with the answer streaming in (`live`). Until its first words, Gradio's
+    pending dots are the only assistant bubble (the panel says what is being prepared)."""
+    messages = []
     for turn in session.turns:
-        pictures = pictures or bool(turn.files)
-        messages += [_user_message(turn), *_assistant_messages(turn, demo and not pictures)]
+        messages += [_user_message(turn), _assistant_message(turn)]
     if session.pending is not None:
         messages.append(_user_message(session.pending))
         if live is not None and live.text:
             messages.append({"role": "assistant", "content": live.text})
-        else:
-            messages.append(_note(preparing(session.pending), "pending"))
     return messages
 
 
+def asked_without_a_picture(session: Session) -> bool:
+    """No picture in the conversation so far (the demo model's answers are then a guess)."""
+    turns = session.turns + ([session.pending] if session.pending else [])
+    return bool(turns) and not any(turn.files for turn in turns)
+
+
 def preparing(turn: Turn) -> str:
+    """The panel while a sent turn waits for its first words."""
     images = len(turn.files)
-    return f"Preparing {plural(images, 'image')}…" if images and not turn.images else "Thinking…"
+    return f"*Preparing {plural(images, 'image')}…*" if images and not turn.images else "*Thinking…*"
 
 
 def _user_message(turn: Turn) -> dict:
     return {"role": "user", "content": [{"path": path} for path in turn.files] + ([turn.text] if turn.text else [])}
 
 
-def _assistant_messages(turn: Turn, no_picture_hint: bool = False) -> list[dict]:
-    """The answer, then its statistics as a folded note of their own bubble (so that the answer's
-    copy button copies the answer alone): the speed in the title, the rest inside."""
-    if turn.error:
-        return [{"role": "assistant", "content": f"**Cannot answer:** {turn.error}"}]
-    first, *rest = turn.summary.split(" · ")
-    title, details = (f"⚡ {first} · {rest[0]}", rest[1:]) if rest else (f"⚡ {first}", [])
-    hint = [_note(f"ℹ️ {NO_PICTURE_HINT}")] if no_picture_hint else []
-    return [{"role": "assistant", "content": turn.answer}, *hint,
-            _note(title, "done", "\n".join(f"- {part}" for part in details))]
+def _assistant_message(turn: Turn) -> dict:
+    return {"role": "assistant", "content": f"**Cannot answer:** {turn.error}" if turn.error else turn.answer}
 
 
-def _note(title: str, status: str = "done", content: str = "") -> dict:
-    return {"role": "assistant", "content": content, "metadata": {"title": title, "status": status}}
+def asked(text: str, files: list[str]) -> str:
+    """The A/B's question, over its verdict: the message box empties when a run takes it."""
+    names = ", ".join(os.path.basename(path) for path in files)
+    parts = [f"“{_cell(text)}”" if text else "", f"{plural(len(files), 'image')}: {names}" if files else ""]
+    return f"**Asked:** {' · '.join(part for part in parts if part)}\n\n"
 
 
 def ab_markdown(result: ABResult | None, running: str | None = None, names: tuple[str, str] = AB_SIDES) -> str:
@@ -276,6 +319,10 @@ def ab_markdown(result: ABResult | None, running: str | None = None, names: tupl
         parts.append(f"**{names[1]}: {result.decode_speedup:.2f}×** the decode tokens/s of {names[0]}")
     elif result.decode_speedup is not None:
         parts.append(f"**Speedup {result.decode_speedup:.2f}×** in decode tokens/s")
+    else:  # Stats.speed_measured: the one rule that the table's "too few tokens to measure" follows
+        short = [name for name, side in zip(names, (result.plain, result.speculative))
+                 if not (side.stats and side.stats.speed_measured)]
+        parts.append(f"decode speed ratio **not measurable**: too few tokens to measure on {' and '.join(short)}")
     if result.time_ratio is not None:
         parts.append(f"whole answer {result.time_ratio:.2f}× as fast")
     if result.identical:

@@ -13,7 +13,8 @@ starts, so each side's Stats time only that side's work. The backend decodes on 
 
 Conventions:
 - decode_speedup = speculative decode_tok_s / plain decode_tok_s: the rate speculative decoding
-  changes (prefill is the same work on both sides). None when the plain side decoded nothing.
+  changes (prefill is the same work on both sides). None when either side's speed is not
+  measured (Stats.speed_measured: an answer of one or two tokens), never a ratio to zero.
 - time_ratio = plain total_s / speculative total_s: the whole answer, prefill included;
   above 1 means the speculative answer finished sooner.
 - identical compares token ids (the texts when the backend gives no ids). With greedy sampling it must be True (the engine's exactness
@@ -183,7 +184,8 @@ def compare(tokenizer, plain: Side, speculative: Side, temperature: float = 0.0,
             speculative=tokenizer.decode(speculative.token_ids[index:index + DIFFERENCE_TOKENS],
                                          skip_special_tokens=True),
         )
-    decode_speedup = _ratio(speculative.stats.decode_tok_s, plain.stats.decode_tok_s)
+    measured = plain.stats.speed_measured and speculative.stats.speed_measured
+    decode_speedup = _ratio(speculative.stats.decode_tok_s, plain.stats.decode_tok_s) if measured else None
     time_ratio = _ratio(plain.stats.total_s, speculative.stats.total_s)
     result = ABResult(plain, speculative, decode_speedup, time_ratio, identical=index is None,
                       first_difference=difference)

@@ -57,7 +57,8 @@ class DrafterChooser:
                           f"{_scope(context)} {self.serial - self.records[name][context][-1].serial} requests ago)")
         scores = {name: [r.tok_s for r in self.records[name][context]] for name in self.names}
         best = max(self.names, key=lambda n: statistics.mean(scores[n]))
-        figures = ", ".join(f"{name} {statistics.mean(speeds):.1f} tok/s over {len(speeds)}"
+        figures = ", ".join(f"{name} {statistics.mean(speeds):.1f} tok/s over {len(speeds)} request"
+                            + ("" if len(speeds) == 1 else "s")
                             for name, speeds in sorted(scores.items(), key=lambda s: -statistics.mean(s[1])))
         return best, f"auto: {best} (recent decode speed {_scope(context)}: {figures})"
 

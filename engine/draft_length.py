@@ -339,7 +339,7 @@ class DraftLength:
         if self.costs.needs_reference():
             self.k, self.reason = 0, REFERENCE
 
-    def _drafting(self, choice: Choice) -> None:
+    def _drafting(self, choice: Choice) -> None:  # the "× plain expected" wording: app_ui/views.py EXPECTED reads it
         self.k = choice.k
         self.reason = f"draft length {self.k} (fixed)" if self.fixed else \
             f"draft length {self.k}: the fastest at the measured costs and acceptance ({choice.gain:.2f}× plain expected)"

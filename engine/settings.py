@@ -211,7 +211,7 @@ def check_text(text: str, context_limit: int | None, what: str = "the message") 
         raise RequestError(f"{what}: the text must be a string, not {type(text).__name__}")
     if context_limit and len(text) > context_limit * CHARS_PER_TOKEN:
         raise RequestError(f"{what} is {len(text):,} characters; the model's context ({context_limit:,} tokens) "
-                           f"takes at most {context_limit * CHARS_PER_TOKEN:,}: send a shorter text")
+                           f"takes at most {context_limit * CHARS_PER_TOKEN:,} characters: send a shorter text")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:

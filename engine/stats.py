@@ -38,6 +38,7 @@ import torch
 
 
 PAUSED = "drafting paused: it cost more than it saved"  # a draft-length reason's start (engine/draft_length.py)
+TOO_FEW = "too few tokens to measure the speed"  # an answer without Stats.speed_measured
 REFERENCE = "a plain step, to time plain decoding at the same moment as drafting"  # not shown as a reason
 
 
@@ -93,6 +94,12 @@ class Stats:
     unknown: tuple[str, ...] = ()  # fields the backend cannot measure (engine/backend.py): None in as_dict
 
     @property
+    def speed_measured(self) -> bool:
+        """There is a decode speed to show: at least two decode tokens, timed. Every figure that
+        names the speed or a ratio of speeds (panel, summary, A/B) follows this one rule."""
+        return self.decode_tokens > 1 and self.decode_tok_s > 0 and "decode_tok_s" not in self.unknown
+
+    @property
     def drafting_paused(self) -> bool:
         """The cost rule had stopped drafting when the latest round began (it may resume)."""
         return (self.draft_length_reason or "").startswith(PAUSED)
@@ -145,7 +152,8 @@ class Stats:
 
     def summary(self) -> str:
         """One line for a chat history or a log."""
-        parts = [f"{self.decode_tok_s:.1f} tok/s", f"TTFT {self.ttft_s * 1000:.0f} ms"]
+        speed = f"{self.decode_tok_s:.1f} tok/s" if self.speed_measured else TOO_FEW
+        parts = [speed, f"TTFT {self.ttft_s * 1000:.0f} ms"]
         if self.drafting_paused:
             parts.append(PAUSED)
         if self.acceptance is not None:

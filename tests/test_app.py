@@ -167,8 +167,10 @@ def test_compare_reports_where_answers_first_differ(engine):
     tokenizer = engine.target.tokenizer
     ids = tokenizer("The sky is blue and the grass is green.")["input_ids"]
     other = ids[:5] + tokenizer(" red")["input_ids"] + ids[6:]
-    plain = Side("plain", token_ids=ids, done=True, stats=Stats(mode="plain", decode_tok_s=10.0, total_s=2.0))
-    speculative = Side("speculative", token_ids=other, done=True, stats=Stats(decode_tok_s=20.0, total_s=1.0))
+    plain = Side("plain", token_ids=ids, done=True, stats=Stats(mode="plain", decode_tokens=10, decode_tok_s=10.0,
+                                                                 total_s=2.0))
+    speculative = Side("speculative", token_ids=other, done=True, stats=Stats(decode_tokens=10, decode_tok_s=20.0,
+                                                                            total_s=1.0))
     result = compare(tokenizer, plain, speculative)
     assert not result.identical and result.first_difference.index == 5
     assert result.first_difference.char_index == len(tokenizer.decode(ids[:5]))

@@ -89,7 +89,7 @@ def test_the_panel_marks_what_the_server_does_not_report(fresh):
     assert "which tokens were drafted is not reported" in highlight
 
     rows, _ = panel(fresh, timings=TIMINGS)  # llama-server with a draft model
-    assert (rows["Accepted / drafted"], rows["Acceptance"], rows["Decoding"]) == ("4 / 6", "67%", "speculative · —")
+    assert (rows["Accepted / drafted"], rows["Acceptance"], rows["Decoding"]) == ("4 / 6 tokens", "67%", "speculative · —")
     assert rows["Tokens per target pass"] == views.NOT_REPORTED and rows["Prompt"] == "9 tokens; read in: 12 ms"
 
 
@@ -99,7 +99,7 @@ def panel(fake: FakeServer, timings: dict | None) -> tuple[dict[str, str], str]:
     backend, session = Served.remote(OpenAIServer(fake.url)), Session()
     session.pending = new_turn({"text": "Which is larger?", "files": []}, backend, session)
     *_, (chatbot, table, highlight, *_) = layout._respond(backend, session, Options())
-    assert chatbot[-2]["content"] == ANSWER
+    assert chatbot[-1]["content"] == ANSWER
     return dict(line.strip("| ").split(" | ", 1) for line in table.splitlines()[2:]), highlight
 
 

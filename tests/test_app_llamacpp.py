@@ -231,5 +231,18 @@ def test_in_the_browser_an_image_turn_shows_the_fallback_and_what_is_not_reporte
     expect(stats.locator("tr", has_text="Tokens per target pass")).to_contain_text(views.NOT_REPORTED)
     answer = own(llamacpp, [user(QUESTION, (IMAGE,))])  # its first TOKENS tokens
     expect(page.locator("#chatbot .message.bot").first).to_contain_text(answer)
-    expect(page.get_by_text("which tokens were drafted is not reported")).to_be_visible()
+    expect(page.get_by_text("decoded plainly, every token by the target")).to_be_visible()  # it fell back
     page.close()
+
+
+def test_the_demo_model_on_llama_cpp_gets_its_own_examples_and_note(served):
+    """`--backend llamacpp` serves the bundled demo model: its examples are the pictures it knows
+    (a photo once answered "Theorangeorangeorange..."), and the welcome says what it is."""
+    import urllib.request
+
+    from app_ui.layout import DEMO_EXAMPLES, DEMO_NOTE, PHOTO_EXAMPLES
+
+    with urllib.request.urlopen(served.url + "config", timeout=WAIT_S) as page:
+        config = page.read().decode()
+    assert all(text in config for text, _ in DEMO_EXAMPLES) and DEMO_NOTE in config
+    assert not any(text in config for text, files in PHOTO_EXAMPLES if "chelsea.png" in files)

@@ -60,7 +60,7 @@ def test_chat_with_two_images_streams_answer_and_statistics(page):
     expect(chatbot.locator(".message.user img")).to_have_count(2, timeout=30_000)  # the images, in the history
     expect(page.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
     expect(page.locator("#stats")).to_contain_text("tok/s")
-    expect(chatbot.locator(".message.bot").last).to_contain_text("tok/s")  # the answer's own statistics note
+    expect(chatbot.locator(".message.bot")).to_have_count(1)  # the answer alone: its statistics are beside it
     assert len(last_answer(page).inner_text().strip()) > 40
     os.makedirs(SCREENSHOTS, exist_ok=True)
     page.screenshot(path=os.path.join(SCREENSHOTS, "chat.png"), full_page=True)
@@ -79,6 +79,17 @@ def test_ab_tab_compares_plain_and_speculative(page):
     expect(page.locator("#ab-table")).to_contain_text("Speculative")
     expect(stop).to_be_disabled()  # grey again once both answers are in
     page.screenshot(path=os.path.join(SCREENSHOTS, "ab.png"), full_page=True)
+    # The run took the message: the box is empty and the verdict says what was asked. Asked again
+    # (one image attached again), the prompt is the same size: no copies of the last run's image.
+    expect(page.locator("#ab-input img")).to_have_count(0)
+    expect(verdict).to_contain_text("1 image: chart.png")
+    row = page.locator("#ab-table tr", has_text=re.compile(r"^\s*Prompt"))
+    prompt = row.inner_text()
+    page.locator("#ab-input input[type=file]").evaluate("e => { e.value = ''; }")  # as the clip button's click does
+    send(page, "ab-input", "What does this chart show?", ["chart.png"])
+    expect(verdict).to_contain_text("Running", timeout=60_000)
+    expect(verdict).to_contain_text("identical", timeout=120_000)
+    assert row.inner_text().split("read in")[0] == prompt.split("read in")[0]
 
 
 def test_plain_mode_turns_off_the_drafter_controls(page):
@@ -91,6 +102,21 @@ def test_plain_mode_turns_off_the_drafter_controls(page):
     expect(drafter).to_be_disabled()
     page.get_by_role("radio", name="speculative").check()
     expect(drafter).to_be_enabled()
+
+
+def test_plain_mode_shows_no_speculative_labels(fresh):
+    """A plain answer: no drafter legend, no green, no drafter rows."""
+    from playwright.sync_api import expect
+
+    fresh.get_by_role("radio", name="plain").check()
+    fresh.locator("#chatbot .example").nth(2).click()
+    expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    expect(fresh.locator("#tokens")).to_contain_text("decoded plainly")
+    for panel in ("#tokens .legend", "#stats"):  # (the answer itself may well say "green")
+        for words in ("drafter", "green", "Acceptance", "Accepted"):
+            expect(fresh.locator(panel)).not_to_contain_text(words)
+    expect(fresh.locator("body")).not_to_contain_text("⚡")
+    expect(fresh.locator("#tokens mark")).to_have_count(0)
 
 
 def test_retry_with_sampling_takes_the_next_seed(page):
@@ -210,9 +236,8 @@ def choose(page, label: str, option: str) -> None:
 
 
 def last_answer(page):
-    """The last answer's row (the statistics note is a row of its own, after it); its buttons
-    are the row's next sibling."""
-    return page.locator("#chatbot .message-row.bot-row:not(:has(.thought-group))").last
+    """The last answer's row; its buttons are the row's next sibling."""
+    return page.locator("#chatbot .message-row.bot-row").last
 
 
 def test_auto_drafter_answers_in_the_page_and_the_api(fresh, url):
@@ -233,10 +258,15 @@ def test_auto_drafter_answers_in_the_page_and_the_api(fresh, url):
 
 
 def test_copy_copies_the_answer_only(fresh):
+    """One answer, one message and one action row (the statistics once had a bubble and buttons of
+    their own, and that Copy pasted "⚡ 104.7 tok/s ..."); Copy copies the answer."""
     from playwright.sync_api import expect
 
     fresh.locator("#chatbot .example").first.click()
     expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    expect(fresh.locator("#chatbot .message.bot")).to_have_count(1)
+    expect(fresh.locator("#chatbot button[aria-label='Copy message']")).to_have_count(2)  # the question's, the answer's
+    expect(fresh.locator("#chatbot")).not_to_contain_text("tok/s")
     answer = last_answer(fresh)
     answer.hover()
     answer.locator("xpath=following-sibling::div[1]").locator("button[aria-label='Copy message']").click()
@@ -245,8 +275,9 @@ def test_copy_copies_the_answer_only(fresh):
 
 def test_the_message_enters_the_chat_at_once_with_stop_on(fresh, gate):
     """Images are prepared after the message is shown: while their preparation is held, the
-    message and its images are in the chat, a "preparing" note says so, the box is empty and
-    Stop is on; released, the answer comes."""
+    message and its images are in the chat with Gradio's pending dots as the only answer bubble
+    (no note of ours with buttons beside them), the panel says what is prepared, the box is
+    empty and Stop is on; released, the answer comes."""
     from playwright.sync_api import expect
 
     import app_ui.session
@@ -255,12 +286,15 @@ def test_the_message_enters_the_chat_at_once_with_stop_on(fresh, gate):
     send(fresh, "chat-input", "Which image has more shapes?", ["two_scenes_a.png", "two_scenes_b.png"])
     chat = fresh.locator("#chatbot")
     expect(chat.locator(".message.user img")).to_have_count(2, timeout=30_000)
-    expect(chat).to_contain_text("Preparing 2 images")
+    expect(fresh.locator("#stats")).to_contain_text("Preparing 2 images")
+    expect(chat.locator(".message.bot")).to_have_count(1)  # the pending dots
+    expect(chat).not_to_contain_text("Preparing")
+    expect(chat.locator("button[aria-label='Copy message']")).to_have_count(1)  # the question's only
     expect(fresh.locator("#chat-stop")).to_be_enabled()
     expect(fresh.locator("#chat-input textarea")).to_have_value("")
     gate.set()
     expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
-    expect(chat).not_to_contain_text("Preparing")
+    expect(fresh.locator("#stats")).not_to_contain_text("Preparing")
 
 
 def test_the_highlight_view_spells_the_answer(fresh):
@@ -276,6 +310,9 @@ def test_the_highlight_view_spells_the_answer(fresh):
     assert "\ufffd" not in highlight.inner_text()
     focusable = fresh.locator("#tokens").locator("button, a, input, [tabindex]")
     expect(focusable).to_have_count(0)
+    # An unbroken word ("Theorangeorangeorange...", as a confused model writes) wraps inside the box.
+    highlight.evaluate("e => { e.textContent = 'Theorange'.repeat(40); }")
+    assert highlight.evaluate("e => e.scrollWidth <= e.clientWidth"), "the long word is cut at the edge"
 
 
 def test_new_chat_during_an_answer_resets_every_panel(fresh, gate):
@@ -313,7 +350,8 @@ def test_the_demo_model_hints_when_asked_without_a_picture(fresh):
     box.fill("Hello! What can you do?")
     box.press("Enter")
     expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
-    expect(fresh.locator("#chatbot")).to_contain_text("without one, its answer is a guess")
+    expect(fresh.locator("#stats")).to_contain_text("without one, its answer is a guess")  # beside the chat
+    expect(fresh.locator("#chatbot .message.bot")).to_have_count(1)
 
 
 def test_desktop_first_screen(fresh):

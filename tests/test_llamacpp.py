@@ -64,7 +64,23 @@ def test_text_turn_matches_the_built_in_engine(backend, engine):
     assert done.text and done.text == "".join(c.text for c in chunks)
     assert done.token_ids == [i for c in chunks for i in c.token_ids] == ours(engine, user())
     assert done.stats.mode == "plain" and done.stats.finish_reason in ("stop_token", "max_new_tokens")
-    assert done.stats.new_tokens == len(done.token_ids) and done.stats.prefill_tokens > 0
+    end = done.stats.finish_reason == "stop_token"  # counted as the built-in engine counts it, never sent
+    assert done.stats.new_tokens == len(done.token_ids) + end and done.stats.prefill_tokens > 0
+
+
+def test_an_answer_has_as_many_tokens_as_the_built_in_engines(backend, engine):
+    """Both count the end-of-answer token (llama-server never sends it): two identical answers
+    once read "2 tokens" and "1 token" side by side in the A/B."""
+    questions = [user(), *(user(q) for q in eval_questions(0, 8) if q.images)][:3]
+    ends = 0
+    for messages in questions:
+        built_in = [e for e in engine.stream(messages, decode=DECODE) if isinstance(e, Done)][0]
+        _, done = answer(backend.stream(Request(messages, decode=DECODE)))
+        assert done.stats.finish_reason == built_in.stats.finish_reason
+        assert done.stats.new_tokens == built_in.stats.new_tokens
+        assert done.stats.decode_tokens == built_in.stats.decode_tokens
+        ends += done.stats.finish_reason == "stop_token"
+    assert ends  # at least one answer ended by itself (the case that differed)
 
 
 def test_image_turns_match_the_built_in_engine(backend, engine):

@@ -200,7 +200,7 @@ def test_vllm_counters_read_around_the_request_and_approximate_when_others_ran(s
     assert stats.drafted == 90 and stats.drafts_approximate == "other requests ran on the server meanwhile"
     assert "approximate" in stats.summary()
     row = dict(views._stat_rows(stats))["Accepted / drafted"]
-    assert row == "60 / 90 (approximate: other requests ran on the server meanwhile)"
+    assert row == "60 / 90 tokens (approximate: other requests ran on the server meanwhile)"
     server.pages["/metrics"] = [(200, b'vllm:num_requests_running{engine="0"} 0.0\n')]  # no speculative config
     stats = list(backend.stream(Request(ask())))[-1].stats
     assert (stats.mode, stats.drafted, stats.acceptance) == ("plain", 0, None) and "drafted" not in stats.unknown

@@ -472,9 +472,9 @@ def test_in_the_chat_a_stop_while_queued_and_left_out_turns_are_said(server):
     for i in range(5):  # about 600 tokens a turn; the context is 2048
         session.pending = new_turn({"text": f"Turn {i}: " + "word " * 600, "files": chart if i == 0 else []},
                                    server.engine, session)
-        *_, (chatbot, *_) = layout._respond(server.engine, session, Options(mode="plain", max_new_tokens=4))
-    assert session.dropped >= 2
-    assert f"left out the {session.dropped} oldest turns: the conversation outgrew the context" in chatbot[-1]["content"]
+        *_, (chatbot, statistics, *_) = layout._respond(server.engine, session, Options(mode="plain", max_new_tokens=4))
+    assert session.dropped >= 2  # said beside the chat, with the answer's other statistics
+    assert f"left out the {session.dropped} oldest turns: the conversation outgrew the model's context" in statistics
     assert session.answered()[0].images == [] and session.num_images() == 0  # the left-out image is freed
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from app_ui import views
 from app_ui.session import Session, Turn
 from engine.ab import ABResult, Difference, Side
-from engine.stats import Stats
+from engine.stats import PAUSED, Stats
 
 
 def test_the_highlight_spells_the_final_text_when_the_stream_differs_from_it():
@@ -48,14 +48,108 @@ def test_the_first_difference_quotes_both_fragments():
     assert "plain “`cat`” vs speculative “`dog`”" in views.ab_markdown(result)
 
 
-def test_the_chat_shows_a_sent_message_at_once_and_hints_without_a_picture():
+def test_the_chat_shows_a_sent_message_at_once_and_knows_when_no_picture_was_sent():
     session = Session()
     session.pending = Turn("Which has more shapes?", ["a.png", "b.png"], [])
-    messages = views.chatbot_messages(session, demo=True)
-    assert messages[-1]["metadata"]["title"] == "Preparing 2 images…"
-    answered = Turn("Hello", [], [], answer="green", summary="9.0 tok/s · TTFT 5 ms · acceptance 50%")
-    session.turns, session.pending = [answered], None
-    answer, hint, note = views.chatbot_messages(session, demo=True)[1:]
-    assert answer["content"] == "green" and "guess" in hint["metadata"]["title"]
-    assert note["metadata"]["title"] == "⚡ 9.0 tok/s · TTFT 5 ms" and note["content"] == "- acceptance 50%"
-    assert len(views.chatbot_messages(session, demo=False)) == 3
+    assert views.chatbot_messages(session)[-1]["role"] == "user"
+    assert "Preparing 2 images…" in views.preparing(session.pending)
+    assert not views.asked_without_a_picture(session)
+    session.turns, session.pending = [Turn("Hello", [], [], answer="green")], None
+    assert views.asked_without_a_picture(session)
+
+
+def test_one_answer_is_one_message_and_a_pending_turn_adds_none():
+    """The statistics are beside the chat (the panel), never a chat message of their own with its
+    own Copy / Retry / Undo; while a turn is prepared, Gradio's pending dots are the only
+    assistant bubble."""
+    session = Session()
+    session.turns = [Turn("Hello", [], [], answer="green")]
+    session.pending = Turn("Which has more shapes?", ["a.png"], [])
+    messages = views.chatbot_messages(session)
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[1] == {"role": "assistant", "content": "green"}
+    assert not any("metadata" in m for m in messages)
+    assert "Preparing 1 image…" in views.preparing(session.pending)
+
+
+def test_the_no_picture_hint_is_beside_the_chat():
+    stats = Stats(mode="plain", new_tokens=3, decode_tokens=2, decode_s=0.1, decode_tok_s=20.0)
+    assert views.NO_PICTURE_HINT in views.stats_markdown(stats, hint=True)
+    assert views.NO_PICTURE_HINT not in views.stats_markdown(stats)
+
+
+def test_a_speed_is_given_only_where_it_is_measured():
+    """One rule for the panel, the one-line summary and the A/B: an answer of one token (or two
+    when the speed could not be timed) has no decode speed, never "17.8 tok/s" or "0.0 tok/s"."""
+    short = Stats(mode="speculative", new_tokens=2, decode_tokens=1, decode_s=0.056, decode_tok_s=17.8, ttft_s=0.1)
+    one = Stats(mode="plain", new_tokens=1, decode_tokens=0, decode_tok_s=0.0, ttft_s=0.1)
+    for stats in (short, one):
+        assert not stats.speed_measured
+        assert "tok/s" not in stats.summary() and "too few tokens" in stats.summary()
+        assert "too few tokens to measure" in views.stats_markdown(stats)
+
+
+def test_a_ratio_with_a_missing_side_reads_not_measurable():
+    """Built-in against llama.cpp on a one-character answer: neither decode speed is measured, so
+    there is no decode ratio (it once read "0.00× the decode tokens/s")."""
+    from engine.ab import compare
+
+    plain = Side("plain", text="A", done=True, stats=Stats(new_tokens=2, decode_tokens=1, decode_s=0.01,
+                                                          decode_tok_s=100.0, total_s=0.2, finish_reason="stop_token"))
+    other = Side("speculative", text="A", done=True, stats=Stats(new_tokens=1, decode_tokens=0, decode_s=0.0,
+                                                                decode_tok_s=0.0, total_s=0.05,
+                                                                finish_reason="stop_token"))
+    result = compare(None, plain, other, verdict_of=False)
+    assert result.decode_speedup is None
+    text = views.ab_markdown(result, names=("built-in", "llama.cpp"))
+    assert "0.00" not in text and "not measurable" in text
+    assert "too few tokens" in text
+
+
+def test_plain_decoding_shows_no_speculative_labels():
+    side = Side("plain", text="a cat", spans=[("a cat", "target")],
+                stats=Stats(mode="plain", new_tokens=3, decode_tokens=2))
+    html = views.highlight_html(side)
+    assert "drafter" not in html and "green" not in html and "a cat" in html
+
+
+def test_auto_explains_its_choice_with_the_menus_names():
+    from engine.auto import DrafterChooser
+
+    chooser = DrafterChooser(["vlm", "dflash"])
+    chooser.record("vlm", 1, 20, 30.0)
+    chooser.record("dflash", 1, 20, 14.9)
+    _, reason = chooser.choose(1)
+    stats = Stats(mode="speculative", drafter_kind="vlm", auto_choice=reason, new_tokens=3, decode_tokens=2)
+    text = views.stats_markdown(stats, drafters={"vlm": "vlm", "dflash": "dflash"})
+    assert "Small VLM" in text and "Block drafter 14.9 tok/s over 1 request" in text
+    assert "auto: vlm" not in text and "dflash" not in text
+
+
+def test_an_expected_speedup_is_not_shown_alone():
+    """The cost rule's expected gain is its own estimate, not a measurement: the panel shows the
+    draft length's reason without it ("draft length 6: ... (7.00× plain expected)" once sat
+    beside a measured 0.39×)."""
+    stats = Stats(mode="speculative", new_tokens=9, decode_tokens=8, decode_s=0.1, decode_tok_s=80.0,
+                  draft_length_reason="draft length 6: the fastest at the measured costs and acceptance "
+                                      "(7.00× plain expected)")
+    text = views.stats_markdown(stats)
+    assert "7.00" not in text and "draft length 6" in text
+    assert "7.00× plain expected, 2.00× measured" in views.stats_markdown(stats, plain_tok_s=40.0)
+    stats.draft_length_reason = f"{PAUSED}; the best draft length was 0.80× plain expected; 1 token is tried again"
+    assert "0.80" not in views.stats_markdown(stats) and "expected to beat plain" in views.stats_markdown(stats)
+
+
+def test_every_figure_has_its_unit():
+    """"the model's context (2,048 tokens) takes at most 32,768" once left the reader to guess."""
+    import pytest
+
+    from engine.engine import RequestError
+    from engine.settings import check_text
+
+    with pytest.raises(RequestError, match=r"takes at most 32,768 characters"):
+        check_text("x" * 40_000, 2048)
+    stats = Stats(mode="speculative", prefill_tokens=40, prefill_image_tokens=16, max_image_tokens=256,
+                  drafted=5, accepted=3, new_tokens=4, decode_tokens=3)
+    text = views.stats_markdown(stats)
+    assert "16 tokens for images, at most 256 tokens per image" in text and "3 / 5 tokens" in text

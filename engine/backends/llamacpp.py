@@ -93,6 +93,7 @@ class LlamaCpp:
         self.plain_server = None if self.paths["draft"] else self.server  # for image turns, started on need
         self.label_images = labels_images(self._props().get("chat_template", ""))
         self.name = "llama.cpp"
+        self.checkpoint = checkpoint and Path(checkpoint)  # the checkpoint folder it was converted from, if any
 
     @classmethod
     def from_checkpoint(cls, target: str | Path, draft: str | Path | None = None, outtype: str = "f32",
@@ -252,6 +253,9 @@ class _Answer:
         chunks.close()
         if reason is None:
             raise RequestError("llama.cpp ended the answer without a finish reason")
+        if reason == "stop" and first_at is not None:  # the end token, never sent, counted and timed as the
+            self.stats.new_tokens += 1  # built-in engine counts it: two equal answers, equal counts
+            stream_timed(self.stats, self.started, first_at, time.perf_counter())
         self._server_counts(timings, reason)
         yield Done(text, token_ids if ids_known else [], self._finished(FINISH_REASONS.get(reason, reason), first_at))
 
@@ -286,7 +290,7 @@ class _Answer:
             return
         self.stats.prefill_s = timings.get("prompt_ms", 0.0) / 1000
         self.stats.prefill_tokens = timings.get("prompt_n", 0) + timings.get("cache_n", 0)
-        predicted = timings.get("predicted_n", 0) - (reason == "stop")  # the stop token is never sent
+        predicted = timings.get("predicted_n", 0)  # the end token included, as in new_tokens
         if predicted > self.stats.new_tokens and timings.get("predicted_ms"):
             # tokens the stream never showed one by one (llama-server holds back a piece that is not
             # yet whole UTF-8, as random weights write): the server's own count and decode time
