@@ -39,7 +39,6 @@ import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from engine.backends.llamacpp_native import binary
 
