@@ -4,16 +4,17 @@ template), so that no 93 MB download is needed. The real file's agreement is mea
 
 from __future__ import annotations
 
+import json
 import zipfile
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText
+from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from models.demo import smol, world
-from models.loading import LoadError
+from models.loading import LoadError, check_vocabularies
 from models.processors import load_processor
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>", "<file_sep>", "<filename>",
@@ -156,3 +157,27 @@ def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     assert smol.cache_dir() == tmp_path / "vlm-speculative-chat"
     monkeypatch.setenv("VLM_SPECULATIVE_CHAT_CACHE", str(tmp_path / "own"))
     assert smol.cache_dir() == tmp_path / "own"
+
+
+def test_self_distillation_data_and_text_drafter_on_the_tiny_target(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from measure.smol_text import PROMPTS
+    from models.demo import distill_smol
+
+    assert not set(distill_smol.text_prompts()) & set(PROMPTS)  # the evaluation prompts are never trained on
+    _, folder = tiny
+    distill_smol.main(["data", "--out", str(tmp_path / "data"), "--target", str(folder), "--text", "2",
+                       "--pictures", "1", "--max-new-tokens", "3"])
+    distill_smol.main(["data", "--out", str(tmp_path / "data"), "--target", str(folder), "--text", "3",
+                       "--pictures", "1", "--max-new-tokens", "3"])  # resumes: only the missing records
+    records = [json.loads(line) for line in open(tmp_path / "data" / "answers.jsonl")]
+    assert [r["kind"] for r in records] == ["text", "text", "picture", "text"]
+    assert all(1 <= len(r["answer_ids"]) <= 3 for r in records)
+    distill_smol.main(["text-drafter", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "drafter"),
+                       "--target", str(folder), "--layers", "1", "--steps", "2", "--batch-size", "2"])
+    drafter = AutoModelForCausalLM.from_pretrained(tmp_path / "drafter")
+    target = AutoModelForImageTextToText.from_pretrained(folder)
+    assert drafter.config.num_hidden_layers == 1
+    assert torch.equal(drafter.get_input_embeddings().weight, target.get_input_embeddings().weight)  # frozen, shared ids
+    check_vocabularies(load_processor(str(folder)).tokenizer, AutoTokenizer.from_pretrained(tmp_path / "drafter"), "d")
