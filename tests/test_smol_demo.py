@@ -181,3 +181,18 @@ def test_self_distillation_data_and_text_drafter_on_the_tiny_target(tiny, tmp_pa
     assert drafter.config.num_hidden_layers == 1
     assert torch.equal(drafter.get_input_embeddings().weight, target.get_input_embeddings().weight)  # frozen, shared ids
     check_vocabularies(load_processor(str(folder)).tokenizer, AutoTokenizer.from_pretrained(tmp_path / "drafter"), "d")
+
+
+def test_trained_parts_round_trip_into_a_new_assembly(tiny, tmp_path):
+    cache, folder = tiny
+    vlm = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        vlm.model.visual.merger.mlp[2].bias.add_(1.0)  # as if trained
+    smol.save_parts(vlm, tmp_path / "parts", {"step": 7})
+    parts = smol.load_parts(tmp_path / "parts")
+    assert parts[0] == smol.initial_parts(hidden_size=HIDDEN)[0]
+    other = smol.assemble(parts=parts, cache=cache)
+    assert other != folder  # one assembled folder per set of parts
+    again = AutoModelForImageTextToText.from_pretrained(other, dtype=torch.float32)
+    assert torch.equal(again.model.visual.merger.mlp[2].bias, vlm.model.visual.merger.mlp[2].bias)
+    assert torch.equal(again.lm_head.weight, vlm.lm_head.weight)

@@ -180,9 +180,7 @@ def initial_parts(hidden_size: int = 576, seed: int = 0) -> tuple[dict, dict[str
     vision tower with a fresh last connector layer (merger.mlp.2) to `hidden_size`."""
     from safetensors.torch import load_file
 
-    config = json.loads((SEED_VLM / "config.json").read_text())["vision_config"]
-    vision = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
-    vision["hidden_size"] = hidden_size
+    vision = seed_vision_config() | {"hidden_size": hidden_size}
     weights = {k.removeprefix("model."): v for k, v in load_file(SEED_VLM / "model.safetensors").items()
                if k.removeprefix("model.").startswith("visual.")}
     generator = torch.Generator().manual_seed(seed)
@@ -192,13 +190,20 @@ def initial_parts(hidden_size: int = 576, seed: int = 0) -> tuple[dict, dict[str
     return vision, weights
 
 
+def seed_vision_config() -> dict:
+    """The 3.6 M demo's vision config: the settings a vision part keeps (no generic fields)."""
+    config = json.loads((SEED_VLM / "config.json").read_text())["vision_config"]
+    return {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+
+
 def load_parts(folder: Path = PARTS) -> tuple[dict, dict[str, torch.Tensor]] | None:
     """The trained parts in `folder` (vision.json + vision.safetensors), or None before training."""
     from safetensors.torch import load_file
 
     if not (folder / "vision.safetensors").exists():
         return None
-    return json.loads((folder / "vision.json").read_text())["vision_config"], load_file(folder / "vision.safetensors")
+    saved = json.loads((folder / "vision.json").read_text())["vision_config"]
+    return {k: saved[k] for k in seed_vision_config() if k in saved}, load_file(folder / "vision.safetensors")
 
 
 def save_parts(model, folder: Path, info: dict | None = None) -> None:
@@ -207,8 +212,8 @@ def save_parts(model, folder: Path, info: dict | None = None) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     state = {"visual." + k: v.detach().float().contiguous() for k, v in model.model.visual.state_dict().items()}
-    vision = {k: v for k, v in model.config.vision_config.to_dict().items()
-              if k not in ("model_type", "transformers_version")}
+    saved = model.config.vision_config.to_dict()
+    vision = {k: saved[k] for k in seed_vision_config() if k in saved}
     save_file(state, folder / "vision.safetensors")
     (folder / "vision.json").write_text(json.dumps({"vision_config": vision, **(info or {})}, indent=2) + "\n")
 
