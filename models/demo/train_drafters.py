@@ -238,10 +238,14 @@ def main(argv=None) -> None:
                         help="train on the world's reference answers instead of the target's own")
     parser.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: at the end only)")
     parser.add_argument("--max-answer-tokens", type=int, default=96, help="longest target answer generated")
+    parser.add_argument("--block-layers", default=",".join(map(str, BLOCK_TARGET_LAYERS)),
+                        help="hidden_states indices the block drafter reads (e.g. 10,20,30 for the 30-layer "
+                             "SmolLM2 demo: --target $(python -m models.demo.smol))")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
+    block_layers = tuple(int(n) for n in args.block_layers.split(","))
 
     target = AutoModelForImageTextToText.from_pretrained(args.target, dtype=torch.float32).eval().requires_grad_(False)
     processor = load_processor(args.target)
@@ -249,8 +253,8 @@ def main(argv=None) -> None:
     embed = target.get_input_embeddings()
     mtp = drafter_heads.MtpHead(drafter_heads.MtpHeadConfig.for_target(target.config, num_hidden_layers=MTP_LAYERS))
     block = drafter_heads.BlockDrafter(drafter_heads.BlockDrafterConfig.for_target(
-        target.config, num_hidden_layers=BLOCK_LAYERS, target_hidden_layers=BLOCK_TARGET_LAYERS, block_size=BLOCK_SIZE))
-    layers = (0, -1) + BLOCK_TARGET_LAYERS
+        target.config, num_hidden_layers=BLOCK_LAYERS, target_hidden_layers=block_layers, block_size=BLOCK_SIZE))
+    layers = (0, -1) + block_layers
     optimizers = {name: torch.optim.AdamW(module.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
                   for name, module in (("mtp", mtp), ("block", block))}
     log = LossLog()

