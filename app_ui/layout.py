@@ -280,7 +280,9 @@ def _wire_chat(engine: Served, gpu: Callable, session: gr.State, settings: dict,
                 seed = _next_seed(seed)
             last = session.turns.pop()
             _start(session, Turn(last.text, last.files, last.images))
-        return views.chatbot_messages(session), seed, gr.Button(variant="stop", interactive=True)
+        # The panel says the new answer is on its way: the last one's figures would read as this one's.
+        panel = views.preparing(session.pending) if session.pending is not None else gr.skip()
+        return views.chatbot_messages(session), seed, gr.Button(variant="stop", interactive=True), panel
 
     def undo(session: Session):
         message = session.turns.pop().message if session.pending is None and session.turns else gr.skip()
@@ -309,7 +311,7 @@ def _wire_chat(engine: Served, gpu: Callable, session: gr.State, settings: dict,
         .success(lambda session: show(session, clear_box=False), [session], shown, **INSTANT) \
         .success(**respond_event).then(**idle)
     chat.chatbot.retry(retry, [session, settings["temperature"], settings["seed"]],
-                       [chat.chatbot, settings["seed"], chat.stop], **INSTANT) \
+                       [chat.chatbot, settings["seed"], chat.stop, chat.panels[1]], **INSTANT) \
         .success(**respond_event).then(**idle)
     chat.chatbot.undo(undo, [session], [chat.message, *chat.panels], **INSTANT)
     chat.new_chat.click(new_conversation, [session], [chat.message, *chat.panels], **INSTANT)

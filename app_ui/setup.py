@@ -122,6 +122,10 @@ APP_VARIABLES = [("VLM_HOST", "--host"), ("VLM_PORT", "--port"), ("VLM_MAX_IMAGE
                  ("VLM_BACKEND_API_KEY", "the servers' API key (sent to them only)"),
                  ("VLM_NATIVE_LAYER=0", "decode with the Python layers, not the ones compiled from C++ "
                                         "(engine/fast_native.py)"),
+                 ("VLM_LLAMACPP_NATIVE=0", "llama.cpp backends run the xllamacpp wheel's server even where llama.cpp "
+                                           "was built for this CPU (engine/backends/llamacpp_native.py)"),
+                 ("VLM_SPECULATIVE_CHAT_CACHE", "where --preset smol assembles its model (default "
+                                                "$XDG_CACHE_HOME/vlm-speculative-chat or ~/.cache/...)"),
                  ("GRADIO_SERVER_NAME, GRADIO_SERVER_PORT", "host and port, after VLM_HOST and VLM_PORT"),
                  ("SPACE_ID (set on a Hugging Face Space)", "serve on 0.0.0.0, open no browser")]
 
