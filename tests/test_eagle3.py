@@ -28,7 +28,7 @@ from models.loading import LoadError
 from tests.conftest import MODEL_OPTIONS
 from tests.mocks import ForcedDrafter, assert_forced_acceptance, corrupt
 from tests.oracles import uncached_forward, uncached_inputs
-from tests.tiny_next import IMAGE_COUNTS, MAX_NEW, answer, messages
+from tests.tiny_next import IMAGE_COUNTS, MAX_NEW, answer, assert_samples_without_falling_back, messages
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -259,15 +259,7 @@ def test_d2t_places_draft_ids_at_target_ids(zoo):
 def test_eagle3_samples_without_falling_back(zoo):
     """Sampling (rejection sampling against the drafter's distributions, -inf outside the draft
     vocabulary) runs through; equal seeds give equal answers."""
-    from engine.sampling import SamplingSettings
-
-    target, drafter = zoo.target("qwen3_vl"), zoo.drafter("qwen3_vl", "specforge")
-    engine = Engine(target, {"drafter": drafter})
-    decode = DecodeSettings(max_new_tokens=12, draft_tokens=3, stop_token_ids=frozenset({-1}))
-    runs = [list(engine.stream(messages(1), drafter="drafter", decode=decode,
-                               sampling=SamplingSettings(temperature=1.0, seed=7)))[-1] for _ in range(2)]
-    assert runs[0].stats.fallback_reason is None and runs[0].stats.drafted > 0
-    assert runs[0].token_ids == runs[1].token_ids
+    assert_samples_without_falling_back(zoo.target("qwen3_vl"), zoo.drafter("qwen3_vl", "specforge"))
 
 
 def test_eagle3_drafts_chains_for_a_tree_request(zoo):

@@ -26,7 +26,7 @@ from engine.loop import DecodeSettings
 from engine.runner import Runner
 from engine.drafters.registry import load_drafter
 from tests import tiny_next
-from tests.tiny_next import IMAGE_COUNTS, MAX_NEW, answer, messages
+from tests.tiny_next import IMAGE_COUNTS, MAX_NEW, answer, assert_samples_without_falling_back, messages
 from tests.mocks import ForcedDrafter, ScriptedDrafter, assert_forced_acceptance, corrupt
 from tests.oracles import uncached_forward
 
@@ -252,15 +252,7 @@ def test_loading_refuses_drafters_that_do_not_fit_the_target(zoo):
 def test_reading_drafter_samples_without_falling_back(zoo, family, name, kind, longest, reference):
     """Sampling (rejection sampling against the drafter's own distributions) runs through every
     reading drafter; equal seeds give equal answers."""
-    from engine.sampling import SamplingSettings
-
-    target, drafter = zoo.target(family), zoo.drafter(family, name)
-    engine = Engine(target, {"drafter": drafter})
-    decode = DecodeSettings(max_new_tokens=12, draft_tokens=3, stop_token_ids=frozenset({-1}))
-    runs = [list(engine.stream(messages(1), drafter="drafter", decode=decode,
-                               sampling=SamplingSettings(temperature=1.0, seed=7)))[-1] for _ in range(2)]
-    assert runs[0].stats.fallback_reason is None and runs[0].stats.drafted > 0
-    assert runs[0].token_ids == runs[1].token_ids
+    assert_samples_without_falling_back(zoo.target(family), zoo.drafter(family, name))
 
 
 def test_unavailable_reading_drafter_decodes_plainly(zoo):

@@ -321,3 +321,16 @@ def answer(target, num_images, drafter=None, k=4, adaptive=False) -> Done:
     done = list(engine.stream(messages(num_images), drafter="drafter" if drafter else None, decode=decode))[-1]
     assert isinstance(done, Done)
     return done
+
+
+def assert_samples_without_falling_back(target, drafter) -> None:
+    """Sampling (rejection sampling against the drafter's own distributions) runs through the
+    drafter without a fallback, and equal seeds give equal answers."""
+    from engine.sampling import SamplingSettings
+
+    engine = Engine(target, {"drafter": drafter})
+    decode = DecodeSettings(max_new_tokens=12, draft_tokens=3, stop_token_ids=frozenset({-1}))
+    runs = [list(engine.stream(messages(1), drafter="drafter", decode=decode,
+                               sampling=SamplingSettings(temperature=1.0, seed=7)))[-1] for _ in range(2)]
+    assert runs[0].stats.fallback_reason is None and runs[0].stats.drafted > 0
+    assert runs[0].token_ids == runs[1].token_ids

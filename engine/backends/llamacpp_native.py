@@ -140,8 +140,7 @@ def main(argv=None) -> int:
     try:
         build(jobs=args.jobs)
     except BuildError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        raise SystemExit(f"error: {error}") from None  # exit status 1, the message on stderr
     return 0
 
 
