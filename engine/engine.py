@@ -34,7 +34,7 @@ from engine.loop import Chunk, DecodeSettings, Done, RequestInfo, generate
 from engine.images import fit_to_processor
 from engine.prompt import Prompt, encode_vlm, images_of, neutralize, normalize
 from engine.sampling import SamplingSettings
-from engine.settings import RequestError, check_text, check_value
+from engine.settings import RequestError, check_text, check_value, spec
 from engine.stats import Stats
 from engine.target import Target
 from engine.worker import Stream, Worker
@@ -215,6 +215,9 @@ class Ceilings:
             if text:
                 if not text.isdigit() or int(text) < 1:
                     raise RequestError(f"{variable}: {text!r} is not a whole number of 1 or more")
+                most = spec(name).high  # the schema's range: a ceiling above it would never be reached
+                if int(text) > most:
+                    raise RequestError(f"{variable}: {text} is over the most the settings allow ({most:g})")
                 values[name] = int(text)
         return cls(**values)
 

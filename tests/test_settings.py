@@ -117,3 +117,13 @@ def test_a_bad_variable_is_one_line_naming_it_and_a_flag_wins_over_a_bad_choice(
     if name != "max_image_tokens":  # a number is read as the flags are made, a choice after parsing
         flag_value = {"dtype": "float32", "quantization": "8bit"}[name]
         assert getattr(setup.read_config([schema.flag(name), flag_value], environ).spec.options, name) == flag_value
+
+
+def test_a_server_ceiling_above_the_settings_range_is_refused_at_start():
+    from engine.engine import Ceilings, RequestError
+    from engine.settings import spec
+
+    most = int(spec("draft_tree").high)
+    assert Ceilings.from_environ({"VLM_MAX_DRAFT_TREE": str(most)}).draft_tree == most
+    with pytest.raises(RequestError, match=rf"VLM_MAX_DRAFT_TREE: {most + 1} is over the most the settings allow \({most}\)"):
+        Ceilings.from_environ({"VLM_MAX_DRAFT_TREE": str(most + 1)})
