@@ -142,7 +142,7 @@ def main() -> None:
     weights = {"cell": args.cell_weight, "picture": args.picture_weight, "probe": args.probe_weight}
     settings = {k: str(v) for k, v in vars(args).items()}
     questions = world.eval_questions(0, args.eval_questions)
-    last_save, window, tokens, began = time.time(), {}, 0, time.time()
+    last_save, window, counted, tokens, began = time.time(), {}, 0, 0, time.time()
     end = min(args.max_steps or args.steps, args.steps)
     for step in range(start, end):
         batch = encode(processor, batch_examples(step, args.batch_size, args.seed))
@@ -158,16 +158,16 @@ def main() -> None:
         tokens += int(batch.attention_mask.sum())
         for k, v in parts.items():
             window[k] = window.get(k, 0.0) + v.item()
+        counted += 1
         done = step + 1
         if done % args.log_every == 0 or done == end:
-            n = (done - start) % args.log_every or args.log_every
             seconds = time.time() - began
-            line = {"step": done, "lr": round(lr, 6), **{k: round(v / n, 4) for k, v in window.items()},
+            line = {"step": done, "lr": round(lr, 6), **{k: round(v / counted, 4) for k, v in window.items()},
                     "seconds": round(seconds), "tokens_per_s": round(tokens / seconds, 1)}
             print(json.dumps(line), flush=True)
             with open(log_path, "a") as f:
                 f.write(json.dumps(line) + "\n")
-            window, tokens, began = {}, 0, time.time()
+            window, counted, tokens, began = {}, 0, 0, time.time()
         if done % args.eval_every == 0:
             t0 = time.time()
             total, per_kind = accuracy(model, processor, questions)
