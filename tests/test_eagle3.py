@@ -342,7 +342,7 @@ def test_train_eagle3_writes_a_specforge_folder_that_loads_and_exports(tmp_path)
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] < config["vocab_size"]
     exported = eagle3.export_speculators(str(out), str(tmp_path / "speculators"), "assets/demo/target")
     assert exported["speculators_config"]["algorithm"] == "eagle3"
-    assert exported["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in train_eagle3.LAYERS_AS_OUTPUTS]
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in train_eagle3.layers_as_outputs(6)]
     target = load_target(train_eagle3.DEFAULT_TARGET, MODEL_OPTIONS)
     drafters = [load_drafter(str(folder), target) for folder in (out, tmp_path / "speculators")]
     assert drafters[0].layers == drafters[1].layers == (2, 4, 5)

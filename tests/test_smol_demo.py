@@ -5,6 +5,7 @@ template), so that no 93 MB download is needed. The real file's agreement is mea
 from __future__ import annotations
 
 import json
+import math
 import zipfile
 
 import gguf
@@ -181,6 +182,28 @@ def test_self_distillation_data_and_text_drafter_on_the_tiny_target(tiny, tmp_pa
     assert drafter.config.num_hidden_layers == 1
     assert torch.equal(drafter.get_input_embeddings().weight, target.get_input_embeddings().weight)  # frozen, shared ids
     check_vocabularies(load_processor(str(folder)).tokenizer, AutoTokenizer.from_pretrained(tmp_path / "drafter"), "d")
+
+
+def test_eagle3_drafter_trains_on_the_targets_own_answers_and_loads(tiny, tmp_path):
+    """`train_eagle3 --data`: an EAGLE-3 drafter trained on distill_smol's answers (text and
+    picture turns) of the tiny SmolLM2-shaped target, in SpecForge's format, that the engine loads."""
+    from engine.drafters.registry import load_drafter
+    from engine.target import load_target
+    from models.demo import distill_smol, train_eagle3
+    from tests.conftest import MODEL_OPTIONS
+
+    _, folder = tiny
+    distill_smol.main(["data", "--out", str(tmp_path / "data"), "--target", str(folder), "--text", "3",
+                       "--pictures", "2", "--max-new-tokens", "4"])
+    out = tmp_path / "eagle3"
+    train_eagle3.main(["--target", str(folder), "--data", str(tmp_path / "data"), "--out", str(out), "--steps", "3",
+                       "--batch-size", "2", "--threads", "1", "--ttt-steps", "2", "--draft-vocab", "16"])
+    assert all(not math.isnan(v) for v in json.loads((out / "training.json").read_text())["log"][-1].values())
+    config = json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] <= 16 and config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 0]
+    assert json.loads((out / "training.json").read_text())["steps_done"] == 3
+    drafter = load_drafter(str(out), load_target(str(folder), MODEL_OPTIONS))
+    assert drafter is not None
 
 
 def test_trained_parts_round_trip_into_a_new_assembly(tiny, tmp_path):

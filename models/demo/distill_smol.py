@@ -59,7 +59,8 @@ def conversation(record: dict) -> tuple[list[dict], list]:
     return first, example.images[:shown]
 
 
-def generate_data(target_folder: str, out: Path, n_text: int, n_pictures: int, max_new_tokens: int) -> None:
+def generate_data(target_folder: str, out: Path, n_text: int, n_pictures: int, max_new_tokens: int,
+                  batch_size: int = 16) -> None:
     from transformers import AutoModelForImageTextToText
 
     from models.processors import load_processor
@@ -73,18 +74,25 @@ def generate_data(target_folder: str, out: Path, n_text: int, n_pictures: int, m
     records = [r for r in records if key(r) not in done]  # a second run adds only what is missing
     model = AutoModelForImageTextToText.from_pretrained(target_folder, dtype=torch.float32).eval()
     processor = load_processor(target_folder)
+    tokenizer = processor.tokenizer
+    tokenizer.padding_side = "left"  # batched greedy generation: every answer starts at the same column
     started = time.time()
-    for number, record in enumerate(records):
-        messages, images = conversation(record)
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = processor(text=[text], images=images or None, return_tensors="pt")
-        with torch.no_grad():
-            output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        record["answer_ids"] = output[0, inputs["input_ids"].shape[1]:].tolist()
+    for first in range(0, len(records), batch_size):
+        batch = records[first: first + batch_size]
+        conversations = [conversation(r) for r in batch]
+        texts = [processor.apply_chat_template(m, add_generation_prompt=True) for m, _ in conversations]
+        images = [image for _, shown in conversations for image in shown]
+        inputs = processor(text=texts, images=images or None, padding=True, return_tensors="pt")
+        with torch.inference_mode():
+            output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                    pad_token_id=tokenizer.pad_token_id)
+        ends = {tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
         with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if (number + 1) % 10 == 0:
-            print(f"{number + 1}/{len(records)} answers, {time.time() - started:.0f} s", flush=True)
+            for record, row in zip(batch, output[:, inputs["input_ids"].shape[1]:].tolist()):
+                stop = next((i for i, t in enumerate(row) if t in ends), len(row))
+                record["answer_ids"] = row[: stop + 1] if stop < len(row) else row  # the stop token kept
+                f.write(json.dumps(record) + "\n")
+        print(f"{first + len(batch)}/{len(records)} answers, {time.time() - started:.0f} s", flush=True)
 
 
 def text_view(processor, record: dict) -> tuple[list[int], list[int]]:
@@ -179,6 +187,7 @@ def main(argv=None) -> None:
     data.add_argument("--text", type=int, default=400)
     data.add_argument("--pictures", type=int, default=400)
     data.add_argument("--max-new-tokens", type=int, default=128)
+    data.add_argument("--batch-size", type=int, default=16, help="conversations per batched generate")
     drafter = commands.add_parser("text-drafter")
     drafter.add_argument("--data", type=Path, required=True)
     drafter.add_argument("--out", type=Path, required=True)
@@ -197,7 +206,7 @@ def main(argv=None) -> None:
 
         args.target = str(smol.assemble())
     if args.command == "data":
-        generate_data(args.target, args.out, args.text, args.pictures, args.max_new_tokens)
+        generate_data(args.target, args.out, args.text, args.pictures, args.max_new_tokens, args.batch_size)
     else:
         train_text_drafter(args.data, args.target, args.out, args.layers, args.steps, args.batch_size, args.lr, args.seed)
 

@@ -1,6 +1,12 @@
 """Train an EAGLE-3 drafter for the bundled target, written in SpecForge's format.
 
     python -m models.demo.train_eagle3 --out assets/demo/eagle3_drafter [--steps N] [--seed 0]
+    python -m models.demo.train_eagle3 --target smol --data DIR --out assets/demo_smol/eagle3_drafter
+
+`--target smol` is the SmolLM2 demo (`models.demo.smol.assemble()`); `--data DIR` reads the
+target's own answers written by `python -m models.demo.distill_smol data --out DIR` (text
+prompts and picture turns) instead of the world's reference answers, in a seeded shuffled
+order, epoch after epoch.
 
 writes OUT/config.json + OUT/model.safetensors (SpecForge: `LlamaForCausalLMEagle3`, weights
 `embed_tokens`, `fc`, `midlayer.*`, `norm`, `lm_head`, buffers `d2t` / `t2d`; models/eagle3.py)
@@ -31,6 +37,7 @@ import argparse
 import collections
 import json
 import os
+import random
 import sys
 
 import torch
@@ -39,11 +46,17 @@ from transformers import AutoModelForImageTextToText
 
 from models import eagle3
 from models.demo import world
-from models.demo.processor import load_processor
+from models.processors import load_processor
 from models.demo.train import learning_rate
 from models.demo.train_drafters import DEFAULT_TARGET, LossLog, TargetPass, answer_chains, target_answers
 
-LAYERS_AS_OUTPUTS = [1, 3, 4]  # SpecForge's numbering (output of layer i) for the 6-layer target
+
+
+def layers_as_outputs(num_layers: int) -> list[int]:
+    """SpecForge's default auxiliary layers (output of layer i, numbered from 0): [1, 3, 4] for the
+    6-layer demo target, [1, 14, 26] for SmolLM2's 30 layers; kept inside 0 .. num_layers - 2
+    (the last layer's output is read after the final norm) for the tiny test models."""
+    return [min(max(i, 0), num_layers - 2) for i in (1, num_layers // 2 - 1, num_layers - 4)]
 
 
 def specforge_config(target_config, draft_vocab_size: int, target_name: str) -> dict:
@@ -61,16 +74,16 @@ def specforge_config(target_config, draft_vocab_size: int, target_name: str) -> 
         "rope_theta": rope["rope_theta"], "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]},
         "vocab_size": text.vocab_size, "draft_vocab_size": draft_vocab_size, "tie_word_embeddings": False,
         "attention_bias": False, "pretraining_tp": 1, "torch_dtype": "float32",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": LAYERS_AS_OUTPUTS},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers_as_outputs(text.num_hidden_layers)},
     }
 
 
-def draft_vocabulary(processor, size: int, examples: int = 4000) -> torch.Tensor:
-    """(size,) ascending target ids: the most frequent tokens of the reference answers of the
-    first `examples` training conversations, and the end-of-turn tokens."""
+def draft_vocabulary(processor, size: int, examples: list[world.Example] | None = None) -> torch.Tensor:
+    """(size,) ascending target ids: the most frequent tokens of the answers of `examples`
+    (default: the first 4,000 training conversations), and the end-of-turn tokens."""
     tokenizer = processor.tokenizer
     counts = collections.Counter()
-    for example in world.train_examples(0, examples):
+    for example in examples if examples is not None else world.train_examples(0, 4000):
         for message in example.messages:
             if message["role"] == "assistant":
                 text = " ".join(c["text"] for c in message["content"] if c.get("type") == "text")
@@ -106,10 +119,40 @@ def eagle3_losses(module: eagle3.Eagle3, batch: TargetPass, layers: list[int], s
         labels = draft_of[torch.gather(batch.greedy, 1, at)]
         valid = used & (chains + step + 1 < seq) & (labels >= 0) & \
             torch.gather(batch.answer, 1, (chains + step + 1).clamp(max=seq - 1))
-        logits = module.draft_logits(rows[valid])
-        losses.append(F.cross_entropy(logits, labels[valid]))
-        accuracy.append((logits.argmax(-1) == labels[valid]).float().mean().item())
+        logits = module.draft_logits(rows[valid])  # a batch without a label in the draft vocabulary adds 0
+        losses.append(F.cross_entropy(logits, labels[valid], reduction="sum") / max(1, int(valid.sum())))
+        accuracy.append((logits.argmax(-1) == labels[valid]).float().mean().item() if valid.any() else 0.0)
     return losses, accuracy
+
+
+def distilled_examples(folder: str, tokenizer) -> list[world.Example]:
+    """The conversations of `folder`/answers.jsonl (models.demo.distill_smol), each ending in the
+    target's own answer."""
+    from models.demo.distill_smol import conversation
+
+    examples = []
+    with open(os.path.join(folder, "answers.jsonl")) as file:
+        for line in file:
+            record = json.loads(line)
+            messages, images = conversation(record)
+            answer = tokenizer.decode(record["answer_ids"], skip_special_tokens=True).strip()
+            examples.append(world.Example(list(images), messages + [world.assistant_turn(answer)], record["kind"]))
+    return examples
+
+
+def batches(examples: list[world.Example] | None, batch_size: int, seed: int):
+    """Step by step: fresh world conversations, or `examples` in a shuffled order (seed, epoch)."""
+    step = 0
+    while True:
+        if examples is None:
+            yield list(world.train_examples(step * batch_size, batch_size))
+            step += 1
+            continue
+        order = list(range(len(examples)))
+        random.Random(f"{seed}:{step}").shuffle(order)
+        for first in range(0, len(order) - batch_size + 1, batch_size):
+            yield [examples[i] for i in order[first: first + batch_size]]
+        step += 1
 
 
 def save(args, argv, module, config: dict, log: list[dict], seconds: float) -> None:
@@ -124,7 +167,8 @@ def save(args, argv, module, config: dict, log: list[dict], seconds: float) -> N
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m models.demo.train_eagle3", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="a VLM folder, or smol (the SmolLM2 demo)")
+    parser.add_argument("--data", help="a models.demo.distill_smol data folder: train on the target's own answers")
     parser.add_argument("--steps", type=int, default=220)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -140,10 +184,15 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
+    if args.target == "smol":
+        from models.demo import smol
+
+        args.target = str(smol.assemble())
     target = AutoModelForImageTextToText.from_pretrained(args.target, dtype=torch.float32).eval().requires_grad_(False)
     processor = load_processor(args.target)
-    vocabulary = draft_vocabulary(processor, args.draft_vocab)
-    config = specforge_config(target.config, len(vocabulary), "assets/demo/target")
+    distilled = distilled_examples(args.data, processor.tokenizer) if args.data else None
+    vocabulary = draft_vocabulary(processor, args.draft_vocab, distilled)
+    config = specforge_config(target.config, len(vocabulary), os.path.relpath(args.target))
     module = eagle3.Eagle3(eagle3.read_config_dict(config))
     with torch.no_grad():
         module.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
@@ -154,12 +203,13 @@ def main(argv=None) -> None:
     module.embed_tokens.requires_grad_(False)
     draft_of = torch.full((module.config.vocab_size,), -1, dtype=torch.long)
     draft_of[vocabulary] = torch.arange(len(vocabulary))
-    layers = [i + 1 for i in LAYERS_AS_OUTPUTS]  # hidden_states indices
+    layers = [i + 1 for i in layers_as_outputs(target.config.get_text_config().num_hidden_layers)]  # hidden_states indices
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr,
                                   betas=(0.9, 0.98), weight_decay=0.01)
     log = LossLog()
+    stream = batches(distilled, args.batch_size, args.seed)
     for step in range(args.steps):
-        examples = list(world.train_examples(step * args.batch_size, args.batch_size))
+        examples = next(stream)
         if args.target_answers:
             examples = target_answers(target, processor, examples, args.max_answer_tokens)
         batch = TargetPass(target, processor, examples, tuple([0] + layers))
