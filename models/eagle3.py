@@ -420,12 +420,15 @@ def load(name: str, config: Eagle3Config, dtype=torch.float32, device="cpu") -> 
     return module.eval()
 
 
-def save_specforge(module: Eagle3, folder: str, config: dict) -> None:
-    """config.json (the SpecForge config dict) and model.safetensors, as SpecForge writes them."""
+def save_specforge(module: Eagle3, folder: str, config: dict, shared_embedding: bool = False) -> None:
+    """config.json (the SpecForge config dict) and model.safetensors, as SpecForge writes them;
+    `shared_embedding`: without `embed_tokens.weight` (a frozen copy of the target's table, which
+    the loader then takes from the target, as for speculators checkpoints)."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as file:
         json.dump(config, file, indent=2)
-    state = {key: tensor.detach().contiguous() for key, tensor in module.state_dict().items()}
+    state = {key: tensor.detach().contiguous() for key, tensor in module.state_dict().items()
+             if not (shared_embedding and key == "embed_tokens.weight")}
     save_file({key: t.float() if t.is_floating_point() else t for key, t in state.items()},
               os.path.join(folder, "model.safetensors"))
 

@@ -197,7 +197,11 @@ def test_eagle3_drafter_trains_on_the_targets_own_answers_and_loads(tiny, tmp_pa
                        "--pictures", "2", "--max-new-tokens", "4"])
     out = tmp_path / "eagle3"
     train_eagle3.main(["--target", str(folder), "--data", str(tmp_path / "data"), "--out", str(out), "--steps", "3",
-                       "--batch-size", "2", "--threads", "1", "--ttt-steps", "2", "--draft-vocab", "16"])
+                       "--batch-size", "2", "--threads", "1", "--ttt-steps", "2", "--draft-vocab", "16",
+                       "--shared-embedding"])
+    from safetensors import safe_open
+    with safe_open(out / "model.safetensors", "pt") as weights:
+        assert "embed_tokens.weight" not in weights.keys() and "fc.weight" in weights.keys()
     assert all(not math.isnan(v) for v in json.loads((out / "training.json").read_text())["log"][-1].values())
     config = json.loads((out / "config.json").read_text())
     assert config["draft_vocab_size"] <= 16 and config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 0]

@@ -156,7 +156,7 @@ def batches(examples: list[world.Example] | None, batch_size: int, seed: int):
 
 
 def save(args, argv, module, config: dict, log: list[dict], seconds: float) -> None:
-    eagle3.save_specforge(module, args.out, config)
+    eagle3.save_specforge(module, args.out, config, shared_embedding=args.shared_embedding)
     with open(os.path.join(args.out, "training.json"), "w") as file:
         json.dump({"command": " ".join(["python -m models.demo.train_eagle3", *(argv or sys.argv[1:])]),
                    "settings": vars(args), "train_seconds": round(seconds), "steps_done": log[-1]["step"] if log else 0,
@@ -168,6 +168,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m models.demo.train_eagle3", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="a VLM folder, or smol (the SmolLM2 demo)")
+    parser.add_argument("--shared-embedding", action="store_true",
+                        help="leave the (frozen, the target's) embedding table out of the checkpoint: the loader takes the target's")
     parser.add_argument("--data", help="a models.demo.distill_smol data folder: train on the target's own answers")
     parser.add_argument("--steps", type=int, default=220)
     parser.add_argument("--batch-size", type=int, default=8)
