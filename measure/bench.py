@@ -102,6 +102,16 @@ def demo_requests(count: int) -> list[dict]:
     return picked[:count]
 
 
+def smol_requests(count: int) -> list[dict]:
+    """For the SmolLM2 demo: text turns and picture turns alternating, the text turns from
+    measure/smol_text.py's prompts (none trained on), the picture turns `demo_requests`'."""
+    from measure.smol_text import PROMPTS
+
+    pictures = iter(demo_requests(count))
+    text = iter(PROMPTS[1::4])  # general requests with long answers ("Hello! What can you do?", ...)
+    return [next(pictures) if i % 2 else {"kind": "text", "images": [], "prompt": next(text)} for i in range(count)]
+
+
 def photo_requests(count: int) -> list[dict]:
     """Generic image requests on the shared photographs, for hub models."""
     from engine.images import load_image
@@ -288,8 +298,9 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, help="number of requests (default 12, 6 with --quick)")
     parser.add_argument("--fixed-k", type=int, metavar="K", help="also a row per drafter at a fixed k = K")
     add_cli_args(parser, ["draft_tokens", "max_new_tokens", "draft_tree", "tree_branching"], max_new_tokens=128)
-    parser.add_argument("--requests-from", choices=["demo", "photos"],
-                        help="the demo world's questions (default for the demo preset) or the example photos")
+    parser.add_argument("--requests-from", choices=["demo", "smol", "photos"],
+                        help="the demo world's questions (default for the demo preset), text and picture turns "
+                             "(default for the smol preset) or the example photos")
     parser.add_argument("--tree", action="store_true",
                         help="also a draft-tree row per drafter, at the chain's verify budget (--draft-tree nodes; "
                              "default: --draft-tokens, else 4)")
@@ -310,8 +321,8 @@ def main(argv=None) -> int:
     spec = spec_from_args(args)
     engine = build_engine(spec)
     count = args.requests or (6 if args.quick else 12)
-    source = args.requests_from or ("demo" if spec.preset == "demo" else "photos")
-    requests = demo_requests(count) if source == "demo" else photo_requests(count)
+    source = args.requests_from or {"demo": "demo", "smol": "smol"}.get(spec.preset, "photos")
+    requests = {"demo": demo_requests, "smol": smol_requests, "photos": photo_requests}[source](count)
     draft_tree = (args.draft_tree or args.draft_tokens or 4) if args.tree or args.draft_tree else 0
     decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens or None,
                             tree_branching=args.tree_branching)

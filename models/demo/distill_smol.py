@@ -33,7 +33,10 @@ import torch
 from models.demo import world
 
 FORMS = ("What is {}?", "Explain {} in two sentences.", "Give me three facts about {}.", "Write a short poem about {}.",
-         "Why is {} important?", "Describe {} to a child.", "What are the main uses of {}?", "Tell me a story about {}.")
+         "Why is {} important?", "Describe {} to a child.", "What are the main uses of {}?", "Tell me a story about {}.",
+         "What is the history of {}?", "List some interesting questions about {}.", "How does {} work?",
+         "Write a short paragraph about {}.", "What are the pros and cons of {}?", "Hi! Can you tell me about {}?",
+         "What should a beginner know about {}?", "Compare {} with something similar.")
 TOPICS = ("the moon", "volcanoes", "bicycles", "coffee", "the ocean", "electricity", "friendship", "music", "trees",
           "the Roman Empire", "computers", "dogs", "cats", "rain", "mathematics", "chess", "gardening", "the desert",
           "bread", "trains", "snow", "the brain", "football", "honey", "libraries", "bridges", "clocks", "birds",
@@ -184,7 +187,7 @@ def main(argv=None) -> None:
     data = commands.add_parser("data")
     data.add_argument("--out", type=Path, required=True)
     data.add_argument("--target", help="target folder (default: the assembled SmolLM2 demo)")
-    data.add_argument("--text", type=int, default=400)
+    data.add_argument("--text", type=int, default=800)
     data.add_argument("--pictures", type=int, default=400)
     data.add_argument("--max-new-tokens", type=int, default=128)
     data.add_argument("--batch-size", type=int, default=16, help="conversations per batched generate")

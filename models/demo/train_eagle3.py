@@ -53,10 +53,12 @@ from models.demo.train_drafters import DEFAULT_TARGET, LossLog, TargetPass, answ
 
 
 def layers_as_outputs(num_layers: int) -> list[int]:
-    """SpecForge's default auxiliary layers (output of layer i, numbered from 0): [1, 3, 4] for the
-    6-layer demo target, [1, 14, 26] for SmolLM2's 30 layers; kept inside 0 .. num_layers - 2
-    (the last layer's output is read after the final norm) for the tiny test models."""
-    return [min(max(i, 0), num_layers - 2) for i in (1, num_layers // 2 - 1, num_layers - 4)]
+    """The auxiliary layers (output of layer i, numbered from 0): SpecForge's default [1, N/2 - 1,
+    N - 4] ([1, 14, 26] for SmolLM2's 30 layers); under 8 layers [1, N/2, N - 2] (the 6-layer demo
+    target's [1, 3, 4]), kept inside 0 .. N - 2 (the last layer's output is read after the final
+    norm) for the tiny test models."""
+    picks = (1, num_layers // 2 - 1, num_layers - 4) if num_layers >= 8 else (1, num_layers // 2, num_layers - 2)
+    return [min(max(i, 0), num_layers - 2) for i in picks]
 
 
 def specforge_config(target_config, draft_vocab_size: int, target_name: str) -> dict:
@@ -79,8 +81,10 @@ def specforge_config(target_config, draft_vocab_size: int, target_name: str) -> 
 
 
 def draft_vocabulary(processor, size: int, examples: list[world.Example] | None = None) -> torch.Tensor:
-    """(size,) ascending target ids: the most frequent tokens of the answers of `examples`
-    (default: the first 4,000 training conversations), and the end-of-turn tokens."""
+    """(size,) ascending target ids: the end-of-turn tokens, the most frequent tokens of the
+    answers of `examples` (default: the first 4,000 training conversations), then, while room is
+    left, the lowest ids (a byte-level BPE numbers its earliest, most common merges first); never
+    another special token (the image placeholders among them)."""
     tokenizer = processor.tokenizer
     counts = collections.Counter()
     for example in examples if examples is not None else world.train_examples(0, 4000):
@@ -89,8 +93,14 @@ def draft_vocabulary(processor, size: int, examples: list[world.Example] | None 
                 text = " ".join(c["text"] for c in message["content"] if c.get("type") == "text")
                 counts.update(tokenizer(text, add_special_tokens=False)["input_ids"])
     always = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", tokenizer.eos_token) if t}
-    frequent = [token for token, _ in counts.most_common() if token not in always]
-    return torch.tensor(sorted(always | set(frequent[:size - len(always)])))
+    special = (set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)) - always
+    chosen = dict.fromkeys(sorted(always))
+    for token in [t for t, _ in counts.most_common()] + list(range(len(tokenizer))):
+        if len(chosen) >= min(size, len(tokenizer) - len(special)):
+            break
+        if token not in special:
+            chosen[token] = None
+    return torch.tensor(sorted(chosen))
 
 
 def eagle3_losses(module: eagle3.Eagle3, batch: TargetPass, layers: list[int], steps: int,
