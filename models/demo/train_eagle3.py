@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import random
@@ -151,18 +152,19 @@ def distilled_examples(folder: str, tokenizer) -> list[world.Example]:
 
 
 def batches(examples: list[world.Example] | None, batch_size: int, seed: int):
-    """Step by step: fresh world conversations, or `examples` in a shuffled order (seed, epoch)."""
-    step = 0
-    while True:
-        if examples is None:
-            yield list(world.train_examples(step * batch_size, batch_size))
-            step += 1
-            continue
-        order = list(range(len(examples)))
-        random.Random(f"{seed}:{step}").shuffle(order)
-        for first in range(0, len(order) - batch_size + 1, batch_size):
-            yield [examples[i] for i in order[first: first + batch_size]]
-        step += 1
+    """Step by step (batch key, examples): fresh world conversations (key None), or `examples`
+    cut once into batches of similar length (less padding), their order shuffled each epoch
+    (seed, epoch); a batch's key is the same every epoch, so its target pass can be kept."""
+    if examples is None:
+        for step in itertools.count():
+            yield None, list(world.train_examples(step * batch_size, batch_size))
+    order = sorted(range(len(examples)), key=lambda i: (len(examples[i].images), len(str(examples[i].messages))))
+    groups = [order[first: first + batch_size] for first in range(0, len(order) - batch_size + 1, batch_size)]
+    for epoch in itertools.count():
+        keys = list(range(len(groups)))
+        random.Random(f"{seed}:{epoch}").shuffle(keys)
+        for key in keys:
+            yield key, [examples[i] for i in groups[key]]
 
 
 def save(args, argv, module, config: dict, log: list[dict], seconds: float) -> None:
@@ -219,12 +221,14 @@ def main(argv=None) -> None:
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr,
                                   betas=(0.9, 0.98), weight_decay=0.01)
     log = LossLog()
-    stream = batches(distilled, args.batch_size, args.seed)
+    stream, passes = batches(distilled, args.batch_size, args.seed), {}
     for step in range(args.steps):
-        examples = next(stream)
+        key, examples = next(stream)
         if args.target_answers:
             examples = target_answers(target, processor, examples, args.max_answer_tokens)
-        batch = TargetPass(target, processor, examples, tuple([0] + layers))
+        batch = passes.get(key) or TargetPass(target, processor, examples, tuple([0] + layers))
+        if key is not None:  # --data: the same batch comes back each epoch; its frozen target pass is kept
+            passes[key] = batch
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args.steps, args.lr, warmup=20)
         losses, accuracy = eagle3_losses(module, batch, layers, args.ttt_steps, draft_of)
