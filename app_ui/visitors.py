@@ -38,9 +38,10 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from app_ui.session import Session
+from engine.settings import from_environ, setting
 
 MB = 1024 * 1024
 # A request without a session id gets a new Gradio session that no later request can reach; it
@@ -51,47 +52,50 @@ BLOCK = 4096  # a file's disk use is rounded up to blocks, and its folder takes 
 logger = logging.getLogger(__name__)
 
 
+def limit(default, help: str, env: str):
+    """A field of Limits: its help, its variable, and 0 as its least value (engine/settings.py reads it)."""
+    return setting(default, help, low=0, env=env)
+
+
 @dataclass(frozen=True)
 class Limits:
-    idle_s: float = 30 * 60  # a conversation without a request or an answer for this long is emptied
-    unsent_upload_s: float = 10 * 60  # an upload no conversation shows is deleted after this
-    upload_bytes_per_client: int = 200 * MB  # on disk at once, per client address
-    upload_files_per_client: int = 200  # files on disk at once, per client address
-    upload_bytes_total: int = 2048 * MB  # on disk at once, all clients
-    upload_deadline_s: float = 300.0  # an upload's body must have arrived within this
-    upload_min_bytes_per_s: int = 16 * 1024  # ...and, after upload_grace_s, at this average rate at least
-    upload_grace_s: float = 10.0
-    request_bytes: int = 4 * MB  # any request body but an upload's
-    files_per_message: int = 64  # files one request may name, refused before Gradio opens any (--max-images is 64 at most)
-    sessions_per_client: int = 32  # live sessions (conversations) per client address
-    answers_per_client: int = 4  # answers waiting or running per client address (a conversation: one waiting)
-    pending_turn_s: float = 60.0  # a turn accepted whose answer neither waits nor runs is dropped after this
-    proxy_hops: int = 0  # trusted proxies in front (a Space: 1): the address is this far from X-Forwarded-For's right
-    time_budget_s: float = 120.0  # wall-clock time one answer may take (then it ends: "time_budget")
-    sweep_s: float = 10.0
+    """The bounds on what visitors may hold (docs/security.md); each from its variable (`from_environ`)."""
+
+    idle_s: float = limit(30 * 60, "a conversation without a request or an answer for this long is emptied",
+                          "VLM_IDLE_S")
+    unsent_upload_s: float = limit(10 * 60, "an upload no conversation shows is deleted after this",
+                                   "VLM_UNSENT_UPLOAD_S")
+    upload_bytes_per_client: int = limit(200 * MB, "on disk at once, per client address",
+                                         "VLM_UPLOAD_BYTES_PER_CLIENT")
+    upload_files_per_client: int = limit(200, "files on disk at once, per client address",
+                                         "VLM_UPLOAD_FILES_PER_CLIENT")
+    upload_bytes_total: int = limit(2048 * MB, "on disk at once, all clients", "VLM_UPLOAD_BYTES_TOTAL")
+    upload_deadline_s: float = limit(300.0, "an upload's body must have arrived within this", "VLM_UPLOAD_DEADLINE_S")
+    upload_min_bytes_per_s: int = limit(16 * 1024, "...and, after upload_grace_s, at this average rate at least",
+                                        "VLM_UPLOAD_MIN_BYTES_PER_S")
+    upload_grace_s: float = limit(10.0, "the first seconds of an upload, not held to the rate", "VLM_UPLOAD_GRACE_S")
+    request_bytes: int = limit(4 * MB, "any request body but an upload's", "VLM_REQUEST_BYTES")
+    files_per_message: int = limit(64, "files one request may name, refused before Gradio opens any (--max-images "
+                                   "is 64 at most)", "VLM_FILES_PER_MESSAGE")
+    sessions_per_client: int = limit(32, "live sessions (conversations) per client address", "VLM_SESSIONS_PER_CLIENT")
+    answers_per_client: int = limit(4, "answers waiting or running per client address (a conversation: one waiting)",
+                                    "VLM_ANSWERS_PER_CLIENT")
+    pending_turn_s: float = limit(60.0, "a turn accepted whose answer neither waits nor runs is dropped after this",
+                                  "VLM_PENDING_TURN_S")
+    proxy_hops: int = limit(0, "trusted proxies in front (a Space: 1): the address is this far from "
+                            "X-Forwarded-For's right", "VLM_PROXY_HOPS")
+    time_budget_s: float = limit(120.0, "wall-clock time one answer may take (then it ends: time_budget; 0: none)",
+                                 "VLM_TIME_BUDGET_S")
+    sweep_s: float = limit(10.0, "how often idle conversations and old uploads are swept", "VLM_SWEEP_S")
     # Gradio keeps its own state for this many sessions, the most recently active (the page's
     # components as that visitor last saw them; size per session: docs/app.md); an older one is dropped.
-    sessions: int = 1000
+    sessions: int = limit(1000, "sessions whose state Gradio keeps, the most recently active", "VLM_SESSIONS")
 
     @classmethod
     def from_environ(cls, environ=os.environ, **defaults) -> Limits:
         """`defaults` over Limits' own, and over both each VLM_<FIELD> variable that is set (e.g.
         VLM_TIME_BUDGET_S=60); ValueError names a variable that is not a number of its kind."""
-        values = dict(defaults)
-        for option in fields(cls):
-            variable = f"VLM_{option.name.upper()}"
-            text = environ.get(variable)
-            if not text:
-                continue
-            kind = int if option.type == "int" else float
-            try:
-                value = kind(text)
-            except ValueError:
-                raise ValueError(f"{variable}: {text!r} is not a {'whole ' if kind is int else ''}number") from None
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{variable}: {text!r} must be 0 or more")
-            values[option.name] = value
-        return cls(**values)
+        return from_environ(cls, environ, ValueError, **defaults)
 
 
 @dataclass(frozen=True)
