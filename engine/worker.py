@@ -23,13 +23,23 @@ import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine.threads import release_thread_pool
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
     from engine.loop import Chunk, Done
+
+
+class Runs(Protocol):
+    """What the worker needs of the engine it serves (engine/engine.py `Engine`, which makes the
+    worker: so the worker names no engine class, and no import runs back up)."""
+
+    lock: threading.Lock  # one generation at a time, held by the worker alone
+
+    def _run(self, messages, stop: threading.Event | None = None, **options) -> Iterator[Chunk | Done]: ...
+
+    def stopped(self, drafter: str | None) -> Done: ...
 
 STOP_POLL_S = 0.05  # how often a reader whose request waits in the queue looks at its stop flag
 _END = object()  # the last item of a request's event queue
@@ -51,7 +61,7 @@ class Job:
 
 
 class Worker:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Runs):
         self.engine = engine
         self.lock = threading.Lock()  # guards `waiting` and `serving`
         self.waiting: deque[Job] = deque()

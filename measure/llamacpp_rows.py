@@ -85,10 +85,9 @@ def without_stop(engine, token_ids: list[int]) -> list[int]:
 def eval_row(engine, backend, questions, plain: list[Done], decode: DecodeSettings) -> dict:
     """measure/eval.py's row for llama.cpp plain: accuracy, and the share of answers whose token
     ids equal the built-in engine's plain answer (`plain`, one per question)."""
-    from measure.eval import messages_of
     from models.demo.world import answer_matches
 
-    done = [answer(backend, messages_of(q), None, decode) for q in questions]
+    done = [answer(backend, q.messages(), None, decode) for q in questions]
     same = [d.token_ids == without_stop(engine, p.token_ids) for d, p in zip(done, plain)]
     return {"mode": "llama.cpp", "drafter": None,
             "accuracy": sum(answer_matches(d.text, q.answer) for d, q in zip(done, questions)) / len(questions),
