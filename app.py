@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None, block: bool = True, limits=None):
     from app_ui.guard import Guard
     from app_ui import queue_rules
     from app_ui.layout import CSS, EXAMPLES_DIR, GENERATE, build_demo
-    from app_ui.visitors import Limits, Visitors, journal_folder, sweep_journals
+    from app_ui.journals import journal_folder, sweep_journals
+    from app_ui.visitors import Limits, Visitors
     from engine.images import MAX_FILE_BYTES, Decoding, use_decode_slots
     from engine.settings import Ceilings, from_environ
 

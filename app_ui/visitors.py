@@ -10,7 +10,7 @@ of its routes and the shape of its request bodies.
   one path (`<upload folder>/<hash>/<name>`), so `uploaded` moves each file to a folder of its
   own with an unguessable name, and only its visitor may name it in a message or download it
   (`may_use`). Each upload is written to a journal of this process, outside every folder Gradio
-  serves, so that the next process deletes what this one left (`sweep_journals`, at start).
+  serves, so that the next process deletes what this one left (app_ui/journals.py, at start).
 - `Guard` (app_ui/guard.py) is the ASGI middleware in front of Gradio that applies these
   bounds before Gradio reads a request: deep links and the monitoring route answer 404; the
   client's address is the socket's, or behind `proxy_hops` trusted proxies (a Space: 1) the
@@ -40,62 +40,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from app_ui.limits import MB, Limits  # noqa: F401 (the bounds it holds; imported from here too)
 from app_ui.session import Session
-from engine.settings import from_environ, setting
 
-MB = 1024 * 1024
 # A request without a session id gets a new Gradio session that no later request can reach; it
 # counts among its address's sessions for this long (Gradio's state for it lasts longer).
 ONE_SHOT_S = 60.0
 UPLOAD_SPACE_FULL = "the server's upload space is full; try again in a few minutes"
 BLOCK = 4096  # a file's disk use is rounded up to blocks, and its folder takes one more
 logger = logging.getLogger(__name__)
-
-
-def limit(default, help: str, env: str):
-    """A field of Limits: its help, its variable, and 0 as its least value (engine/settings.py reads it)."""
-    return setting(default, help, low=0, env=env)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The bounds on what visitors may hold (docs/security.md); each from its variable (`from_environ`)."""
-
-    idle_s: float = limit(30 * 60, "a conversation without a request or an answer for this long is emptied",
-                          "VLM_IDLE_S")
-    unsent_upload_s: float = limit(10 * 60, "an upload no conversation shows is deleted after this",
-                                   "VLM_UNSENT_UPLOAD_S")
-    upload_bytes_per_client: int = limit(200 * MB, "on disk at once, per client address",
-                                         "VLM_UPLOAD_BYTES_PER_CLIENT")
-    upload_files_per_client: int = limit(200, "files on disk at once, per client address",
-                                         "VLM_UPLOAD_FILES_PER_CLIENT")
-    upload_bytes_total: int = limit(2048 * MB, "on disk at once, all clients", "VLM_UPLOAD_BYTES_TOTAL")
-    upload_deadline_s: float = limit(300.0, "an upload's body must have arrived within this", "VLM_UPLOAD_DEADLINE_S")
-    upload_min_bytes_per_s: int = limit(16 * 1024, "...and, after upload_grace_s, at this average rate at least",
-                                        "VLM_UPLOAD_MIN_BYTES_PER_S")
-    upload_grace_s: float = limit(10.0, "the first seconds of an upload, not held to the rate", "VLM_UPLOAD_GRACE_S")
-    request_bytes: int = limit(4 * MB, "any request body but an upload's", "VLM_REQUEST_BYTES")
-    files_per_message: int = limit(64, "files one request may name, refused before Gradio opens any (--max-images "
-                                   "is 64 at most)", "VLM_FILES_PER_MESSAGE")
-    sessions_per_client: int = limit(32, "live sessions (conversations) per client address", "VLM_SESSIONS_PER_CLIENT")
-    answers_per_client: int = limit(4, "answers waiting or running per client address (a conversation: one waiting)",
-                                    "VLM_ANSWERS_PER_CLIENT")
-    pending_turn_s: float = limit(60.0, "a turn accepted whose answer neither waits nor runs is dropped after this",
-                                  "VLM_PENDING_TURN_S")
-    proxy_hops: int = limit(0, "trusted proxies in front (a Space: 1): the address is this far from "
-                            "X-Forwarded-For's right", "VLM_PROXY_HOPS")
-    time_budget_s: float = limit(120.0, "wall-clock time one answer may take (then it ends: time_budget; 0: none)",
-                                 "VLM_TIME_BUDGET_S")
-    sweep_s: float = limit(10.0, "how often idle conversations and old uploads are swept", "VLM_SWEEP_S")
-    # Gradio keeps its own state for this many sessions, the most recently active (the page's
-    # components as that visitor last saw them; size per session: docs/app.md); an older one is dropped.
-    sessions: int = limit(1000, "sessions whose state Gradio keeps, the most recently active", "VLM_SESSIONS")
-
-    @classmethod
-    def from_environ(cls, environ=os.environ, **defaults) -> Limits:
-        """`defaults` over Limits' own, and over both each VLM_<FIELD> variable that is set (e.g.
-        VLM_TIME_BUDGET_S=60); ValueError names a variable that is not a number of its kind."""
-        return from_environ(cls, environ, ValueError, **defaults)
 
 
 @dataclass(frozen=True)
@@ -422,50 +375,3 @@ def disk_use(path: str) -> int:
         return max(BLOCK, math.ceil(os.stat(path).st_blocks * 512 / BLOCK) * BLOCK) + BLOCK
     except OSError:
         return 2 * BLOCK
-
-
-def journal_folder(uploads: str) -> str:
-    """Where the journals of uploads to the folder `uploads` are: beside it, never inside (Gradio
-    serves what is inside)."""
-    uploads = os.path.abspath(uploads)
-    return os.path.join(os.path.dirname(uploads), os.path.basename(uploads) + "-vlm-journals")
-
-
-def sweep_journals(folder: str) -> int:
-    """Delete the uploads listed in the journals (`<pid>-<port>.txt` in `folder`) of processes that
-    are no longer running, and those journals; returns how many files went. A path that a live
-    process's journal lists too is kept."""
-    if not os.path.isdir(folder):
-        return 0
-    dead, live = [], set()
-    for name in os.listdir(folder):
-        pid = name.removesuffix(".txt").split("-")[0]
-        if not pid.isdigit():
-            continue
-        with contextlib.suppress(OSError), open(os.path.join(folder, name)) as file:
-            paths = file.read().split("\n")
-        if _running(int(pid)):
-            live.update(paths)
-        else:
-            dead.append((os.path.join(folder, name), paths))
-    removed = 0
-    for journal, paths in dead:
-        for path in set(paths) - live - {""}:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-                removed += 1
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(path))
-        with contextlib.suppress(OSError):
-            os.remove(journal)
-    return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
