@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from engine.threads import release_thread_pool
+from engine.openmp_pool import release_thread_pool
 
 if TYPE_CHECKING:
     from engine.loop import Chunk, Done
@@ -70,7 +70,7 @@ class Worker:
     def submit(self, messages, stop: threading.Event | None = None, **options) -> Stream:
         """Queue a request (Engine._run's arguments); its events, in order, as they come."""
         job = Job(messages, options, stop)
-        release_thread_pool()  # the caller's idle OpenMP pool would slow the worker's every region (engine/threads.py)
+        release_thread_pool()  # the caller's idle OpenMP pool would slow the worker's every region (engine/openmp_pool.py)
         with self.lock:
             self.waiting.append(job)
             if not self.serving:

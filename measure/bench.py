@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.loop import DecodeSettings
-from engine.threads import release_thread_pool
+from engine.openmp_pool import release_thread_pool
 from measure import llamacpp_rows
 from measure.bench_rows import Measurement, cost_model, run_this, run_transformers
 from models.loading import dtype_name
@@ -324,7 +324,7 @@ def main(argv=None) -> int:
         costs = cost_model(engine, request_messages(requests[0]), args.draft_tokens or 4, draft_tree=draft_tree,
                            branching=args.tree_branching)
         # llama.cpp's threads share torch's OpenMP runtime: while its server lives in this process,
-        # every parallel region of both engines wakes a sleeping thread (engine/threads.py; measured:
+        # every parallel region of both engines wakes a sleeping thread (engine/openmp_pool.py; measured:
         # this engine's plain decoding 2.5x slower with the server merely started). So it starts
         # after this engine's rows, and its rows run apart, one server at a time (llamacpp_rows.Phase).
         llamacpp = []

@@ -40,7 +40,7 @@ from engine.build import add_model_flags, build_engine, spec_from_args
 from engine.draft_length import DraftLength
 from engine.drafters.base import GuardedSession
 from engine.loop import DecodeSettings, Done
-from engine.threads import release_thread_pool
+from engine.openmp_pool import release_thread_pool
 from measure.bench import demo_requests, request_messages
 
 STAGES = [  # (owner, function, stage)
