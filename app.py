@@ -60,14 +60,16 @@ def main(argv: list[str] | None = None, block: bool = True, limits=None):
     from app_ui.guard import Guard
     from app_ui import queue_rules
     from app_ui.layout import CSS, EXAMPLES_DIR, GENERATE, build_demo
-    from app_ui.visitors import Limits, Visitors, journal_folder, sweep_journals
-    from engine.engine import Ceilings, RequestError
-    from engine.images import MAX_FILE_BYTES
+    from app_ui.journals import journal_folder, sweep_journals
+    from app_ui.visitors import Limits, Visitors
+    from engine.images import MAX_FILE_BYTES, Decoding, use_decode_slots
+    from engine.settings import Ceilings, from_environ
 
-    try:
+    try:  # every variable through engine/settings.py `from_environ` (RequestError is a ValueError)
         limits = limits or Limits.from_environ(proxy_hops=1 if config.behind_proxy else 0)
         Ceilings.from_environ()
-    except (ValueError, RequestError) as error:
+        use_decode_slots(from_environ(Decoding).slots())  # images decoded at once, whichever handler asks
+    except ValueError as error:
         sys.exit(f"error: {error}")
     # 5. Uploads an earlier process left are deleted; this one's are listed for the next, in a
     #    folder beside the upload folder (Gradio serves nothing there).

@@ -10,7 +10,7 @@ of its routes and the shape of its request bodies.
   one path (`<upload folder>/<hash>/<name>`), so `uploaded` moves each file to a folder of its
   own with an unguessable name, and only its visitor may name it in a message or download it
   (`may_use`). Each upload is written to a journal of this process, outside every folder Gradio
-  serves, so that the next process deletes what this one left (`sweep_journals`, at start).
+  serves, so that the next process deletes what this one left (app_ui/journals.py, at start).
 - `Guard` (app_ui/guard.py) is the ASGI middleware in front of Gradio that applies these
   bounds before Gradio reads a request: deep links and the monitoring route answer 404; the
   client's address is the socket's, or behind `proxy_hops` trusted proxies (a Space: 1) the
@@ -38,60 +38,17 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
+from app_ui.limits import MB, Limits  # noqa: F401 (the bounds it holds; imported from here too)
 from app_ui.session import Session
 
-MB = 1024 * 1024
 # A request without a session id gets a new Gradio session that no later request can reach; it
 # counts among its address's sessions for this long (Gradio's state for it lasts longer).
 ONE_SHOT_S = 60.0
 UPLOAD_SPACE_FULL = "the server's upload space is full; try again in a few minutes"
 BLOCK = 4096  # a file's disk use is rounded up to blocks, and its folder takes one more
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Limits:
-    idle_s: float = 30 * 60  # a conversation without a request or an answer for this long is emptied
-    unsent_upload_s: float = 10 * 60  # an upload no conversation shows is deleted after this
-    upload_bytes_per_client: int = 200 * MB  # on disk at once, per client address
-    upload_files_per_client: int = 200  # files on disk at once, per client address
-    upload_bytes_total: int = 2048 * MB  # on disk at once, all clients
-    upload_deadline_s: float = 300.0  # an upload's body must have arrived within this
-    upload_min_bytes_per_s: int = 16 * 1024  # ...and, after upload_grace_s, at this average rate at least
-    upload_grace_s: float = 10.0
-    request_bytes: int = 4 * MB  # any request body but an upload's
-    files_per_message: int = 64  # files one request may name, refused before Gradio opens any (--max-images is 64 at most)
-    sessions_per_client: int = 32  # live sessions (conversations) per client address
-    answers_per_client: int = 4  # answers waiting or running per client address (a conversation: one waiting)
-    pending_turn_s: float = 60.0  # a turn accepted whose answer neither waits nor runs is dropped after this
-    proxy_hops: int = 0  # trusted proxies in front (a Space: 1): the address is this far from X-Forwarded-For's right
-    time_budget_s: float = 120.0  # wall-clock time one answer may take (then it ends: "time_budget")
-    sweep_s: float = 10.0
-    # Gradio keeps its own state for this many sessions, the most recently active (the page's
-    # components as that visitor last saw them; size per session: docs/app.md); an older one is dropped.
-    sessions: int = 1000
-
-    @classmethod
-    def from_environ(cls, environ=os.environ, **defaults) -> Limits:
-        """`defaults` over Limits' own, and over both each VLM_<FIELD> variable that is set (e.g.
-        VLM_TIME_BUDGET_S=60); ValueError names a variable that is not a number of its kind."""
-        values = dict(defaults)
-        for option in fields(cls):
-            variable = f"VLM_{option.name.upper()}"
-            text = environ.get(variable)
-            if not text:
-                continue
-            kind = int if option.type == "int" else float
-            try:
-                value = kind(text)
-            except ValueError:
-                raise ValueError(f"{variable}: {text!r} is not a {'whole ' if kind is int else ''}number") from None
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{variable}: {text!r} must be 0 or more")
-            values[option.name] = value
-        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -418,50 +375,3 @@ def disk_use(path: str) -> int:
         return max(BLOCK, math.ceil(os.stat(path).st_blocks * 512 / BLOCK) * BLOCK) + BLOCK
     except OSError:
         return 2 * BLOCK
-
-
-def journal_folder(uploads: str) -> str:
-    """Where the journals of uploads to the folder `uploads` are: beside it, never inside (Gradio
-    serves what is inside)."""
-    uploads = os.path.abspath(uploads)
-    return os.path.join(os.path.dirname(uploads), os.path.basename(uploads) + "-vlm-journals")
-
-
-def sweep_journals(folder: str) -> int:
-    """Delete the uploads listed in the journals (`<pid>-<port>.txt` in `folder`) of processes that
-    are no longer running, and those journals; returns how many files went. A path that a live
-    process's journal lists too is kept."""
-    if not os.path.isdir(folder):
-        return 0
-    dead, live = [], set()
-    for name in os.listdir(folder):
-        pid = name.removesuffix(".txt").split("-")[0]
-        if not pid.isdigit():
-            continue
-        with contextlib.suppress(OSError), open(os.path.join(folder, name)) as file:
-            paths = file.read().split("\n")
-        if _running(int(pid)):
-            live.update(paths)
-        else:
-            dead.append((os.path.join(folder, name), paths))
-    removed = 0
-    for journal, paths in dead:
-        for path in set(paths) - live - {""}:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-                removed += 1
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(path))
-        with contextlib.suppress(OSError):
-            os.remove(journal)
-    return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

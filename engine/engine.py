@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from collections.abc import Iterator
 
 import torch
@@ -34,7 +33,8 @@ from engine.loop import Chunk, DecodeSettings, Done, RequestInfo, generate
 from engine.images import fit_to_processor
 from engine.prompt import Prompt, encode_vlm, images_of, neutralize, normalize
 from engine.sampling import SamplingSettings
-from engine.settings import RequestError, check_text, check_value, spec
+# Ceilings, check_ceilings and ceiling_variable are the schema's (engine/settings.py), imported here by the app
+from engine.settings import Ceilings, RequestError, ceiling_variable, check_ceilings, check_text, check_value  # noqa: F401
 from engine.stats import Stats
 from engine.target import Target
 from engine.worker import Stream, Worker
@@ -196,44 +196,3 @@ def checked_settings(sampling: SamplingSettings, decode: DecodeSettings) -> tupl
     if 0 < sampling.temperature < MIN_TEMPERATURE:
         sampling = replace(sampling, temperature=0.0)
     return sampling, decode
-
-
-@dataclass(frozen=True)
-class Ceilings:
-    """A public server's bounds on one request (`check_ceilings`); each has its environment
-    variable (VLM_MAX_NEW_TOKENS, VLM_MAX_DRAFT_TOKENS, VLM_MAX_DRAFT_TREE)."""
-    max_new_tokens: int = 4096
-    draft_tokens: int = 16
-    draft_tree: int = 32
-
-    @classmethod
-    def from_environ(cls, environ=os.environ) -> Ceilings:
-        values = {}
-        for name in ("max_new_tokens", "draft_tokens", "draft_tree"):
-            variable = ceiling_variable(name)
-            text = environ.get(variable)
-            if text:
-                if not text.isdigit() or int(text) < 1:
-                    raise RequestError(f"{variable}: {text!r} is not a whole number of 1 or more")
-                most = spec(name).high  # the schema's range: a ceiling above it would never be reached
-                if int(text) > most:
-                    raise RequestError(f"{variable}: {text} is over the most the settings allow ({most:g})")
-                values[name] = int(text)
-        return cls(**values)
-
-
-def check_ceilings(max_new_tokens: int, draft_tokens: int, draft_tree: int, ceilings: Ceilings | None = None) -> None:
-    """RequestError naming the first of a request's settings over the server's ceiling
-    (default: Ceilings from the environment); draft_tokens 0 and draft_tree 0 are the defaults."""
-    ceilings = ceilings or Ceilings.from_environ()
-    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("draft_tokens", draft_tokens, 0),
-                             ("draft_tree", draft_tree, 0)):
-        ceiling = getattr(ceilings, name)
-        if not low <= value <= ceiling:
-            variable = ceiling_variable(name)
-            raise RequestError(f"{name} must be from {low} to {ceiling} on this server ({variable}), got {value}")
-
-
-def ceiling_variable(name: str) -> str:
-    """VLM_MAX_NEW_TOKENS, VLM_MAX_DRAFT_TOKENS, VLM_MAX_DRAFT_TREE."""
-    return "VLM_" + name.upper() if name.startswith("max_") else f"VLM_MAX_{name.upper()}"

@@ -9,8 +9,8 @@ Limits (configurable through the arguments; the app and CLI use the defaults):
   decoded) never allocates its pixels. 40 megapixels covers any camera photo.
 - MAX_DECODED_BYTES: the decoded size, from the header too, mode and bit depth included (a
   float TIFF holds 4 bytes a pixel, a 16-bit one 2, RGB 3).
-- DECODE_SLOTS (VLM_DECODE_SLOTS, default 2, or 1 on a 2-core machine): images decoded at once, whichever
-  request or handler asks; the others wait their turn, holding no pixels. With `fit` (the
+- DECODE_SLOTS (default 2, or 1 on a 2-core machine; the app's VLM_DECODE_SLOTS, read in its main()):
+  images decoded at once, whichever request or handler asks; the others wait their turn, holding no pixels. With `fit` (the
   model's processor), an image is reduced as it is decoded (JPEG: libjpeg's 1/2, 1/4, 1/8 scale)
   or at once after (an integer box reduction), to no less than what the processor uses, so its
   full-resolution pixels are never kept past the slot.
@@ -38,15 +38,26 @@ import os
 import threading
 import warnings
 
+from dataclasses import dataclass
+
 import numpy as np
 from PIL import Image, ImageMode, ImageOps, UnidentifiedImageError
+
+from engine.settings import setting
 
 MAX_FILE_BYTES = 20 * 1024 * 1024
 MAX_PIXELS = 40_000_000
 MAX_DECODED_BYTES = 4 * MAX_PIXELS  # 40 megapixels of the heaviest modes (float, RGBA, CMYK: 4 bytes a pixel)
-# Two at most, and one core left for the server's event loop (a 2-core Space decodes one at a time).
-DECODE_SLOTS = threading.BoundedSemaphore(max(1, int(os.environ.get("VLM_DECODE_SLOTS")
-                                                     or min(2, (os.cpu_count() or 2) - 1))))
+
+
+def default_decode_slots() -> int:
+    """Two at most, and one core left for the server's event loop (a 2-core Space decodes one at a time)."""
+    return max(1, min(2, (os.cpu_count() or 2) - 1))
+
+
+# Images decoded at once by load_image, whoever asks; sized from the CPUs here (nothing is read from the
+# environment at import): the app sizes it from VLM_DECODE_SLOTS in its main() (`use_decode_slots`).
+DECODE_SLOTS = threading.BoundedSemaphore(default_decode_slots())
 # Modes Image.reduce cannot take, and the mode each is reduced in instead.
 REDUCIBLE_AS = {"1": "L", "P": "RGBA", "PA": "RGBA", "I;16": "I", "I;16L": "I", "I;16B": "I", "I;16N": "I"}
 EXIF_ORIENTATION = 0x0112
@@ -56,17 +67,37 @@ Image.MAX_IMAGE_PIXELS = MAX_PIXELS  # over twice this, Pillow refuses while ope
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)  # over once: check_header refuses it
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """The app's bound on decoding (docs/security.md), read by engine/settings.py `from_environ`."""
+
+    decode_slots: int | None = setting(None, "images decoded at once, all requests together (default 2, or 1 on "
+                                       "a 2-core machine)", low=0, env="VLM_DECODE_SLOTS")
+
+    def slots(self) -> int:
+        return default_decode_slots() if self.decode_slots is None else max(1, self.decode_slots)
+
+
+def use_decode_slots(slots: int) -> threading.BoundedSemaphore:
+    """Decode at most `slots` images at once from now on, whoever calls load_image without its
+    own `slots` (the app's main(), from VLM_DECODE_SLOTS: `Decoding`)."""
+    global DECODE_SLOTS
+    DECODE_SLOTS = threading.BoundedSemaphore(slots)
+    return DECODE_SLOTS
+
+
 class ImageError(ValueError):
     """A file that cannot be used as an image; the message names it and the problem."""
 
 
 def load_image(source, name: str | None = None, max_bytes: int = MAX_FILE_BYTES,
                max_pixels: int = MAX_PIXELS, fit=None, max_decoded_bytes: int = MAX_DECODED_BYTES,
-               family=None) -> Image.Image:
+               family=None, slots: threading.Semaphore | None = None) -> Image.Image:
     """source: a path, raw bytes, or a PIL image. Returns a fully decoded RGB image; with `fit`
     (a VLM processor, or its image processor), the image as `fit_to_processor` makes it, decoded
     under DECODE_SLOTS and reduced as it is decoded (see the module docstring); `family`: the
-    model's Family (models/families), for its own resize rule."""
+    model's Family (models/families), for its own resize rule; `slots`: the decode slots to wait
+    for (default DECODE_SLOTS, shared by every caller)."""
     if isinstance(source, Image.Image):
         return to_rgb(source) if fit is None else fit_to_processor(to_rgb(source), fit, family)
     name = name or (os.path.basename(source) if isinstance(source, (str, os.PathLike)) else "image")
@@ -74,7 +105,7 @@ def load_image(source, name: str | None = None, max_bytes: int = MAX_FILE_BYTES,
     try:
         with Image.open(file, formats=FORMATS) as image:
             check_header(image, name, max_pixels, max_decoded_bytes)
-            with DECODE_SLOTS:
+            with slots or DECODE_SLOTS:
                 try:
                     image.seek(0)  # animated images: the first frame
                     return _decode(image, fit, family)

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import get_args, get_origin, get_type_hints
+from dataclasses import dataclass
 
-from engine.settings import MAX_COUNT, MAX_COUNT_TEXT, Spec, flag, setting
+from engine.settings import MAX_COUNT, MAX_COUNT_TEXT, TRUE, Spec, environ_values, flag, setting, specs_of  # noqa: F401
 from models.loading import DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError, LoadOptions
 from models.presets import PRESETS
 
-TRUE = ("1", "true", "yes", "on")  # a switch's variable is on with one of these
 # The default budget of tokens per image on a CPU; on a GPU the processor's own limit. A phone photo at a
 # processor's own limit is minutes of prefill on a CPU (docs/realscale.md has the measured figures).
 CPU_IMAGE_TOKENS = 384
@@ -62,19 +60,17 @@ class LoadSettings:
 
 def specs() -> list[tuple[str, type, Spec]]:
     """(name, type, metadata) of every load setting, in order (an optional's type is its non-None one)."""
-    hints = get_type_hints(LoadSettings)
-    kinds = {f.name: next(a for a in get_args(hints[f.name]) or (hints[f.name],) if a is not type(None))
-             for f in fields(LoadSettings)}
-    return [(f.name, get_origin(kinds[f.name]) or kinds[f.name], f.metadata["spec"]) for f in fields(LoadSettings)]
+    return specs_of(LoadSettings)
 
 
 def add_model_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     """A flag per load setting; its default from its variable in `environ` when set (the app passes
     os.environ; the other commands none), else the schema's. A variable that is not a whole number
-    where one is wanted, or under the least value, raises LoadError naming it."""
+    where one is wanted, or out of its range, raises LoadError naming it (engine/settings.py
+    `environ_values`, the one reader of every variable)."""
+    given = environ_values(LoadSettings, environ, LoadError)
     for name, wanted, meta in specs():
-        text = (environ or {}).get(meta.env) or None
-        value = LoadSettings.__dataclass_fields__[name].default if text is None else _read(meta.env, text, wanted, meta)
+        value = given.get(name, LoadSettings.__dataclass_fields__[name].default)
         help = meta.help.replace("%", "%%")
         if wanted is bool:
             parser.add_argument(flag(name), action="store_true", default=value, help=help)
@@ -83,26 +79,6 @@ def add_model_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] 
         else:
             parser.add_argument(flag(name), type=wanted, default=value, choices=meta.choices or None,
                                 metavar="N" if wanted is int else None, help=help)
-
-
-def _read(variable: str, text: str, wanted: type, meta: Spec):
-    """The variable's text as the setting's type: a switch is on with one of TRUE; a list is one item
-    (commas separate several, as in a flag's value)."""
-    if wanted is bool:
-        return text.lower() in TRUE
-    if wanted is list:
-        return [text]
-    if wanted is int:
-        try:
-            number = int(text)
-        except ValueError:
-            raise LoadError(f"{variable}: {text!r} is not a whole number") from None
-        if meta.low is not None and number < meta.low:
-            raise LoadError(f"{variable}: {number} is under {meta.low:g}")
-        if meta.high is not None and number > meta.high:
-            raise LoadError(f"{variable}: {text} is over {meta.high_text or f'{meta.high:g}'}"[:200])
-        return number
-    return text
 
 
 def check_variables(args: argparse.Namespace) -> None:
@@ -125,3 +101,18 @@ class _Repeat(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         given = getattr(namespace, self.dest)
         setattr(namespace, self.dest, ([] if given is None or given is self.default else given) + [values])
+
+
+def table() -> str:
+    """The load settings as a Markdown table (docs/settings.md holds it; a test keeps the two equal)."""
+    rows = ["| flag | variable | default | choices or range | what it does |", "|---|---|---|---|---|"]
+    for name, wanted, meta in specs():
+        value = LoadSettings.__dataclass_fields__[name].default
+        bounds = ", ".join(meta.choices) if meta.choices else (
+            f"{meta.low:g} to {meta.high_text or f'{meta.high:g}'}" if meta.low is not None else "")
+        rows.append(f"| `{flag(name)}` | `{meta.env}` | `{value!r}` | {bounds} | {meta.help} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(table(), end="")

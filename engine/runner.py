@@ -214,7 +214,7 @@ class Runner:
 
     def checkpoint(self, state: CacheState) -> None:
         """The cache holds committed tokens only, and a rollback to here may follow. Nothing to
-        do where a crop reaches any entry (engine/hybrid.py copies recurrent states here)."""
+        do where a crop reaches any entry (engine/linear_attention_rollback.py copies recurrent states here)."""
 
     def rollback(self, state: CacheState, num_tokens: int) -> None:
         """Drop the last `num_tokens` entries (0 is valid: it trims sliding-window layers)."""

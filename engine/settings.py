@@ -1,22 +1,31 @@
 """The settings a request carries, defined once (as vLLM's `EngineArgs`): each field's metadata
-gives its help, range and UI label, and everything else is made from it:
+gives its help, range, public-server ceiling and its variable, and UI label, and everything else
+is made from it:
 
     add_cli_args(parser)            # the flags of `python -m engine` (--draft-tokens ...), measure.*
     Settings(**values).check(...)   # one RequestError naming the setting: "top_p must be over 0 ..."
     api_names()                     # the parameters of the app's /chat and /ab, in this order
-    spec("draft_tree").label        # the app's sidebar controls (app_ui/layout.py)
+    control("draft_tree")           # a sidebar control: label, (least, most, step) or choices, help
+    Ceilings.from_environ()         # a public server's own bounds (VLM_MAX_DRAFT_TOKENS ...), check_ceilings
 
 The field's name is the setting's one name: the API parameter, the flag (`--` and dashes), the
-message. Ranges are the server's ceilings too; a UI range (`ui`) may be narrower. docs/settings.md
-lists them (tests/test_settings.py checks that page against this schema).
+message. The range is what the engine takes (the exactness claim holds over all of it); a public
+server's ceiling (`ceiling`, its variable `ceiling_env`) may be lower, a UI range (`ui`) narrower.
+docs/settings.md lists them (tests/test_settings.py checks that page against this schema).
+
+Every environment variable of every schema (these settings' ceilings, the load settings of
+engine/load_settings.py, the visitors' limits of app_ui/visitors.py) is read by one function,
+`environ_values` / `from_environ`, from the field's `env` and its range.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, get_type_hints
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, make_dataclass, replace
+from typing import Any, get_args, get_origin, get_type_hints
 
 from engine.loop import DecodeSettings
 from engine.sampling import SamplingSettings
@@ -28,6 +37,7 @@ MODES = ("speculative", "plain")
 # answer's statistics could not be sent).
 MAX_COUNT, MAX_COUNT_TEXT = 2**20, "2**20"
 CHARS_PER_TOKEN = 16  # a text may be this many characters per token of context, checked before tokenizing
+TRUE = ("1", "true", "yes", "on")  # a switch's variable is on with one of these
 
 
 class RequestError(ValueError):
@@ -41,14 +51,16 @@ class Spec:
     help: str
     label: str = ""  # the app's control (a request setting; a load setting has none)
     low: float | None = None  # the least value (None: no bound)
-    high: float | None = None  # the most value (a server ceiling)
+    high: float | None = None  # the most value the engine takes
     above_low: bool = False  # the least value itself is refused ("over 0")
     low_means: str = ""  # what the least value means, quoted in messages: "0 (greedy)"
     high_text: str = ""  # the most value as messages write it ("2**63 - 1")
     choices: tuple[str, ...] = ()  # the allowed values (the drafter's are the engine's)
     ui: tuple[float, float, float] | None = None  # the sidebar's (least, most, step) when narrower than the range
-    env: str | None = None  # the environment variable that gives the default (engine/load_settings.py)
+    env: str | None = None  # the environment variable that gives the default (`environ_values`)
     cli: bool = True  # a flag of `python -m engine` made from this field (else the CLI has its own: --drafter)
+    ceiling: int | None = None  # a public server's default most value (`Ceilings`), under `high`
+    ceiling_env: str | None = None  # ...and the variable that sets it (at most `high`)
 
 
 def setting(default: Any, help: str, label: str = "", **spec) -> Any:
@@ -65,7 +77,8 @@ class Settings:
     drafter: str | None = setting(None, "a loaded drafter's key (text, vlm, ngram, mtp, ...), auto, or none: the "
                                   "engine's default", "Drafter", cli=False)
     draft_tokens: int = setting(0, "tokens drafted a round (0: chosen each round from measured cost)", "Draft length",
-                                low=0, high=MAX_DRAFT_NODES, low_means="0 (chosen from cost)", ui=(0, 8, 1))
+                                low=0, high=MAX_DRAFT_NODES, low_means="0 (chosen from cost)", ui=(0, 8, 1),
+                                ceiling=16, ceiling_env="VLM_MAX_DRAFT_TOKENS")
     adaptive: bool = setting(False, "the +2/-1 rule from draft_tokens (or 4): +2 after a full acceptance, -1 after "
                              "a rejection", "Adaptive draft length")
     temperature: float = setting(0.0, "0: greedy, the same answer every time", "Temperature", low=0,
@@ -73,7 +86,7 @@ class Settings:
     top_p: float = setting(1.0, "sample from the smallest set of tokens this likely (1: all)", "Top-p", low=0,
                            high=1, above_low=True, ui=(0.05, 1, 0.05))
     max_new_tokens: int = setting(256, "the answer's most tokens", "Max new tokens", low=1, high=4096,
-                                  ui=(1, 1024, 1))
+                                  ui=(1, 1024, 1), ceiling=4096, ceiling_env="VLM_MAX_NEW_TOKENS")
     seed: int = setting(0, "the sampler's seed (with temperature over 0)", "Seed", low=0,
                         high=2**63 - 1, high_text="2**63 - 1")
     system_prompt: str = setting("", "an instruction placed before the conversation", "System prompt (optional)")
@@ -84,7 +97,7 @@ class Settings:
                                            cli=False)
     draft_tree: int = setting(0, "draft trees of up to this many nodes, draft_tokens deep, verified in one pass "
                               "(0: one chain)", "Draft tree nodes", low=0, high=MAX_DRAFT_NODES, low_means="0 (chains)",
-                              ui=(0, 16, 1))
+                              ui=(0, 16, 1), ceiling=32, ceiling_env="VLM_MAX_DRAFT_TREE")
     top_k: int = setting(0, "sample from the k likeliest tokens (0: off)", "Top-k", low=0, low_means="0 (off)",
                          high=MAX_COUNT, high_text=MAX_COUNT_TEXT, ui=(0, 100, 1))
     tree_branching: int = setting(2, "a draft tree node's most children", "Tree branching", low=1, high=16,
@@ -218,6 +231,110 @@ def check_text(text: str, context_limit: int | None, what: str = "the message") 
         raise RequestError(f"{what} is not valid Unicode (an unpaired surrogate at character {error.start})") from None
 
 
+def control(name: str) -> dict:
+    """What the app's sidebar needs to draw the setting's control: its label, help, default, and
+    either its choices (a dropdown or radio) or its (least, most, step) (a slider: `ui` where it is
+    narrower than the range, else the range, step 1 for a whole number); a text or a switch has neither."""
+    meta = spec(name)
+    shown = {"label": meta.label, "info": meta.help, "value": default(name), "choices": meta.choices or None,
+             "range": None}
+    if meta.ui is not None:
+        shown["range"] = meta.ui
+    elif meta.low is not None and meta.high is not None and not meta.choices:
+        shown["range"] = (meta.low, meta.high, 1 if kind(name) is int else None)
+    return shown
+
+
+# --- the environment: one reader for every schema's variables -------------------------------------------
+
+def specs_of(cls) -> list[tuple[str, type, Spec]]:
+    """(name, type, metadata) of every field of the dataclass `cls` that carries a Spec, in order
+    (an optional's type is its non-None one; a list's is list)."""
+    hints = get_type_hints(cls)
+    rows = []
+    for f in fields(cls):
+        if "spec" in f.metadata:
+            hint = next(a for a in get_args(hints[f.name]) or (hints[f.name],) if a is not type(None))
+            rows.append((f.name, get_origin(hint) or hint, f.metadata["spec"]))
+    return rows
+
+
+def read_variable(variable: str, text: str, wanted: type, meta: Spec, error: type[Exception] = ValueError):
+    """The variable's text as the setting's type (`error` naming the variable when it is not of its
+    kind or out of the Spec's range): a switch is on with one of TRUE; a list is one item (commas
+    separate several, as in a flag's value); a number is whole for an int, finite for a float."""
+    if wanted is bool:
+        return text.lower() in TRUE
+    if wanted is list:
+        return [text]
+    if wanted not in (int, float):
+        return text
+    try:
+        number = wanted(text)
+    except ValueError:
+        raise error(f"{variable}: {text!r} is not a {'whole ' if wanted is int else ''}number") from None
+    if not math.isfinite(number):
+        raise error(f"{variable}: {text!r} is not a finite number")
+    if meta.low is not None and number < meta.low:
+        raise error(f"{variable}: {text} is under {meta.low:g}")
+    if meta.high is not None and number > meta.high:
+        raise error(f"{variable}: {text} is over {meta.high_text or f'{meta.high:g}'}"[:200])
+    return number
+
+
+def environ_values(cls, environ: Mapping[str, str] | None = os.environ,
+                   error: type[Exception] = ValueError) -> dict[str, Any]:
+    """{field: value} of each field of the dataclass `cls` whose Spec names a variable that is set
+    (not empty) in `environ`, read by `read_variable`."""
+    values = {}
+    for name, wanted, meta in specs_of(cls):
+        text = (environ or {}).get(meta.env) if meta.env else None
+        if text:
+            values[name] = read_variable(meta.env, text, wanted, meta, error)
+    return values
+
+
+def from_environ(cls, environ: Mapping[str, str] | None = os.environ, error: type[Exception] = ValueError,
+                 **defaults):
+    """An instance of the dataclass `cls`: each field from its variable when set, else from
+    `defaults`, else its own default; `error` names a bad variable (one line)."""
+    return cls(**{**defaults, **environ_values(cls, environ, error)})
+
+
+def _ceiling(name: str):
+    meta = spec(name)
+    return field(default=meta.ceiling, metadata={"spec": Spec(
+        f"a request's {name} at most", low=1, high=meta.high, env=meta.ceiling_env,
+        high_text=f"the most the settings allow ({_number(meta.high)})")})
+
+
+# A public server's bounds on one request, one field per setting with a `ceiling` (check_ceilings).
+Ceilings = make_dataclass("Ceilings", [(name, int, _ceiling(name)) for name in names() if spec(name).ceiling],
+                          frozen=True, namespace={
+                              "__doc__": "A public server's bounds on one request, each from its variable "
+                                         "(Spec.ceiling_env); over the settings' range is refused.",
+                              "from_environ": classmethod(lambda cls, environ=os.environ: from_environ(
+                                  cls, environ, RequestError))})
+Ceilings.__module__ = __name__
+
+
+def check_ceilings(max_new_tokens: int, draft_tokens: int, draft_tree: int, ceilings: Ceilings | None = None) -> None:
+    """RequestError naming the first of a request's settings over the server's ceiling
+    (default: Ceilings from the environment); draft_tokens 0 and draft_tree 0 are the defaults."""
+    ceilings = ceilings or Ceilings.from_environ()
+    given = {"max_new_tokens": max_new_tokens, "draft_tokens": draft_tokens, "draft_tree": draft_tree}
+    for option in fields(Ceilings):
+        low, value, ceiling = spec(option.name).low, given[option.name], getattr(ceilings, option.name)
+        if not low <= value <= ceiling:
+            raise RequestError(f"{option.name} must be from {low:g} to {ceiling} on this server "
+                               f"({ceiling_variable(option.name)}), got {value}")
+
+
+def ceiling_variable(name: str) -> str:
+    """The variable of the setting's server ceiling: VLM_MAX_NEW_TOKENS, VLM_MAX_DRAFT_TOKENS, VLM_MAX_DRAFT_TREE."""
+    return spec(name).ceiling_env
+
+
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -245,7 +362,8 @@ def from_args(args: argparse.Namespace, **values) -> Settings:
 
 def table() -> str:
     """The settings as a Markdown table (docs/settings.md holds it; a test keeps the two equal)."""
-    rows = ["| setting (API) | flag | default | range | what it does |", "|---|---|---|---|---|"]
+    rows = ["| setting (API) | flag | default | range | a public server's ceiling | what it does |",
+            "|---|---|---|---|---|---|"]
     for name in names():
         meta, value = spec(name), default(name)
         if meta.choices:
@@ -258,7 +376,8 @@ def table() -> str:
             bounds = (f"{low}, at most {high}" if meta.above_low else f"{low} to {high}") if meta.high is not None \
                 else f"{low} or more"
         where = flag(name) if meta.cli else f"({flag(name)}: a load flag)"
-        rows.append(f"| `{name}` | `{where}` | `{value!r}` | {bounds} | {meta.help} |")
+        ceiling = f"{meta.ceiling} (`{meta.ceiling_env}`)" if meta.ceiling else ""
+        rows.append(f"| `{name}` | `{where}` | `{value!r}` | {bounds} | {ceiling} | {meta.help} |")
     return "\n".join(rows) + "\n"
 
 

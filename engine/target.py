@@ -1,7 +1,7 @@
 """The target: a loaded VLM and the Runner that decodes with it.
 
 A target with linear-attention layers (Qwen3.5) gets a HybridRunner, whose rollback rewinds
-the recurrent state (engine/hybrid.py); every other target a Runner, whose rollback crops the
+the recurrent state (engine/linear_attention_rollback.py); every other target a Runner, whose rollback crops the
 KV cache.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.hybrid import runner_for
+from engine.linear_attention_rollback import runner_for
 from engine.runner import Runner
 from models.families import Family
 from models.loading import LoadError, LoadOptions, load_config, load_vlm

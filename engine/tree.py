@@ -100,7 +100,7 @@ def verify(target, state, last_token: int, draft) -> torch.Tensor:
     tokens = [last_token] + draft.token_ids
     if draft.parents is None:
         if draft.token_ids:
-            target.checkpoint(state)  # a rejection rolls back to here (engine/hybrid.py)
+            target.checkpoint(state)  # a rejection rolls back to here (engine/linear_attention_rollback.py)
         return target.extend(state, tokens)
     return target.extend_tree(state, tokens, [-1] + [parent + 1 for parent in draft.parents])
 

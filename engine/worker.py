@@ -23,13 +23,23 @@ import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from engine.threads import release_thread_pool
+from engine.openmp_pool import release_thread_pool
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
     from engine.loop import Chunk, Done
+
+
+class Runs(Protocol):
+    """What the worker needs of the engine it serves (engine/engine.py `Engine`, which makes the
+    worker: so the worker names no engine class, and no import runs back up)."""
+
+    lock: threading.Lock  # one generation at a time, held by the worker alone
+
+    def _run(self, messages, stop: threading.Event | None = None, **options) -> Iterator[Chunk | Done]: ...
+
+    def stopped(self, drafter: str | None) -> Done: ...
 
 STOP_POLL_S = 0.05  # how often a reader whose request waits in the queue looks at its stop flag
 _END = object()  # the last item of a request's event queue
@@ -51,7 +61,7 @@ class Job:
 
 
 class Worker:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Runs):
         self.engine = engine
         self.lock = threading.Lock()  # guards `waiting` and `serving`
         self.waiting: deque[Job] = deque()
@@ -60,7 +70,7 @@ class Worker:
     def submit(self, messages, stop: threading.Event | None = None, **options) -> Stream:
         """Queue a request (Engine._run's arguments); its events, in order, as they come."""
         job = Job(messages, options, stop)
-        release_thread_pool()  # the caller's idle OpenMP pool would slow the worker's every region (engine/threads.py)
+        release_thread_pool()  # the caller's idle OpenMP pool would slow the worker's every region (engine/openmp_pool.py)
         with self.lock:
             self.waiting.append(job)
             if not self.serving:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.loop import DecodeSettings
-from engine.threads import release_thread_pool
+from engine.openmp_pool import release_thread_pool
 from measure import llamacpp_rows
 from measure.bench_rows import Measurement, cost_model, run_this, run_transformers
 from models.loading import dtype_name
@@ -125,7 +125,8 @@ def photo_requests(count: int) -> list[dict]:
              "prompt": prompts[min(i % 3, 2)]} for i in range(count)]
 
 
-def messages_of(request: dict) -> list[dict]:
+def request_messages(request: dict) -> list[dict]:
+    """A request of `demo_requests` or `photo_requests` as a conversation of one user turn."""
     content = [{"type": "image", "image": image} for image in request["images"]]
     return [{"role": "user", "content": content + [{"type": "text", "text": request["prompt"]}]}]
 
@@ -328,6 +329,41 @@ def main(argv=None) -> int:
                             tree_branching=args.tree_branching)
 
     labels = {key: short(drafter.name) for key, drafter in engine.drafters.items()}
+    rows = rows_of(args, spec, engine, labels, draft_tree)
+    with busy(args.load) as load:
+        run_rows(engine, rows, requests, decode)
+        costs = cost_model(engine, request_messages(requests[0]), args.draft_tokens or 4, draft_tree=draft_tree,
+                           branching=args.tree_branching)
+        # llama.cpp's threads share torch's OpenMP runtime: while its server lives in this process,
+        # every parallel region of both engines wakes a sleeping thread (engine/openmp_pool.py; measured:
+        # this engine's plain decoding 2.5x slower with the server merely started). So it starts
+        # after this engine's rows, and its rows run apart, one server at a time (llamacpp_rows.Phase).
+        llamacpp = []
+        for phase in llamacpp_rows.bench_phases(engine, spec.target, _gguf_type(engine) if args.llamacpp == "same"
+                                                else args.llamacpp) if args.llamacpp else []:
+            release_thread_pool()
+            run_rows(engine, phase.start(), requests, decode)
+            phase.close()
+            llamacpp += phase.rows
+        rows += llamacpp
+    dtype = dtype_name(engine.target.model)  # --dtype fit resolved
+    info = machine_info(dtype, engine) | {"load": load}
+    table = [summarize(row, rows[0], costs) for row in rows]
+    notes = llamacpp_rows.report(table, rows[0], llamacpp, engine) if llamacpp else []
+    report(table, info, notes, costs, labels, draft_tree)
+    if args.plot:
+        plot(table, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"machine": info, "dtype": dtype, "costs": costs, "rows": table}, file, indent=1)
+    return 0
+
+def rows_of(args, spec, engine, labels: dict[str, str], draft_tree: int) -> list[Row]:
+    """The rows the flags ask for: this engine plain first (the reference), each drafter (chain,
+    tree, fixed k), auto, transformers' own and the int8 copy."""
+    from engine.build import build_engine
+
     rows = [Row("this", "plain", None)]
     for key in engine.drafters:
         rows += [Row("this", "speculative", key, labels[key] + (", chain" if draft_tree else ""))]
@@ -346,26 +382,12 @@ def main(argv=None) -> int:
     if args.int8_row:
         int8_spec = replace(spec, drafters=(), options=replace(spec.options, quantization="int8"))
         rows += [Int8Row("this", "plain", None, "int8", int8_engine=build_engine(int8_spec))]
-    with busy(args.load) as load:
-        run_rows(engine, rows, requests, decode)
-        costs = cost_model(engine, messages_of(requests[0]), args.draft_tokens or 4, draft_tree=draft_tree,
-                           branching=args.tree_branching)
-        # llama.cpp's threads share torch's OpenMP runtime: while its server lives in this process,
-        # every parallel region of both engines wakes a sleeping thread (engine/threads.py; measured:
-        # this engine's plain decoding 2.5x slower with the server merely started). So it starts
-        # after this engine's rows, and its rows run apart, one server at a time (llamacpp_rows.Phase).
-        llamacpp = []
-        for phase in llamacpp_rows.bench_phases(engine, spec.target, _gguf_type(engine) if args.llamacpp == "same"
-                                                else args.llamacpp) if args.llamacpp else []:
-            release_thread_pool()
-            run_rows(engine, phase.start(), requests, decode)
-            phase.close()
-            llamacpp += phase.rows
-        rows += llamacpp
-    dtype = dtype_name(engine.target.model)  # --dtype fit resolved
-    info = machine_info(dtype, engine) | {"load": load}
-    table = [summarize(row, rows[0], costs) for row in rows]
-    notes = llamacpp_rows.report(table, rows[0], llamacpp, engine) if llamacpp else []
+    return rows
+
+
+def report(table: list[dict], info: dict, notes: list[str], costs: dict, labels: dict[str, str],
+           draft_tree: int) -> None:
+    """The table, llama.cpp's notes, what auto picked and the cost model, printed."""
     print_table(table, info)
     print("\n".join(notes))
     for r in table:
@@ -377,13 +399,7 @@ def main(argv=None) -> int:
           + (f"; tree verify over {draft_tree + 1} tokens {costs['verify_tree_s'] * 1000:.1f} ms, whole tree draft "
              + ", ".join(f"{labels[key]} {t * 1000:.1f} ms" for key, t in costs["draft_tree_s"].items())
              if "verify_tree_s" in costs else ""))
-    if args.plot:
-        plot(table, args.plot)
-        print(f"plot: {args.plot}")
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump({"machine": info, "dtype": dtype, "costs": costs, "rows": table}, file, indent=1)
-    return 0
+
 
 def run_rows(engine, rows: list[Row], requests: list[dict], decode: DecodeSettings) -> None:
     """Every row on every request, interleaved request by request (the order rotates); the first
@@ -396,7 +412,7 @@ def run_rows(engine, rows: list[Row], requests: list[dict], decode: DecodeSettin
             row_decode = replace(decode, draft_tree=row.draft_tree)
             if row.draft_tokens:
                 row_decode = replace(row_decode, draft_tokens=row.draft_tokens)
-            measurement = runner(engine, row.drafter, messages_of(request), row_decode, request_id=index)
+            measurement = runner(engine, row.drafter, request_messages(request), row_decode, request_id=index)
             if index > 0:
                 row.runs.append(measurement)
         print(f"request {index}/{len(requests)} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)

@@ -30,13 +30,8 @@ def drafter_label(name: str) -> str:
     return name.rstrip("/").split("/")[-1]
 
 
-def messages_of(question) -> list[dict]:
-    content = [{"type": "image", "image": image} for image in question.images]
-    return [{"role": "user", "content": content + [{"type": "text", "text": question.prompt}]}]
-
-
 def answer(engine, question, drafter, decode: DecodeSettings) -> Done:
-    return [e for e in engine.stream(messages_of(question), drafter=drafter, decode=decode) if isinstance(e, Done)][0]
+    return [e for e in engine.stream(question.messages(), drafter=drafter, decode=decode) if isinstance(e, Done)][0]
 
 
 def evaluate(engine, questions, decode: DecodeSettings, llamacpp=None) -> list[dict]:

@@ -21,7 +21,7 @@ import torch
 from engine.backend import Request
 from engine.loop import DecodeSettings, Done
 from engine.settings import RequestError
-from engine.threads import release_thread_pool
+from engine.openmp_pool import release_thread_pool
 
 
 class Row:
@@ -72,7 +72,7 @@ def start(target: str, draft: str | None, outtype: str = "f32"):
 
 def answer(backend, messages, drafter: str | None, decode: DecodeSettings) -> Done:
     """The backend's final event for one request, this thread's idle OpenMP pool given back first
-    (llama.cpp shares torch's OpenMP runtime: engine/threads.py, measure/bench.py)."""
+    (llama.cpp shares torch's OpenMP runtime: engine/openmp_pool.py, measure/bench.py)."""
     release_thread_pool()
     return [e for e in backend.stream(Request(messages, drafter, decode=decode)) if isinstance(e, Done)][0]
 
@@ -85,10 +85,9 @@ def without_stop(engine, token_ids: list[int]) -> list[int]:
 def eval_row(engine, backend, questions, plain: list[Done], decode: DecodeSettings) -> dict:
     """measure/eval.py's row for llama.cpp plain: accuracy, and the share of answers whose token
     ids equal the built-in engine's plain answer (`plain`, one per question)."""
-    from measure.eval import messages_of
     from models.demo.world import answer_matches
 
-    done = [answer(backend, messages_of(q), None, decode) for q in questions]
+    done = [answer(backend, q.messages(), None, decode) for q in questions]
     same = [d.token_ids == without_stop(engine, p.token_ids) for d, p in zip(done, plain)]
     return {"mode": "llama.cpp", "drafter": None,
             "accuracy": sum(answer_matches(d.text, q.answer) for d, q in zip(done, questions)) / len(questions),
@@ -99,7 +98,7 @@ def eval_row(engine, backend, questions, plain: list[Done], decode: DecodeSettin
 class Phase:
     """llama.cpp rows that run together on one server, which is closed before the next phase
     starts: two llama.cpp servers alive in one process (or torch's OpenMP pools beside one) slow
-    both down about 6x (engine/threads.py: 1,400 tok/s on the demo alone, 220 with a second
+    both down about 6x (engine/openmp_pool.py: 1,400 tok/s on the demo alone, 220 with a second
     server idle beside it), so each figure is taken with only its own server alive."""
 
     def __init__(self, start_backend, rows: list[tuple[str | None, str | None, bool]]):

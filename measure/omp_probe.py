@@ -1,5 +1,5 @@
 """How long one small product takes on the main thread and on another thread, with the main
-thread's OpenMP pool kept or given back (engine/threads.py):
+thread's OpenMP pool kept or given back (engine/openmp_pool.py):
 
     python -m measure.omp_probe
 
@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.threads import release_thread_pool
+from engine.openmp_pool import release_thread_pool
 
 
 def per_product_us(x: torch.Tensor, weight: torch.Tensor) -> float:

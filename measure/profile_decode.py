@@ -48,7 +48,7 @@ from engine import fast_decode
 from engine.build import add_model_flags, build_engine, spec_from_args
 from engine.runner import Runner
 from models.loading import dtype_name
-from measure.bench import demo_requests, messages_of
+from measure.bench import demo_requests, request_messages
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::mv",
            "aten::_weight_int8pack_mm")
@@ -321,7 +321,7 @@ def main(argv=None) -> int:
     if args.wrapped:
         for runner in [engine.target.runner] + [d.runner for d in engine.drafters.values() if hasattr(d, "runner")]:
             runner.family = replace(runner.family, direct_text_steps=False)
-    messages = messages_of(demo_requests(1)[0])
+    messages = request_messages(demo_requests(1)[0])
     prompt = engine.prepare(messages)
     token = prompt.input_ids[-1]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, target {dtype_name(engine.target.model)}, "

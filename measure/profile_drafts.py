@@ -30,7 +30,7 @@ from engine.drafters.registry import load_drafter
 from engine.engine import Engine
 from engine.sampling import Sampler, SamplingSettings
 from engine.target import load_target
-from measure.bench import demo_requests, messages_of
+from measure.bench import demo_requests, request_messages
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "demo")
 
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--k", type=int, default=4)
     args = parser.parse_args(argv)
     target = load_target(os.path.join(DEMO, "target"))
-    prompt = Engine(target).prepare(messages_of(demo_requests(1)[0]))
+    prompt = Engine(target).prepare(request_messages(demo_requests(1)[0]))
     sampler = Sampler(SamplingSettings())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} rounds x {args.steps} "
           f"draft rounds of k = {args.k}, module forward then fast path")

@@ -40,8 +40,8 @@ from engine.build import add_model_flags, build_engine, spec_from_args
 from engine.draft_length import DraftLength
 from engine.drafters.base import GuardedSession
 from engine.loop import DecodeSettings, Done
-from engine.threads import release_thread_pool
-from measure.bench import demo_requests, messages_of
+from engine.openmp_pool import release_thread_pool
+from measure.bench import demo_requests, request_messages
 
 STAGES = [  # (owner, function, stage)
     (fast_decode.FastDecoder, "forward", "forward: its Python and operators"),
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     engine = build_engine(replace(spec_from_args(args), drafters=()))
     decode = DecodeSettings(max_new_tokens=args.max_new_tokens)
-    requests = [messages_of(r) for r in demo_requests(args.requests)]
+    requests = [request_messages(r) for r in demo_requests(args.requests)]
     for messages in requests[:2]:  # warm-up
         answer(engine, messages, decode, "kept")
 

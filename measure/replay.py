@@ -82,7 +82,7 @@ def main(argv=None) -> int:
 
     from engine.build import add_model_flags, build_engine, spec_from_args
     from engine.loop import DecodeSettings
-    from measure.bench import demo_requests, messages_of
+    from measure.bench import demo_requests, request_messages
     from measure.bench_rows import run_this
 
     parser = argparse.ArgumentParser(prog="python -m measure.replay", description=main.__doc__.split("\n\n")[0])
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     engine = build_engine(replace(spec_from_args(args), drafters=()))
-    messages = messages_of(demo_requests(1)[0])
+    messages = request_messages(demo_requests(1)[0])
     decode = DecodeSettings(max_new_tokens=args.max_new_tokens, stop_token_ids=frozenset({-1}))
     plain = run_this(engine, None, messages, decode, 0)  # also the warm-up
     engine.drafters["replay"] = ReplayDrafter(plain.token_ids, args.acceptance, engine.target.vocab_size,

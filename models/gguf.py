@@ -23,10 +23,12 @@ Four adaptations (nothing of the converter is edited; 1-3 are overrides in `_ada
    with GPT-2's regex, no normalizer), which is what the `gpt-2` rules implement.
 3. `merger_blocks`: the Qwen2-VL / Qwen2.5-VL projector is `visual.merger.mlp.0` and `.mlp.2`, but the name map
    covers `visual.merger.mlp.{n}` only for n below the vision depth (2 in the demo model), so the
-   map is built for at least 3 blocks.
-4. `smolvlm_text_architecture`: the converter picks the language model's class from
-   `text_config.architectures`; a SmolVLM / Idefics3 config without it (random-weight shapes built
-   here) gets `["VLlama3ForCausalLM"]`, what the published SmolVLM configs say.
+   map is built for at least the family's `gguf_merger_blocks` (3).
+4. `text_architectures`: the converter picks the language model's class from
+   `text_config.architectures`; a config without it (SmolVLM / Idefics3 random-weight shapes built
+   here) gets the family's `gguf_text_architectures` (`["VLlama3ForCausalLM"]`, what the published
+   SmolVLM configs say).
+The families declare both (models/families/: `Family.gguf_*`); this file names no family.
 """
 
 from __future__ import annotations
@@ -44,8 +46,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".gguf"
 OUTTYPES = ("f32", "bf16", "q8_0")
-MERGER_BLOCKS = 3  # Qwen2-VL's merger: mlp.0, GELU, mlp.2
-SMOLVLM_TEXT = ["VLlama3ForCausalLM"]  # text_config.architectures of the published SmolVLM checkpoints
 
 
 class ConversionError(RuntimeError):
@@ -129,8 +129,9 @@ def gpt2_pre_tokenizer(tokenizer_json: dict) -> bool:
             and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"))
 
 
-def _adapted(model_class, gguf):
-    """`model_class` (the converter's class for this architecture) with the three adaptations."""
+def _adapted(model_class, gguf, merger_blocks: int = 0):
+    """`model_class` (the converter's class for this architecture) with the three adaptations;
+    `merger_blocks`: the family's (0: none to cover)."""
 
     class Adapted(model_class):
         model_arch = model_class.model_arch  # the converter asks every subclass to name it
@@ -151,9 +152,8 @@ def _adapted(model_class, gguf):
 
         def __init__(self, *args, **kwargs):  # 3. merger_blocks
             super().__init__(*args, **kwargs)
-            qwen_vl = getattr(self, "global_config", {}).get("model_type") in ("qwen2_vl", "qwen2_5_vl")
-            if qwen_vl and self.block_count < MERGER_BLOCKS:
-                self.tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, MERGER_BLOCKS)
+            if self.block_count < merger_blocks:
+                self.tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, merger_blocks)
 
     Adapted.__name__ = model_class.__name__
     return Adapted
@@ -161,6 +161,8 @@ def _adapted(model_class, gguf):
 
 def convert(src: Path, out_dir: Path, outtype: str, mmproj: bool) -> Path:
     """Run llama.cpp's converter on `src` in this process (it imports the sdist's gguf)."""
+    from models.families import Family, family_of_type
+
     sources = llama_cpp_sources()
     sys.path[:0] = [str(sources / "gguf-py"), str(sources)]
     import gguf
@@ -170,11 +172,13 @@ def convert(src: Path, out_dir: Path, outtype: str, mmproj: bool) -> Path:
     file_types = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
                   "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
     hparams = ModelBase.load_hparams(src, False)
+    family = family_of_type(hparams.get("model_type")) or Family("unregistered", ())
     text_config = hparams.get("text_config") or {}
-    if hparams.get("model_type") in ("idefics3", "smolvlm") and not text_config.get("architectures"):  # 4.
-        hparams["text_config"] = {**text_config, "architectures": SMOLVLM_TEXT}
+    if family.gguf_text_architectures and not text_config.get("architectures"):  # 4.
+        hparams["text_config"] = {**text_config, "architectures": list(family.gguf_text_architectures)}
     architecture = get_model_architecture(hparams, ModelType.MMPROJ if mmproj else ModelType.TEXT)
-    model_class = _adapted(get_model_class(architecture, mmproj=mmproj), gguf)
+    model_class = _adapted(get_model_class(architecture, mmproj=mmproj), gguf,
+                           family.gguf_merger_blocks if mmproj else 0)  # 3. the projector's name map only
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / output_name(outtype, mmproj)
     partial = path.with_name(path.name + ".partial")

@@ -1,4 +1,4 @@
-"""Per-round work of the LM drafters (engine/drafters/model.py) grows with the draft, not the answer:
+"""Per-round work of the LM drafters (engine/drafters/language_model.py) grows with the draft, not the answer:
 a round reads the tokens committed since the last one and the k it drafted, never the whole answer."""
 
 from __future__ import annotations

@@ -110,12 +110,12 @@ def test_static_cache_grows_past_its_capacity_and_moves_entries():
 def test_demo_model_greedy_decode_and_verify_match_transformers(one_thread):
     """The bundled model (Qwen2-VL, trained): 30 greedy steps and a verify pass, per request."""
     from engine.target import load_target
-    from measure.bench import demo_requests, messages_of
+    from measure.bench import demo_requests, request_messages
 
     target = load_target(str(Path(__file__).parents[1] / "assets" / "demo" / "target"))
     engine = Engine(target)
     for request in demo_requests(2):
-        prompt = engine.prepare(messages_of(request))
+        prompt = engine.prepare(request_messages(request))
         runners = Runner(target.model, target.family, fast=False), Runner(target.model, target.family)
         (logits, old), (_, new) = (runner.prefill(prompt.target_inputs) for runner in runners)
         answer = [int(logits.argmax())]

@@ -311,7 +311,7 @@ def test_a_burst_of_uploads_cannot_race_the_bound_and_files_are_counted(server):
 
 def test_the_address_is_the_proxy_hop_and_an_earlier_process_uploads_are_swept(tmp_path):
     from app_ui.guard import Guard
-    from app_ui.visitors import sweep_journals
+    from app_ui.journals import sweep_journals
 
     guard = Guard(None, Visitors(Limits(proxy_hops=1)))
     spoofed = {b"x-forwarded-for": b"6.6.6.6, 203.0.113.7"}  # the client wrote 6.6.6.6; the proxy appended its peer

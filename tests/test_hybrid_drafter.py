@@ -6,7 +6,7 @@ The drafters, built here:
              slow decay, so a recurrent state that keeps a rejected token changes the logits.
     vlm      the target's own folder loaded as a VLM drafter (same family, same weights).
 Both get a HybridRunner: `propose` checkpoints the cache once it holds the committed answer and a
-rejection returns there (engine/hybrid.py). What is checked:
+rejection returns there (engine/linear_attention_rollback.py). What is checked:
 - forced acceptance (the real drafter runs, its token choices forced to the true answer with
   tokens corrupted at fixed positions, so every acceptance length happens): the answer is the
   plain one, and every round the drafter's logits equal a from-scratch reference, one uncached
@@ -31,7 +31,7 @@ from transformers import PretrainedConfig
 from engine.__main__ import main
 from engine.drafters.registry import load_drafter
 from engine.engine import Engine
-from engine.hybrid import HybridRunner
+from engine.linear_attention_rollback import HybridRunner
 from engine.loop import DecodeSettings
 from engine.prompt import encode_text, encode_vlm
 from engine.runner import Runner
@@ -150,11 +150,11 @@ def test_tree_asked_drafts_chains_and_says_why(zoo, folders):
 
 
 def test_recurrent_layers_other_than_linear_attention_are_refused_at_load(target):
-    from engine.drafters import model
+    from engine.drafters import language_model
 
     config = PretrainedConfig(layer_types=["conv", "full_attention"])  # as LFM2-style models name theirs
     with pytest.raises(LoadError, match="has conv layers, a state whose rollback this engine has not been"):
-        model.load("a-conv-model", config, target, OPTIONS)
+        language_model.load("a-conv-model", config, target, OPTIONS)
 
 
 @pytest.fixture(scope="module")

@@ -74,9 +74,57 @@ def test_wrong_types_and_choices_name_the_setting():
         assert str(refused.value) == refusal
 
 
-def test_the_docs_table_is_the_schemas():
+def test_the_docs_tables_are_the_schemas():
     with open(f"{ROOT}/docs/settings.md", encoding="utf-8") as page:
-        assert schema.table() in page.read(), "docs/settings.md: paste the output of python -m engine.settings"
+        text = page.read()
+    assert schema.table() in text, "docs/settings.md: paste the output of python -m engine.settings"
+    assert load_settings.table() in text, "docs/settings.md: paste the output of python -m engine.load_settings"
+
+
+def test_the_security_page_lists_every_ceiling_and_limit_with_its_variable():
+    """docs/security.md's bounds table: each server ceiling with its schema default and variable,
+    each visitors' limit with its variable (engine/settings.py, app_ui/visitors.py)."""
+    from dataclasses import fields
+
+    from app_ui.visitors import Limits
+
+    with open(f"{ROOT}/docs/security.md", encoding="utf-8") as page:
+        rows = [line for line in page.read().splitlines() if line.startswith("| ")]
+    for option in fields(schema.Ceilings):
+        meta = schema.spec(option.name)
+        row = next(line for line in rows if line.startswith(f"| `{option.name}` |"))
+        assert f" to {meta.ceiling}" in row and f"`{meta.ceiling_env}`" in row, row
+    for name, _, meta in schema.specs_of(Limits):
+        assert any(f"`{meta.env}`" in line for line in rows), meta.env
+
+
+def test_every_variable_is_read_by_one_reader_with_one_kind_of_message():
+    """engine/settings.py `environ_values` reads the load settings', the ceilings' and the visitors'
+    variables alike: a number of the field's kind, in its range, named in one line."""
+    from app_ui.visitors import Limits
+
+    cases = [(schema.Ceilings.from_environ, "VLM_MAX_DRAFT_TOKENS", schema.RequestError),
+             (Limits.from_environ, "VLM_SESSIONS_PER_CLIENT", ValueError),
+             (lambda environ: setup.app_parser(environ), "VLM_MAX_IMAGE_TOKENS", setup.SetupError)]
+    for read, variable, error in cases:
+        for text, says in [("many", f"{variable}: 'many' is not a whole number"), ("-1", f"{variable}: -1 is under")]:
+            with pytest.raises(error) as refused:
+                read({variable: text})
+            assert str(refused.value).startswith(says), str(refused.value)
+    assert schema.Ceilings.from_environ({"VLM_MAX_DRAFT_TOKENS": "8"}).draft_tokens == 8
+    assert Limits.from_environ({"VLM_TIME_BUDGET_S": "60"}, proxy_hops=1) == Limits(time_budget_s=60.0, proxy_hops=1)
+    with pytest.raises(ValueError, match="VLM_TIME_BUDGET_S: 'nan' is not a finite number"):
+        Limits.from_environ({"VLM_TIME_BUDGET_S": "nan"})
+
+
+def test_the_schema_gives_what_a_sidebar_control_needs():
+    """`control`: label, help, default, and choices or (least, most, step): the sidebar can be made from it."""
+    assert schema.control("mode")["choices"] == schema.MODES
+    assert schema.control("draft_tree")["range"] == schema.spec("draft_tree").ui
+    assert schema.control("seed")["range"] == (0, 2**63 - 1, 1)
+    for name in schema.names():
+        shown = schema.control(name)
+        assert shown["label"] and shown["info"] and shown["value"] == schema.default(name), name
 
 
 # --- the load settings (engine/load_settings.py): flags of every command, VLM_* variables of the app -----

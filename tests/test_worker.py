@@ -157,10 +157,10 @@ def test_the_loop_times_from_the_request_start_and_says_what_the_engine_decided(
 
 
 def test_the_callers_openmp_pool_is_given_back_before_the_worker_computes():
-    """engine/threads.py: the main thread's idle pool would make every parallel region of the
+    """engine/openmp_pool.py: the main thread's idle pool would make every parallel region of the
     worker's wake a sleeping thread (3x slower decoding on 2 cores); torch's OpenMP runtime is
     found and gives it back."""
-    from engine.threads import release_thread_pool
+    from engine.openmp_pool import release_thread_pool
 
     torch.randn(1 << 20).add_(1)  # a parallel region on this thread: its pool exists
     assert release_thread_pool()

@@ -5,12 +5,12 @@ with its own fit checks). Adding a drafter = its file plus one line here.
 `config` is None for the keywords (`ngram`, `mtp`), which name no checkpoint; an EAGLE-3
 checkpoint's (SpecForge or speculators, read from its config.json: transformers has no config
 class for either) for eagle3; else the checkpoint's transformers config. The model drafter
-comes last: it takes any other language model.
+comes last (language_model.py): it takes any other language model.
 """
 
 from __future__ import annotations
 
-from engine.drafters import block, dflash, eagle3, model, mtp, mtp_head, ngram, shared_cache
+from engine.drafters import block, dflash, eagle3, language_model, mtp, mtp_head, ngram, shared_cache
 from engine.drafters.base import Drafter
 from models.loading import LoadError, LoadOptions, load_config
 
@@ -22,7 +22,7 @@ DRAFTERS = (
     shared_cache,  # an assistant attending to the target's shared K/V (config names backbone_hidden_size)
     mtp_head,  # the project's own MTP head (config model_type "mtp_head", models/drafter_heads.py)
     block,  # the project's own block drafter (config model_type "block_drafter", models/drafter_heads.py)
-    model,  # any other causal LM or VLM of the target's family
+    language_model,  # any other causal LM or VLM of the target's family
 )
 KEYWORDS = (ngram.KEYWORD, mtp.KEYWORD)
 NONE = ("", "none")

@@ -440,6 +440,11 @@ class Question:
     reference: str
     pictures: tuple[Spec, ...] = ()  # what the images show (specs for `render`)
 
+    def messages(self) -> list[dict]:
+        """The question as a conversation of one user turn: its images, then its prompt."""
+        content = [{"type": "image", "image": image} for image in self.images]
+        return [{"role": "user", "content": content + [{"type": "text", "text": self.prompt}]}]
+
 
 @dataclass
 class Example:

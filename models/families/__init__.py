@@ -27,8 +27,26 @@ def _registry() -> dict[str, Family]:
 REGISTRY: dict[str, Family] = _registry()
 VLM_FAMILIES: tuple[Family, ...] = tuple(dict.fromkeys(REGISTRY.values()))
 
-# Any text-only causal LM (a drafter) numbers positions on one axis.
-TEXT_LM = Family("text_lm", ())
+# Any text-only causal LM (a drafter) numbers positions on one axis; Llama and Qwen2 ones decode fast.
+TEXT_LM = Family("text_lm", (), fast_text_types=("llama", "qwen2"))
+
+
+def fast_text_types() -> tuple[str, ...]:
+    """Every text model type whose decoder layers the fast path runs, as the families declare
+    (engine/fast_decode.py `TEXT_TYPES`)."""
+    return tuple(dict.fromkeys(kind for family in (*VLM_FAMILIES, TEXT_LM) for kind in family.fast_text_types))
+
+
+def fast_head_layers() -> tuple[str, ...]:
+    """The families whose layers a drafter head may be built from and still run on the fast path
+    (models/drafter_heads.py `layers_from`; engine/fast_heads.py)."""
+    return tuple(family.name for family in VLM_FAMILIES if family.fast_heads)
+
+
+def family_of_type(model_type: str | None) -> Family | None:
+    """The registered family of `model_type` (a config's), or None: for declarations that apply
+    only where a family declares them (models/gguf.py's quirks)."""
+    return REGISTRY.get(model_type)
 
 
 def family_for_config(config) -> Family:
@@ -41,4 +59,5 @@ def family_for_config(config) -> Family:
     )
 
 
-__all__ = ["Family", "MRopeFamily", "REGISTRY", "VLM_FAMILIES", "TEXT_LM", "family_for_config"]
+__all__ = ["Family", "MRopeFamily", "REGISTRY", "VLM_FAMILIES", "TEXT_LM", "family_for_config", "family_of_type",
+           "fast_head_layers", "fast_text_types"]

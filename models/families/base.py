@@ -1,6 +1,6 @@
-"""What the engine needs to know about a model family: how it numbers rotary positions, and
-how its processor turns images into tokens (`Family`, below: the one place a family's knowledge
-lives; models/families/__init__.py registers every family of this package by model type).
+"""What the engine needs to know about a model family: how it numbers rotary positions, how
+its processor turns images into tokens, and what it supports (the fast path, drafter heads on it,
+GGUF quirks) (`Family`, below: the one place a family's knowledge lives; models/families/__init__.py registers every family of this package by model type).
 
 Two kinds of positional bookkeeping exist among the supported models:
 
@@ -12,7 +12,7 @@ Two kinds of positional bookkeeping exist among the supported models:
   per request at prefill. Every later decode and verify position is shifted by it.
 
 Other differences live elsewhere: the cache of a hybrid target (Qwen3.5's linear-attention
-layers) is rolled back by engine/hybrid.py, chosen at load from the config; sliding-window
+layers) is rolled back by engine/linear_attention_rollback.py, chosen at load from the config; sliding-window
 layers (Gemma 3 / 4, MuseGlimmer) keep their recorded past for rollbacks in the Runner.
 
 A family turns a prefill's processor outputs into explicit `position_ids` and a `rope_delta`,
@@ -54,6 +54,18 @@ class Family:
     placeholder_spellings: str = MARKUP_SPELLINGS
     # The family's PIL image processor class, where transformers has only a torchvision one.
     pil_image_processor: type | None = None
+    # What else the family supports, declared here so that no other file lists families:
+    # - the fast decode path (engine/fast_decode.py) runs decoder layers of these text model types
+    #   (the VLM's `text_config.model_type`, or a text LM's own; empty: transformers' forward);
+    fast_text_types: tuple[str, ...] = ()
+    # - drafter heads built from this family's layers (models/drafter_heads.py `layers_from`, the
+    #   family's name) run on the fast path too (engine/fast_heads.py);
+    fast_heads: bool = False
+    # - GGUF conversion (models/gguf.py): llama.cpp's name map must cover this many vision-merger
+    #   blocks (Qwen2-VL's projector: mlp.0, GELU, mlp.2), and a config whose text_config names no
+    #   architectures gets these (what the published checkpoints say).
+    gguf_merger_blocks: int = 0
+    gguf_text_architectures: tuple[str, ...] = ()
 
     def load_processor(self, path_or_id: str, trust_remote_code: bool = False) -> ProcessorMixin:
         """The processor saved with a model of this family (models/processors.py: image-only

@@ -30,6 +30,9 @@ class TilingFamily(Family):
 
 
 SPELLINGS = MARKUP_SPELLINGS + r"|<row_\d+_col_\d+>|<fake_token_around_image>|<global-img>"
-IDEFICS3 = TilingFamily("idefics3", ("idefics3",), placeholder_spellings=SPELLINGS)
-SMOLVLM = TilingFamily("smolvlm", ("smolvlm",), placeholder_spellings=SPELLINGS)
+# Their language model is a Llama; a config built here names no architecture for it, and the
+# published SmolVLM checkpoints say VLlama3ForCausalLM (what llama.cpp's converter reads).
+LLAMA_TEXT = dict(fast_text_types=("llama",), gguf_text_architectures=("VLlama3ForCausalLM",))
+IDEFICS3 = TilingFamily("idefics3", ("idefics3",), placeholder_spellings=SPELLINGS, **LLAMA_TEXT)
+SMOLVLM = TilingFamily("smolvlm", ("smolvlm",), placeholder_spellings=SPELLINGS, **LLAMA_TEXT)
 FAMILIES = (IDEFICS3, SMOLVLM)

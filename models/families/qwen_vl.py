@@ -46,7 +46,9 @@ def _is_patchifier(image_processor) -> bool:
                 and getattr(size, "longest_edge", None))
 
 
-QWEN2_VL = QwenVLFamily("qwen2_vl", ("qwen2_vl",), direct_text_steps=True)
-QWEN2_5_VL = QwenVLFamily("qwen2_5_vl", ("qwen2_5_vl",), direct_text_steps=True)
+QWEN2_VL = QwenVLFamily("qwen2_vl", ("qwen2_vl",), direct_text_steps=True,
+                        fast_text_types=("qwen2_vl_text", "qwen2_vl"), fast_heads=True, gguf_merger_blocks=3)
+QWEN2_5_VL = QwenVLFamily("qwen2_5_vl", ("qwen2_5_vl",), direct_text_steps=True,
+                          fast_text_types=("qwen2_5_vl_text", "qwen2_5_vl"), gguf_merger_blocks=3)
 QWEN3_VL = QwenVLFamily("qwen3_vl", ("qwen3_vl",), direct_text_steps=True)
 FAMILIES = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)

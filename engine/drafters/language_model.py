@@ -3,7 +3,7 @@
 Serves: any `--drafter` folder or hub id whose config is a causal LM (kind "text_lm") or a VLM
 of the target's family ("vlm"), whose tokenizer gives the target's ids to the tokens they share
 (checked at load). Its layers may be attention or, as in every small Qwen3.5, linear attention
-(a recurrent state, rolled back by engine/hybrid.py's HybridRunner).
+(a recurrent state, rolled back by engine/linear_attention_rollback.py's HybridRunner).
 
 Each request's session keeps its own KV cache and positions (a Runner state), prefilled on its
 own view of the prompt:
@@ -17,7 +17,7 @@ its cache holds, and crops to the common prefix with the committed answer before
 With linear-attention layers a crop cannot rewind the recurrent state: `propose` checkpoints
 the cache once it holds the committed answer, before feeding its own draft tokens, and the
 rollback returns there, the accepted draft tokens left pending for the next pass (the design
-and its cost in engine/hybrid.py).
+and its cost in engine/linear_attention_rollback.py).
 
 Trees (`propose_tree`, engine/tree.py), as EAGLE-2's beam: depth by depth, one pass over the
 `branching` best nodes of the newest depth (a tree mask on the drafter's own cache) gives each
@@ -35,7 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from engine.drafters.base import Draft, DraftBuilder, DrafterUnavailable
-from engine.hybrid import runner_for
+from engine.linear_attention_rollback import runner_for
 from engine.prompt import Prompt, encode_text, encode_vlm
 from engine.runner import NO_READS, CacheState, Runner
 from engine.sampling import Sampler

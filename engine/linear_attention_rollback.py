@@ -20,7 +20,7 @@ sequence, as for any other model.
 Who checkpoints:
 - the target's verify pass (engine/tree.py `verify`), before a pass with a draft: the run is
   [last, d1 .. dk], one pass;
-- a model drafter's session (engine/drafters/model.py), after the first pass of `propose` (the
+- a model drafter's session (engine/drafters/language_model.py), after the first pass of `propose` (the
   committed tokens it had not seen) and before it feeds its own draft tokens one pass each: the
   run is [d1 .. d(k-1)] over k - 1 passes, and after the target accepts d1 .. da they are
   pending, run in front of the next `propose`'s first pass. One copy a round: a snapshot per
