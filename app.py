@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None, block: bool = True, limits=None):
 
     from app_ui.guard import Guard
     from app_ui import queue_rules
-    from app_ui.layout import CSS, EXAMPLES_DIR, GENERATE, build_demo
+    from app_ui.callbacks import GENERATE
+    from app_ui.components import CSS, EXAMPLES_DIR
+    from app_ui.layout import build_demo
     from app_ui.visitors import Limits, Visitors, journal_folder, sweep_journals
     from engine.engine import Ceilings, RequestError
     from engine.images import MAX_FILE_BYTES
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None, block: bool = True, limits=None):
     sweep_journals(journals)
     os.makedirs(journals, exist_ok=True)
     # 6. Build the UI and serve it behind the visitors' guard; generations queue (one at a time,
-    #    see app_ui/layout.py); idle conversations and unsent uploads are swept while it runs.
+    #    see app_ui/callbacks.py); idle conversations and unsent uploads are swept while it runs.
     visitors = Visitors(limits, public=[EXAMPLES_DIR])
     demo = build_demo(served, gpu=gpu_decorator(), visitors=visitors, ab_backend=ab_backend)
     demo.queue(default_concurrency_limit=1)

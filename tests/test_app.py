@@ -11,7 +11,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 import app
-from app_ui import layout, views
+from app_ui import callbacks, views
 from app_ui.session import Options, Session, new_turn
 from app_ui.setup import read_config
 from engine.ab import Side, compare, first_difference_index
@@ -142,7 +142,7 @@ def test_in_the_ui_a_refused_turn_goes_back_into_the_box_with_the_reason(engine)
     session = Session()
     session.pending = new_turn({"text": "word " * 2100, "files": [IMAGES[0]]}, engine, session)
     with pytest.warns(UserWarning, match="Cannot answer: .*the model's context is 2048"):
-        *_, (chatbot, *_, box) = layout._respond(engine, session, Options(max_new_tokens=4))
+        *_, (chatbot, *_, box) = callbacks.respond(engine, session, Options(max_new_tokens=4))
     assert box == {"text": ("word " * 2100).strip(), "files": [IMAGES[0]]}
     assert chatbot == [] and session.pending is None and session.turns == []  # never sent to the model
 

@@ -318,9 +318,9 @@ def test_the_highlight_view_spells_the_answer(fresh):
 def test_new_chat_during_an_answer_resets_every_panel(fresh, gate):
     from playwright.sync_api import expect
 
-    import app_ui.layout
+    import app_ui.callbacks
 
-    original = app_ui.layout.answer
+    original = app_ui.callbacks.answer
 
     def held_after_the_first_chunk(*args, **kwargs):
         for number, side in enumerate(original(*args, **kwargs)):
@@ -328,7 +328,7 @@ def test_new_chat_during_an_answer_resets_every_panel(fresh, gate):
             if number == 0:
                 gate.wait(60)
 
-    app_ui.layout.answer = held_after_the_first_chunk
+    app_ui.callbacks.answer = held_after_the_first_chunk
     try:
         fresh.locator("#chatbot .example").first.click()
         expect(fresh.locator("#stats")).to_contain_text("generating", timeout=60_000)
@@ -337,7 +337,7 @@ def test_new_chat_during_an_answer_resets_every_panel(fresh, gate):
         gate.set()
         expect(fresh.locator("#chat-stop")).to_be_disabled(timeout=60_000)
     finally:
-        app_ui.layout.answer = original
+        app_ui.callbacks.answer = original
     expect(fresh.locator("#stats")).to_contain_text("Statistics appear here")
     expect(fresh.locator("#answer-details")).to_be_hidden()
     expect(fresh.locator("#chatbot .message")).to_have_count(0)
