@@ -65,7 +65,9 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
         if backend is None:
             with startup.step("Loading the compiled decode path (engine/fast_layer.cpp)", announce=False):
                 _compiled_path(config)
-        with startup.step(f"Loading {config.model} and its drafters", announce=backend is None):
+        # (named as the header names it: the page is public, the folders it was loaded from are not)
+        model = "/".join(str(config.model).rstrip("/").rsplit("/", 2)[-2:])
+        with startup.step(f"Loading {model} and its drafters", announce=backend is None):
             engine = None if backend else load_engine(config)
     except SetupError as error:
         sys.exit(f"error: {error}")

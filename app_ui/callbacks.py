@@ -29,7 +29,7 @@ from app_ui.visitors import Visitors
 from engine.ab import ABProgress, run_ab
 from engine.backend import Backend
 from engine.engine import Engine, RequestError
-from engine.images import ImageError
+from engine.images import ImageError, load_image
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,29 @@ def start(session: Session, turn: Turn) -> None:
     session.pending = turn
 
 
+def refused_files(served: Served, message, checked: dict[str, str | None], keep: int = 512):
+    """{"paths": [...]} of the message's files that are not usable images, each named in a notice
+    (ImageError's words), or gr.skip() when there are none; `checked`: path -> the refusal (None:
+    fine), so that typing reopens nothing (the oldest entries go beyond `keep`)."""
+    refused = []
+    for file in (message or {}).get("files") or []:
+        path = file.get("path") if isinstance(file, dict) else getattr(file, "path", file)
+        if not isinstance(path, str):
+            continue
+        if path not in checked:
+            try:
+                load_image(path, **served.image_fit())
+                checked[path] = None
+            except ImageError as error:
+                checked[path] = str(error)
+                gr.Warning(f"{error}. It is taken out of the message box; your text stays.")
+            while len(checked) > keep:
+                checked.pop(next(iter(checked)))
+        if checked.get(path):
+            refused.append(path)
+    return {"paths": refused, "at": time.time()} if refused else gr.skip()
+
+
 def respond(served: Engine | Served, session: Session, options: Options | dict, demo_model: bool = False):
     """Prepare the pending turn's images, then stream its answer into the chat panels (and,
     last, the message box), throttled; plots less often. A refused turn (an unreadable image, a
@@ -186,9 +209,10 @@ def respond(served: Engine | Served, session: Session, options: Options | dict, 
     if session.turns is not history:  # New chat while it ran: the stopped answer is not shown
         yield panels(messages) + (returned,)
     elif side is None or not side.text:  # nothing answered: the panels keep the latest answer
-        answered = session.answered()
-        latest = statistics(answered[-1].stats) if answered else views.stats_markdown(None)
-        yield (messages, latest, *[gr.skip()] * (len(panels([])) - 2), returned)
+        latest = session.answered()[-1].stats if session.answered() else None
+        skipped = [gr.skip()] * (len(panels([])) - 3)  # the highlight, plots and their column stay
+        yield (messages, statistics(latest) if latest else views.stats_markdown(None), *skipped,
+               views.key_figures(latest), returned)
     else:
         yield panels(messages, side, statistics(side.stats), points) + (returned,)
 
@@ -203,8 +227,8 @@ def _prepare_images(served: Served, session: Session, turn: Turn) -> None:
 def panels(messages: list[dict], side=None, statistics: str | None = None,
             points: list[tuple[int, float]] | None = ()) -> tuple:
     """The chat panels' values: chat, statistics (views.stats_markdown's text; None: the empty
-    panel's), highlight, the two plots (points None: left as they are) and the column holding
-    the last three (shown once there is an answer)."""
+    panel's), highlight, the two plots (points None: left as they are), the column holding
+    the last three (shown once there is an answer) and the key figures' line (a phone's, under Stop)."""
     stats = side.stats if side else None
     if points is None:
         plots = (gr.skip(), gr.skip())
@@ -214,7 +238,7 @@ def panels(messages: list[dict], side=None, statistics: str | None = None,
         plots = (gr.update(value=views.acceptance_frame(stats), visible=drafted),
                  gr.update(value=views.speed_frame(list(points)), x_lim=[0, speed_max]))
     return (messages, statistics or views.stats_markdown(None), views.highlight_html(side), *plots,
-            gr.Column(visible=bool(side and side.text)))
+            gr.Column(visible=bool(side and side.text)), views.key_figures(stats))
 
 
 def api_chat(served: Served, message_value, session: Session, options: Options, arrived: float,

@@ -85,9 +85,11 @@ def chat_tab(examples: list[dict], demo_model: bool, reads_images: bool = True) 
                                  examples=[{**example, "display_text": example["text"]} for example in examples] or None,
                                  group_consecutive_messages=False)
             message = _message_box("chat-input")
-            with gr.Row():
-                stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="chat-stop", interactive=False)
-                new_chat = gr.Button("New chat", size="sm", elem_id="chat-new")
+            with gr.Row():  # side by side on a phone too (Gradio wraps buttons under 160 px each)
+                stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="chat-stop", interactive=False,
+                                 min_width=80)
+                new_chat = gr.Button("New chat", size="sm", elem_id="chat-new", min_width=80)
+            figures = gr.Markdown(elem_id="chat-figures")  # shown on a phone only (page.css)
         with gr.Column(scale=2):
             with gr.Accordion("Live statistics", open=True, elem_id="stats-section"):
                 stats = gr.Markdown(views.stats_markdown(None), elem_id="stats", elem_classes=["stats"],
@@ -102,7 +104,7 @@ def chat_tab(examples: list[dict], demo_model: bool, reads_images: bool = True) 
                         speed_plot = gr.LinePlot(views.speed_frame([]), x="tokens", y="tok/s", height=220,
                                                  title="Decode tokens/s over the answer")
     return SimpleNamespace(chatbot=chatbot, message=message, stop=stop, new_chat=new_chat,
-                           panels=[chatbot, stats, tokens, acceptance_plot, speed_plot, details])
+                           panels=[chatbot, stats, tokens, acceptance_plot, speed_plot, details, figures])
 
 
 def ab_names(served: Served, ab_backend: Backend | None) -> tuple[str, str]:
@@ -113,8 +115,9 @@ def ab_names(served: Served, ab_backend: Backend | None) -> tuple[str, str]:
 
 
 def ab_tab(examples: list[dict], served: Served, ab_backend: Backend | None) -> SimpleNamespace:
-    """Message box and Stop, the examples, then the verdict over the full width, the two
-    answers (side by side on a wide screen, one above the other on a phone) and the table."""
+    """Message box and Stop, the examples (in a section that folds once a run starts, so that the
+    results come next), then the verdict over the full width, the two answers (side by side on a
+    wide screen, one above the other on a phone) and the table."""
     if ab_backend is None and served.server_decides:
         gr.Markdown(f"*The server at `{served.name}` decides its own decoding, so there is no plain and speculative "
                     "run of it to compare here: start the app with `--ab-backend URL` to compare it with another "
@@ -134,14 +137,18 @@ def ab_tab(examples: list[dict], served: Served, ab_backend: Backend | None) -> 
     with gr.Row():
         stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="ab-stop", interactive=False, scale=0,
                          min_width=160)
+    examples_section = None
     if examples:
-        gr.Examples(examples, inputs=[message], label="Examples (a click puts one in the message box)")
+        with gr.Accordion("Examples (a click puts one in the message box)", open=True,
+                          elem_id="ab-examples") as examples_section:  # folded once a run starts
+            gr.Examples(examples, inputs=[message], label=None)
     verdict = gr.Markdown(views.ab_markdown(None), elem_id="ab-verdict", container=True)
     with gr.Row(equal_height=False, elem_id="ab-answers"):
         plain = gr.HTML(container=True, min_width=320, elem_id="ab-plain", elem_classes=["tokens"])
         speculative = gr.HTML(container=True, min_width=320, elem_id="ab-speculative", elem_classes=["tokens"])
     table = gr.Markdown(elem_id="ab-table", elem_classes=["stats"])
-    return SimpleNamespace(message=message, stop=stop, panels=[verdict, plain, speculative, table])
+    return SimpleNamespace(message=message, stop=stop, examples=examples_section,
+                           panels=[verdict, plain, speculative, table])
 
 
 def header(served: Served) -> str:

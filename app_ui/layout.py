@@ -25,7 +25,8 @@ from engine.backend import Backend
 from engine.engine import Engine, RequestError
 
 INSTANT = {"concurrency_limit": None, "api_visibility": "private", "show_progress": "hidden"}  # quick, not limited
-ON_LOAD, FOCUS_INPUT, DROP_ON_CHAT = (components.script(name) for name in ("on_load", "focus_input", "drop_on_chat"))
+ON_LOAD, FOCUS_INPUT, DROP_ON_CHAT, KEYBOARD, DROP_REFUSED_FILES = (components.script(name) for name in (
+    "on_load", "focus_input", "drop_on_chat", "keyboard", "drop_refused_files"))
 
 
 def build_demo(served: Served | Engine, gpu: Callable = lambda fn: fn, visitors: Visitors | None = None,
@@ -50,11 +51,14 @@ def build_demo(served: Served | Engine, gpu: Callable = lambda fn: fn, visitors:
             settings = components.settings_controls(served)  # {Options field: its control}
         demo.load(None, js=ON_LOAD)
         demo.load(None, js=DROP_ON_CHAT)
+        demo.load(None, js=KEYBOARD)
         with gr.Tab("Chat"):
             chat = components.chat_tab(examples, served.demo, served.reads_images)
         with gr.Tab(f"A/B: {' vs '.join(components.ab_names(served, ab_backend))}"):
             ab = components.ab_tab(examples, served, ab_backend)
         _wire_settings(served, settings)
+        for box in (chat.message, ab.message):
+            _flag_refused_files(served, box)
         _wire_chat(served, gpu, session, settings, chat, visitors, examples)
         _wire_ab(served, gpu, session, {k: v for k, v in settings.items() if k != "mode"}, ab, visitors, ab_backend)
         _wire_api(served, gpu, session, settings, visitors, ab_backend)
@@ -69,6 +73,17 @@ def _wire_settings(served: Served, settings: dict) -> None:
                             [settings[name] for name in components.DRAFTER_CONTROLS], **INSTANT)
     settings["drafter"].change(lambda key: gr.update(info=components.drafter_info(served, key)),
                                [settings["drafter"]], [settings["drafter"]], **INSTANT)
+
+
+def _flag_refused_files(served: Served, box: gr.MultimodalTextbox) -> None:
+    """A file that is not a usable image is named in a notice as soon as it is attached, and taken
+    out of the box; the text stays, typed meanwhile too (the box is edited on the page:
+    DROP_REFUSED_FILES). Each upload is opened once (callbacks.refused_files)."""
+    refused = gr.JSON(visible=False)
+    checked: dict[str, str | None] = {}
+    box.change(lambda message: callbacks.refused_files(served, message, checked), [box], [refused], **INSTANT,
+               trigger_mode="always_last")
+    refused.change(None, [refused, box], [box], js=DROP_REFUSED_FILES, **INSTANT)
 
 
 def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict, chat: SimpleNamespace,
@@ -96,8 +111,9 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
         accept(examples[event.index], session, request)  # our own list: the click names only its place
 
     def show(session: Session, clear_box: bool = True):
+        panel = views.preparing(session.pending)  # in the statistics panel and the line of key figures
         return (gr.MultimodalTextbox(value=None) if clear_box else gr.skip(), views.chatbot_messages(session),
-                gr.Button(variant="stop", interactive=True), views.preparing(session.pending))
+                gr.Button(variant="stop", interactive=True), panel, panel)
 
     def retry(session: Session, temperature, seed, request: gr.Request):
         """The last turn again; with sampling, from the next seed (the same seed gives the same answer;
@@ -110,7 +126,7 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
             callbacks.start(session, Turn(last.text, last.files, last.images))
         # The panel says the new answer is on its way: the last one's figures would read as this one's.
         panel = views.preparing(session.pending) if session.pending is not None else gr.skip()
-        return views.chatbot_messages(session), seed, gr.Button(variant="stop", interactive=True), panel
+        return views.chatbot_messages(session), seed, gr.Button(variant="stop", interactive=True), panel, panel
 
     def undo(session: Session):
         message = session.turns.pop().message if session.pending is None and session.turns else gr.skip()
@@ -132,14 +148,15 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
                          preprocess=False, **GENERATE)
     idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[chat.stop],
                 js=FOCUS_INPUT, **INSTANT)
-    shown = [chat.message, chat.chatbot, chat.stop, chat.panels[1]]  # the last: the statistics panel
+    figures, statistics = chat.panels[-1], chat.panels[1]
+    shown = [chat.message, chat.chatbot, chat.stop, statistics, figures]
     chat.message.submit(accept, [chat.message, session], None, **INSTANT) \
         .success(show, [session], shown, **INSTANT).success(**respond_event).then(**idle)
     chat.chatbot.example_select(accept_example, [session], None, **INSTANT) \
         .success(lambda session: show(session, clear_box=False), [session], shown, **INSTANT) \
         .success(**respond_event).then(**idle)
     chat.chatbot.retry(retry, [session, settings["temperature"], settings["seed"]],
-                       [chat.chatbot, settings["seed"], chat.stop, chat.panels[1]], **INSTANT) \
+                       [chat.chatbot, settings["seed"], chat.stop, statistics, figures], **INSTANT) \
         .success(**respond_event).then(**idle)
     chat.chatbot.undo(undo, [session], [chat.message, *chat.panels], **INSTANT)
     chat.new_chat.click(new_conversation, [session], [chat.message, *chat.panels], **INSTANT)
@@ -157,7 +174,9 @@ def _wire_ab(served: Served, gpu: Callable, session: gr.State, settings: list, a
         options = Options(mode="speculative", **dict(zip(settings, values)))
         yield from callbacks.ab_live(served, message_value, session, options, callbacks.arrival(request), ab_backend)
 
-    running = dict(fn=lambda: gr.Button(variant="stop", interactive=True), outputs=[ab.stop], **INSTANT)
+    running = dict(fn=lambda: (gr.Button(variant="stop", interactive=True), gr.Accordion(open=False)),
+                   outputs=[ab.stop, ab.examples], **INSTANT) if ab.examples else \
+        dict(fn=lambda: gr.Button(variant="stop", interactive=True), outputs=[ab.stop], **INSTANT)
     idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[ab.stop], **INSTANT)
     # Like the chat's: once the run has taken the message, the box empties (the verdict shows what was
     # asked), so the next run's inputs are what the box then shows, never copies added to the last ones.
