@@ -28,65 +28,75 @@ def gpu_decorator():
 
 def main(argv: list[str] | None = None, block: bool = True, limits=None):
     """Start the app; `limits` (app_ui.visitors.Limits): the bounds on what visitors may hold
-    (default: Limits from VLM_* variables, docs/security.md)."""
+    (default: Limits from VLM_* variables, docs/security.md). Each step that may take a while is
+    printed, and the app's address says "Starting…" until it is ready (app_ui/starting.py)."""
+    from app_ui.starting import Startup
+
+    startup = Startup()
+    try:
+        return _start(argv, block, limits, startup)
+    finally:
+        startup.close()  # also when a step fails: the address is free again
+
+
+def _start(argv: list[str] | None, block: bool, limits, startup):
     from app_ui.served import Served
-    from app_ui.setup import SetupError, load_engine, open_backends, read_config, warm_up
+    from app_ui.setup import SetupError, open_backends, read_config, warm_up
 
     # 1. Settings from flags, else environment variables, else defaults; a bad one is one line.
+    #    (--preset smol assembles its model here on first use.) Then the address answers "Starting…".
     try:
-        config = read_config(argv)
-        backend, ab_backend = open_backends(config)
+        named = [*(sys.argv[1:] if argv is None else argv), os.environ.get("VLM_PRESET", ""),
+                 os.environ.get("VLM_MODEL", "")]
+        smol = any("smol" in str(value) for value in named)  # models/presets.py assembles it on first use
+        with startup.step("Reading the settings" + (" and assembling the smol model (once, then cached)" if smol
+                                                    else ""), announce=smol):
+            config = read_config(argv)
+        startup.serve(config.host, config.port, open_browser=config.open_browser)
+        with startup.step(_opening(config), announce=bool(config.backend or config.ab_backend)):
+            backend, ab_backend = open_backends(config)
     except SetupError as error:
+        sys.exit(f"error: {error}")
+    except OSError as error:  # the port is taken
         sys.exit(f"error: {error}")
     # 2. Load the target and its drafters (unless a server answers); a missing or unusable model is
     #    one line, not a traceback. A server that is down is told to each request, in one line.
-    try:
-        engine = None if backend else load_engine(config)
-    except SetupError as error:
-        sys.exit(f"error: {error}")
-    except Exception as error:  # e.g. a truncated weights file, which safetensors reports in its own way
-        sys.exit(f"error: cannot load {config.model} or its drafters: {_one_line(error)}")
+    engine = None if backend else _load(config, startup)
     served = Served.remote(backend, config.max_images) if backend else Served.built_in(engine)
     # 3. Keep one-time costs out of the first visitor's statistics (ZeroGPU has no GPU outside requests).
     if engine is not None and not (spaces is not None and os.environ.get("SPACES_ZERO_GPU")):
         try:
-            warm_up(engine)
+            with startup.step("Warming up (a short answer per drafter)"):
+                warm_up(engine)
         except Exception as error:
             sys.exit(f"error: the model loaded but cannot answer: {_one_line(error)}")
-    # 4. The bounds on visitors (docs/security.md); a bad VLM_* value is one line.
+    # 4. The bounds on visitors (docs/security.md); a bad VLM_* value is one line. 5. Uploads an
+    #    earlier process left are deleted; this one's are listed for the next (_bounds).
     from gradio.utils import get_upload_folder
     from starlette.middleware import Middleware
 
-    from app_ui.guard import Guard
     from app_ui import queue_rules
-    from app_ui.layout import CSS, EXAMPLES_DIR, GENERATE, build_demo
-    from app_ui.journals import journal_folder, sweep_journals
-    from app_ui.visitors import Limits, Visitors
-    from engine.images import MAX_FILE_BYTES, Decoding, use_decode_slots
-    from engine.settings import Ceilings, from_environ
+    from app_ui.callbacks import GENERATE
+    from app_ui.components import CSS, EXAMPLES_DIR
+    from app_ui.guard import Guard
+    from app_ui.layout import build_demo
+    from app_ui.visitors import Visitors
+    from engine.images import MAX_FILE_BYTES
 
-    try:  # every variable through engine/settings.py `from_environ` (RequestError is a ValueError)
-        limits = limits or Limits.from_environ(proxy_hops=1 if config.behind_proxy else 0)
-        Ceilings.from_environ()
-        use_decode_slots(from_environ(Decoding).slots())  # images decoded at once, whichever handler asks
-    except ValueError as error:
-        sys.exit(f"error: {error}")
-    # 5. Uploads an earlier process left are deleted; this one's are listed for the next, in a
-    #    folder beside the upload folder (Gradio serves nothing there).
-    journals = journal_folder(get_upload_folder())
-    sweep_journals(journals)
-    os.makedirs(journals, exist_ok=True)
+    limits, journals = _bounds(config, limits, get_upload_folder())
     # 6. Build the UI and serve it behind the visitors' guard; generations queue (one at a time,
-    #    see app_ui/layout.py); idle conversations and unsent uploads are swept while it runs.
-    visitors = Visitors(limits, public=[EXAMPLES_DIR])
-    demo = build_demo(served, gpu=gpu_decorator(), visitors=visitors, ab_backend=ab_backend)
-    demo.queue(default_concurrency_limit=1)
+    #    see app_ui/callbacks.py); idle conversations and unsent uploads are swept while it runs.
+    with startup.step("Building the page", announce=False):
+        visitors = Visitors(limits, public=[EXAMPLES_DIR])
+        demo = build_demo(served, gpu=gpu_decorator(), visitors=visitors, ab_backend=ab_backend)
+        demo.queue(default_concurrency_limit=1)
     group = GENERATE["concurrency_id"]  # the events that answer: bounded per session and address (queue_rules)
     visitors.answering = lambda: queue_rules.sessions(demo, group)
     guard = Middleware(Guard, visitors=visitors, uploads=get_upload_folder(), answer_group=group)
+    startup.close()  # the starting page gives the port to the app (the browser, if any, is open on it)
     try:
-        demo.launch(server_name=config.host, server_port=config.port, share=config.share,
-                    inbrowser=config.open_browser, prevent_thread_lock=True, allowed_paths=[EXAMPLES_DIR],
+        demo.launch(server_name=config.host, server_port=startup.port, share=config.share,
+                    inbrowser=False, prevent_thread_lock=True, allowed_paths=[EXAMPLES_DIR],
                     max_file_size=MAX_FILE_BYTES, css=CSS,  # serves uploads and the examples, nothing else
                     app_kwargs={"middleware": [guard], "lifespan": visitors.lifespan}, enable_monitoring=False,
                     state_session_capacity=visitors.limits.sessions, quiet=True)
@@ -95,10 +105,72 @@ def main(argv: list[str] | None = None, block: bool = True, limits=None):
     visitors.journal = os.path.join(journals, f"{os.getpid()}-{demo.server_port}.txt")
     # Our own start-up lines: Gradio's would suggest `share=True`, a code change, for what --share does.
     print(f"Running on {demo.local_url}" + (f" and {demo.share_url}" if demo.share_url else
-                                          " (a public link: --share, or VLM_SHARE=1)"), flush=True)
+                                          " (a public link: --share, or VLM_SHARE=1)")
+          + f"; ready {startup.ready():.1f} s after the start", flush=True)
     if block:
         demo.block_thread()
     return demo
+
+
+def _load(config, startup):
+    """The engine of `config` (the compiled decode path first); a missing or unusable model exits with one line."""
+    from app_ui.setup import SetupError, load_engine
+
+    try:
+        with startup.step("Loading the compiled decode path (engine/fast_layer.cpp)", announce=False):
+            _compiled_path(config)
+        # (named as the header names it: the page is public, the folders it was loaded from are not)
+        model = "/".join(str(config.model).rstrip("/").rsplit("/", 2)[-2:])
+        with startup.step(f"Loading {model} and its drafters"):
+            return load_engine(config)
+    except SetupError as error:
+        sys.exit(f"error: {error}")
+    except Exception as error:  # e.g. a truncated weights file, which safetensors reports in its own way
+        sys.exit(f"error: cannot load {config.model} or its drafters: {_one_line(error)}")
+
+
+def _bounds(config, limits, upload_folder: str):
+    """(the visitors' limits, the journal folder): every variable through engine/settings.py
+    `from_environ` (a bad one exits with one line); the uploads an earlier process left deleted,
+    in a folder beside the upload folder (Gradio serves nothing there)."""
+    from app_ui.journals import journal_folder, sweep_journals
+    from app_ui.visitors import Limits
+    from engine.images import Decoding, use_decode_slots
+    from engine.settings import Ceilings, from_environ
+
+    try:  # RequestError is a ValueError
+        limits = limits or Limits.from_environ(proxy_hops=1 if config.behind_proxy else 0)
+        Ceilings.from_environ()
+        use_decode_slots(from_environ(Decoding).slots())  # images decoded at once, whichever handler asks
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+    journals = journal_folder(upload_folder)
+    sweep_journals(journals)
+    os.makedirs(journals, exist_ok=True)
+    return limits, journals
+
+
+def _opening(config) -> str:
+    """The step that opens --backend / --ab-backend: llama.cpp converts a checkpoint once, then starts."""
+    flags = [f"{flag} {value}" for flag, value in (("--backend", config.backend), ("--ab-backend", config.ab_backend))
+             if value]
+    converting = any(value.split(":")[0] == "llamacpp" for value in (config.backend, config.ab_backend) if value)
+    return f"Opening {' and '.join(flags) or 'no backend'}" + (
+        " (llama.cpp: a checkpoint is converted to GGUF once, then served)" if converting else "")
+
+
+def _compiled_path(config) -> None:
+    """Build or load the compiled decode path now, on a CPU, so that its time is a step of its own
+    (the model's load would ask for it; engine/fast_native.py prints when it compiles)."""
+    from engine import fast_native
+    from models.loading import LoadError, resolve_device
+
+    try:
+        on_cpu = resolve_device(config.spec.options.device) == "cpu"
+    except LoadError:  # the model's load says so, in its words
+        return
+    if on_cpu:
+        fast_native.layer()
 
 
 def _one_line(error: Exception) -> str:

@@ -1,6 +1,6 @@
 """Who may queue answers, and in what order they run, read from Gradio's queue.
 
-Events of the concurrency group that generates (layout.GENERATE: one answer at a time) wait in
+Events of the concurrency group that generates (callbacks.GENERATE: one answer at a time) wait in
 one list. Unchecked, one visitor could fill it (200 answers from one session) and every other
 visitor would wait behind them all. So, before Gradio queues an answer (`refusal`, called by
 the Guard): a conversation may have one answer waiting, an address `Limits.answers_per_client`

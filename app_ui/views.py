@@ -121,6 +121,17 @@ def ab_table(plain: Stats | None, speculative: Stats | None, names: tuple[str, s
                                                           in zip(rows, other) if a is not None or b is not None])
 
 
+def key_figures(stats: Stats | None) -> str:
+    """The answer's key figures in one line, the panel's own (the line under Stop on a phone, where
+    the panel is below the chat): speed, time to first token, acceptance (speculative only), status."""
+    if stats is None:
+        return ""
+    named = dict(_stat_rows(stats))
+    figures = [named["Decode speed"], "first token " + named["Time to first token"].split(" (")[0],
+               named["Acceptance"] and f"{named['Acceptance']} accepted", named["Status"]]
+    return " · ".join(figure for figure in figures if figure)
+
+
 def _stat_rows(stats: Stats) -> list[tuple[str, str | None]]:
     """(name, value) rows; None: nothing to say for this answer (the panel leaves the row out).
     What the backend did not report (Stats.unknown) says so, never a made-up figure."""

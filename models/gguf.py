@@ -59,6 +59,7 @@ def converted(src: str | os.PathLike, outtype: str = "f32", mmproj: bool = False
     out_dir = cache / f"{src.name}-{source_hash(src)[:16]}"
     path = out_dir / output_name(outtype, mmproj)
     if not path.is_file():
+        print(f"Converting {src} to GGUF for llama.cpp ({output_name(outtype, mmproj)}, once) ...", file=sys.stderr)
         command = [sys.executable, "-m", "models.gguf", str(src), str(out_dir), "--outtype", outtype]
         done = subprocess.run(command + (["--mmproj"] if mmproj else []), cwd=REPO, capture_output=True, text=True)
         if done.returncode != 0 or not path.is_file():

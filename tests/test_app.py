@@ -4,6 +4,7 @@ the same conversation (float32, greedy: exactly equal)."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -11,7 +12,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 import app
-from app_ui import layout, views
+from app_ui import callbacks, views
 from app_ui.session import Options, Session, new_turn
 from app_ui.setup import read_config
 from engine.ab import Side, compare, first_difference_index
@@ -142,7 +143,7 @@ def test_in_the_ui_a_refused_turn_goes_back_into_the_box_with_the_reason(engine)
     session = Session()
     session.pending = new_turn({"text": "word " * 2100, "files": [IMAGES[0]]}, engine, session)
     with pytest.warns(UserWarning, match="Cannot answer: .*the model's context is 2048"):
-        *_, (chatbot, *_, box) = layout._respond(engine, session, Options(max_new_tokens=4))
+        *_, (chatbot, *_, box) = callbacks.respond(engine, session, Options(max_new_tokens=4))
     assert box == {"text": ("word " * 2100).strip(), "files": [IMAGES[0]]}
     assert chatbot == [] and session.pending is None and session.turns == []  # never sent to the model
 
@@ -222,3 +223,30 @@ def test_tree_setting_drafts_trees_and_the_panel_shows_them(engine):
     spans = views.highlighted(side)
     assert "".join(text for text, _ in spans) == side.text
     assert side.stats.accepted > 0 or views.DRAFT_LABEL not in [label for _, label in spans]
+
+
+def test_the_starting_page_names_the_step_until_it_closes(capsys):
+    """app_ui/starting.py: the address answers "Starting…" and the step under way; each announced
+    step is printed as it begins and with its time; closed, the port is free for the app."""
+    import urllib.request
+
+    from app_ui.starting import MARKER, Startup
+    from tests.helpers import free_port
+
+    startup, port = Startup(), free_port()
+    startup.serve("127.0.0.1", port)
+    try:
+        with startup.step("Loading the model"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as page:
+                body = page.read().decode()
+        with startup.step("A quick step", announce=False):
+            pass
+    finally:
+        startup.close()
+    assert "Starting…" in body and "Loading the model …" in body and MARKER in body
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith(f"Starting on http://127.0.0.1:{port}/")
+    assert printed[1] == "Loading the model …" and re.fullmatch(r"Loading the model: \d+\.\d s", printed[2])
+    assert len(printed) == 3  # the quick step says nothing
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)

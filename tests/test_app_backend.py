@@ -12,7 +12,7 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
-from app_ui import layout, views
+from app_ui import callbacks, views
 from app_ui.served import Served
 from app_ui.session import Options, Session, new_turn
 from engine.backends.openai import OpenAIServer
@@ -98,7 +98,7 @@ def panel(fake: FakeServer, timings: dict | None) -> tuple[dict[str, str], str]:
     fake.reply = (200, llama_server_answer(timings=timings))
     backend, session = Served.remote(OpenAIServer(fake.url)), Session()
     session.pending = new_turn({"text": "Which is larger?", "files": []}, backend, session)
-    *_, (chatbot, table, highlight, *_) = layout._respond(backend, session, Options())
+    *_, (chatbot, table, highlight, *_) = callbacks.respond(backend, session, Options())
     assert chatbot[-1]["content"] == ANSWER
     return dict(line.strip("| ").split(" | ", 1) for line in table.splitlines()[2:]), highlight
 
@@ -212,7 +212,7 @@ def test_the_ab_tab_names_the_two_servers(fresh):
     other = FakeServer()
     try:
         first, second = Served.remote(OpenAIServer(fresh.url)), OpenAIServer(other.url)
-        *_, (verdict, first_html, second_html, table) = layout._ab_live(
+        *_, (verdict, first_html, second_html, table) = callbacks.ab_live(
             first, {"text": "Which is larger?", "files": []}, Session(), Options(), 0.0, second)
         assert verdict.endswith("answers **identical** ✓") and f"**{second.capabilities.name}: " in verdict
         assert table.splitlines()[0] == f"| Statistic | {first.name} | {second.capabilities.name} |"

@@ -240,7 +240,7 @@ def test_the_demo_model_on_llama_cpp_gets_its_own_examples_and_note(served):
     (a photo once answered "Theorangeorangeorange..."), and the welcome says what it is."""
     import urllib.request
 
-    from app_ui.layout import DEMO_EXAMPLES, DEMO_NOTE, PHOTO_EXAMPLES
+    from app_ui.components import DEMO_EXAMPLES, DEMO_NOTE, PHOTO_EXAMPLES
 
     with urllib.request.urlopen(served.url + "config", timeout=WAIT_S) as page:
         config = page.read().decode()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from contextlib import contextmanager
 
 import pytest
 
@@ -176,22 +177,31 @@ def test_an_image_dropped_on_the_chat_goes_into_the_message_box(page):
     expect(page.locator("#chat-input img")).to_have_count(1, timeout=30_000)
 
 
-def test_a_file_that_is_not_an_image_is_taken_out_of_the_box_and_the_text_stays(page, tmp_path):
+def test_a_file_that_is_not_an_image_is_flagged_on_attach_and_the_text_stays(page, tmp_path):
+    """Issue 38, item 13: attached, a file that is not an image is named in a notice at once (not
+    only on send) and taken out of the box; the text typed before and after it stays; nothing is sent."""
     from playwright.sync_api import expect
 
     page.get_by_role("tab", name="Chat").click()
     box = page.locator("#chat-input")
-    page.locator("#chat-new").click()  # New chat empties the box too
-    expect(box.locator(".thumbnail-item")).to_have_count(0, timeout=30_000)
+    box.locator("textarea").fill("x")
+    page.locator("#chat-new").click()  # New chat empties the box too (what an earlier test left in it)
+    expect(box.locator("textarea")).to_have_value("", timeout=30_000)  # its answer came: nothing races the upload
+    expect(box.locator(".thumbnail-item")).to_have_count(0)
+    answers = page.locator("#chatbot .message").count()
     fake = tmp_path / "notes.png"
     fake.write_text("not an image at all")
+    box.locator("textarea").fill("What is")
     box.locator("input[type=file]").set_input_files([str(fake)])
-    expect(box.locator(".thumbnail-item")).to_have_count(1, timeout=30_000)
-    box.locator("textarea").fill("What is this?")
-    box.locator("textarea").press("Enter")
+    box.locator("textarea").press_sequentially(" this?")
     expect(page.get_by_text("notes.png: not an image")).to_be_visible(timeout=30_000)
-    expect(box.locator("textarea")).to_have_value("What is this?")
     expect(box.locator(".thumbnail-item")).to_have_count(0, timeout=30_000)
+    expect(box.locator("textarea")).to_have_value("What is this?")
+    assert page.locator("#chatbot .message").count() == answers
+    os.makedirs(SCREENSHOTS, exist_ok=True)
+    page.screenshot(path=os.path.join(SCREENSHOTS, "refused-on-attach.png"))
+    send(page, "chat-input", "What does this chart show?", ["chart.png"])  # a good image is kept and answered
+    expect(page.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
 
 
 # --- The page as a first-time visitor sees it ---------------------------------------------------
@@ -315,12 +325,12 @@ def test_the_highlight_view_spells_the_answer(fresh):
     assert highlight.evaluate("e => e.scrollWidth <= e.clientWidth"), "the long word is cut at the edge"
 
 
-def test_new_chat_during_an_answer_resets_every_panel(fresh, gate):
-    from playwright.sync_api import expect
+@contextmanager
+def answers_held_after_their_first_words(gate):
+    """Within the block, each answer (app_ui.callbacks.answer) waits at `gate` after its first chunk."""
+    import app_ui.callbacks
 
-    import app_ui.layout
-
-    original = app_ui.layout.answer
+    original = app_ui.callbacks.answer
 
     def held_after_the_first_chunk(*args, **kwargs):
         for number, side in enumerate(original(*args, **kwargs)):
@@ -328,16 +338,23 @@ def test_new_chat_during_an_answer_resets_every_panel(fresh, gate):
             if number == 0:
                 gate.wait(60)
 
-    app_ui.layout.answer = held_after_the_first_chunk
+    app_ui.callbacks.answer = held_after_the_first_chunk
     try:
+        yield
+    finally:
+        app_ui.callbacks.answer = original
+
+
+def test_new_chat_during_an_answer_resets_every_panel(fresh, gate):
+    from playwright.sync_api import expect
+
+    with answers_held_after_their_first_words(gate):
         fresh.locator("#chatbot .example").first.click()
         expect(fresh.locator("#stats")).to_contain_text("generating", timeout=60_000)
         fresh.locator("#chat-new").click()
         expect(fresh.locator("#chatbot .example")).to_have_count(5, timeout=30_000)
         gate.set()
         expect(fresh.locator("#chat-stop")).to_be_disabled(timeout=60_000)
-    finally:
-        app_ui.layout.answer = original
     expect(fresh.locator("#stats")).to_contain_text("Statistics appear here")
     expect(fresh.locator("#answer-details")).to_be_hidden()
     expect(fresh.locator("#chatbot .message")).to_have_count(0)
@@ -542,3 +559,153 @@ def test_another_visitors_new_chat_after_sending_an_examples_own_file_leaves_the
     finally:
         for context in contexts:
             context.close()
+
+
+# --- Keyboard (issue 38, item 8) -------------------------------------------------------------------
+
+FOCUSED = """() => { const e = document.activeElement, box = e.closest('#chat-input, #ab-input');
+    const ring = (x) => { const s = getComputedStyle(x); return s.outlineStyle !== 'none' && parseFloat(s.outlineWidth) >= 2; };
+    const label = e === document.body ? 'BODY' : e.getAttribute('aria-label') || e.id || e.textContent || e.tagName;
+    return { label: label.trim().slice(0, 40),
+             box: box && box.id, sidebar: !!e.closest('.sidebar'), ring: ring(e) || (!!box && ring(box)) }; }"""
+
+
+def tab_through(page, presses: int) -> list[dict]:
+    """What has the focus after each of `presses` Tab presses, from the top of the page."""
+    page.evaluate("document.activeElement.blur()")
+    stops = []
+    for _ in range(presses):
+        page.keyboard.press("Tab")
+        stops.append(page.evaluate(FOCUSED))
+    return stops
+
+
+@pytest.mark.parametrize("viewport", ["desktop", "phone"])
+def test_keyboard_reaches_the_box_before_the_settings_and_shows_where_it_is(url, browser, viewport):
+    """The box has the focus on load (desktop: on a phone that would open the keyboard); from the
+    top of the page Tab reaches the box within a dozen presses and before any setting, every stop
+    shows a focus ring at least 2 px wide, and the sidebar comes after the chat."""
+    from playwright.sync_api import expect
+
+    page = browser.new_page(**(PHONE if viewport == "phone" else {"viewport": DESKTOP}))
+    try:
+        page.goto(url)
+        box = page.locator("#chat-input textarea")
+        box.wait_for()
+        if viewport == "desktop":
+            expect(box).to_be_focused()
+        page.wait_for_timeout(500)  # the load scripts have run
+        stops = tab_through(page, 40)
+        to_box = next(number for number, stop in enumerate(stops) if stop["box"] == "chat-input")
+        assert to_box < 12 and not any(stop["sidebar"] for stop in stops[:to_box]), stops[:to_box + 1]
+        assert any(stop["sidebar"] for stop in stops[to_box:]), stops
+        assert all(stop["ring"] for stop in stops if stop["label"] != "BODY"), [s for s in stops if not s["ring"]]
+        os.makedirs(SCREENSHOTS, exist_ok=True)
+        box.focus()
+        page.screenshot(path=os.path.join(SCREENSHOTS, f"focus-{viewport}.png"))
+    finally:
+        page.close()
+
+
+def test_the_drafter_menu_closes_when_tabbing_past_it(fresh):
+    from playwright.sync_api import expect
+
+    menu = fresh.get_by_label("Drafter")
+    menu.focus()
+    expect(fresh.locator("ul.option-list")).to_have_count(1)  # focus opens it
+    fresh.keyboard.press("ArrowDown")
+    fresh.keyboard.press("Enter")
+    fresh.keyboard.press("Tab")
+    expect(fresh.locator("ul.option-list")).to_have_count(0)
+    expect(fresh.get_by_label("number input for Draft length")).to_be_focused()
+    fresh.keyboard.press("Shift+Tab")  # and it opens again when the focus comes back
+    expect(fresh.locator("ul.option-list")).to_have_count(1)
+    fresh.keyboard.press("Tab")
+    expect(fresh.locator("ul.option-list")).to_have_count(0)
+
+
+# --- Phones (issue 38, items 6 and 7) ----------------------------------------------------------------
+
+PHONES = {"390x844": {"width": 390, "height": 844}, "360x740": {"width": 360, "height": 740}}
+
+
+@pytest.fixture(params=list(PHONES))
+def small_phone(request, url, browser):
+    viewport = PHONES[request.param]
+    page = browser.new_page(viewport=viewport, is_mobile=True, has_touch=True)
+    page.goto(url)
+    page.locator("#chat-input textarea").wait_for()
+    page.wait_for_timeout(500)  # the load scripts have run
+    page.size, page.name = viewport, request.param
+    yield page
+    page.close()
+
+
+def on_first_screen(page, selector: str) -> bool:
+    box = page.locator(selector).bounding_box()
+    return box is not None and box["height"] > 0 and box["y"] >= 0 and box["y"] + box["height"] <= page.size["height"]
+
+
+def test_phone_chat_opens_at_the_beginning_of_its_welcome(small_phone):
+    """The empty chat is not scrolled (it opened mid-sentence at 360 x 740); the box is on screen."""
+    page = small_phone
+    assert page.locator("#chatbot .bubble-wrap").evaluate("e => e.scrollTop") == 0
+    first = page.locator("#chatbot .placeholder-content p").first.bounding_box()
+    chat = page.locator("#chatbot").bounding_box()
+    assert first["y"] >= chat["y"], (first, chat)
+    assert on_first_screen(page, "#chat-input")
+
+
+def test_phone_keeps_stop_and_the_key_figures_on_the_first_screen_while_answering(small_phone, gate):
+    """While the answer streams (held after its first words): Stop and the line of key figures (the
+    panel's own speed and status) are on the first screen; the image's icons keep clear of Clear."""
+    from playwright.sync_api import expect
+
+    page = small_phone
+    with answers_held_after_their_first_words(gate):
+        example = page.locator("#chatbot .example").nth(1)
+        example.scroll_into_view_if_needed()
+        example.click()
+        figures = page.locator("#chat-figures")
+        expect(figures).to_contain_text("generating", timeout=60_000)
+        page.evaluate("window.scrollTo(0, 0)")
+        expect(page.locator("#chat-stop")).to_be_enabled()
+        assert on_first_screen(page, "#chat-stop"), page.locator("#chat-stop").bounding_box()
+        assert on_first_screen(page, "#chat-figures"), page.locator("#chat-figures").bounding_box()
+        assert re.search(r"tok/s|too few tokens", figures.inner_text()) and "first token" in figures.inner_text()
+        page.locator("#chatbot .bubble-wrap").evaluate("e => e.scrollTo(0, 0)")
+        clear = page.locator("#chatbot button[aria-label=Clear]").bounding_box()
+        for icon in page.locator("#chatbot .message.user button").all():
+            box = icon.bounding_box()
+            assert box["y"] >= clear["y"] + clear["height"] + 8, (box, clear)
+        os.makedirs(SCREENSHOTS, exist_ok=True)
+        page.screenshot(path=os.path.join(SCREENSHOTS, f"phone-answering-{page.name}.png"))
+        gate.set()
+    expect(page.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
+    expect(page.locator("#chat-figures")).to_contain_text(FINISHED)
+
+
+@pytest.mark.parametrize("viewport", ["desktop", "390x844"])
+def test_ab_results_come_first_once_a_run_starts(url, browser, viewport):
+    """A/B: sending folds the examples, so the verdict is on the first screen (a phone showed five
+    example cards above it, the verdict 1,100 px down)."""
+    from playwright.sync_api import expect
+
+    size = DESKTOP if viewport == "desktop" else PHONES[viewport]
+    page = browser.new_page(viewport=size, is_mobile=viewport != "desktop", has_touch=viewport != "desktop")
+    try:
+        page.goto(url)
+        page.get_by_role("tab", name="A/B").click()
+        examples = page.locator("#ab-examples")
+        expect(examples.locator("button").nth(1)).to_be_visible()  # open before the first run
+        send(page, "ab-input", "What does this chart show?", ["chart.png"])
+        verdict = page.locator("#ab-verdict")
+        expect(verdict).to_contain_text("Speedup", timeout=120_000)
+        page.evaluate("window.scrollTo(0, 0)")
+        top = verdict.bounding_box()["y"]
+        assert top < size["height"] * 0.75, top
+        expect(examples.locator(".gallery, table, button.gallery-item").first).to_be_hidden()
+        os.makedirs(SCREENSHOTS, exist_ok=True)
+        page.screenshot(path=os.path.join(SCREENSHOTS, f"ab-first-{viewport}.png"))
+    finally:
+        page.close()

@@ -137,7 +137,7 @@ def test_eval_command_prints_the_documented_json(capsys):
 def test_the_apps_demo_examples_are_answered_right():
     """Every example the app offers with the bundled model gets a right answer (greedy, float32):
     the examples show what the model knows, not its mistakes."""
-    from app_ui.layout import DEMO_EXAMPLES, EXAMPLES_DIR
+    from app_ui.components import DEMO_EXAMPLES, EXAMPLES_DIR
     from engine.build import EngineSpec, build_engine
     from engine.images import load_image
     from engine.loop import DecodeSettings

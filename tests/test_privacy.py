@@ -26,7 +26,7 @@ from gradio.utils import get_upload_folder
 from gradio_client import Client
 from PIL import Image
 
-from app_ui.layout import EXAMPLES_DIR
+from app_ui.components import EXAMPLES_DIR
 from app_ui.visitors import Limits
 from tests.helpers import app_fixture, launch_app, message
 from tests.test_hostile import SETTINGS, file_data, fn_index

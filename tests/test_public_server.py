@@ -38,7 +38,7 @@ from gradio_client.exceptions import AppError
 from PIL import Image
 
 import app
-from app_ui import layout
+from app_ui import callbacks
 from app_ui import session as session_module
 from app_ui.session import Options, Session, new_turn
 from app_ui.visitors import MB, Limits, Visitors
@@ -465,14 +465,14 @@ def test_in_the_chat_a_stop_while_queued_and_left_out_turns_are_said(server):
     session = Session()
     session.pending = new_turn({"text": "Describe the image.", "files": []}, server.engine, session)
     session.request_stop()  # Stop pressed while the turn waits in the queue
-    *_, (chatbot, *_) = layout._respond(server.engine, session, Options(max_new_tokens=8))
+    *_, (chatbot, *_) = callbacks.respond(server.engine, session, Options(max_new_tokens=8))
     assert chatbot[-1]["content"].startswith("**Cannot answer:** stopped before the answer started")
     assert session.answered() == [] and session.pending is None  # shown, not sent; Retry sends it again
     chart = [f"{ROOT}/assets/examples/chart.png"]
     for i in range(5):  # about 600 tokens a turn; the context is 2048
         session.pending = new_turn({"text": f"Turn {i}: " + "word " * 600, "files": chart if i == 0 else []},
                                    server.engine, session)
-        *_, (chatbot, statistics, *_) = layout._respond(server.engine, session, Options(mode="plain", max_new_tokens=4))
+        *_, (chatbot, statistics, *_) = callbacks.respond(server.engine, session, Options(mode="plain", max_new_tokens=4))
     assert session.dropped >= 2  # said beside the chat, with the answer's other statistics
     assert f"left out the {session.dropped} oldest turns: the conversation outgrew the model's context" in statistics
     assert session.answered()[0].images == [] and session.num_images() == 0  # the left-out image is freed

@@ -44,7 +44,7 @@ from gradio_client.exceptions import AppError
 from PIL import Image
 
 import app
-from app_ui import layout, setup
+from app_ui import callbacks, setup
 from app_ui.session import Options, Session, new_turn
 from app_ui.visitors import Limits
 from engine.__main__ import main as cli_main
@@ -449,7 +449,7 @@ def test_in_the_chat_an_out_of_memory_turn_goes_back_into_the_box_with_the_reaso
     monkeypatch.setattr(runner, "extend", fail_on_call(runner.extend, 2, torch.OutOfMemoryError("simulated")))
     session.pending = new_turn({"text": "Describe the image.", "files": [EXAMPLE]}, server.engine, session)
     with pytest.warns(UserWarning, match="Cannot answer: out of memory while answering"):
-        *_, (chatbot, *_, box) = layout._respond(server.engine, session, Options(max_new_tokens=8))
+        *_, (chatbot, *_, box) = callbacks.respond(server.engine, session, Options(max_new_tokens=8))
     assert box == {"text": "Describe the image.", "files": [EXAMPLE]}  # to send again as it was
     assert session.turns == [] and chatbot == [] and session.pending is None
 

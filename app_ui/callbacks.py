@@ -1,0 +1,339 @@
+"""The callbacks behind the page's events and the API (app_ui/layout.py wires them): each gets
+what the app serves (`served`, app_ui/served.py) and the visitor's Session explicitly.
+
+Events that generate share the concurrency group `GENERATE` with a limit of 1: one generation
+per loaded model at a time, the others wait in Gradio's queue and see their place in it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from contextlib import contextmanager
+
+import gradio as gr
+from gradio.components.multimodal_textbox import MultimodalData
+from gradio.data_classes import FileData
+from pydantic import field_validator, model_validator
+
+from app_ui import queue_rules, views
+from app_ui.components import ab_names
+from app_ui.served import Served, served_of
+from app_ui.session import (Options, Session, Turn, answer, checked, drafter_for, messages_for, new_turn, question_of,
+                            read_message)
+from app_ui.stop_lane import leave_queue
+from app_ui.visitors import Visitors
+from engine.ab import ABProgress, run_ab
+from engine.backend import Backend
+from engine.engine import Engine, RequestError
+from engine.images import ImageError, load_image
+
+logger = logging.getLogger(__name__)
+
+GENERATE = {"concurrency_id": "generate", "concurrency_limit": 1}
+
+
+@contextmanager
+def user_errors():
+    """Request problems reach the user as gr.Error naming the file or limit; anything else is
+    logged and reported as an internal error, never as a bare exception."""
+    try:
+        yield
+    except (RequestError, ImageError) as error:
+        raise gr.Error(str(error), print_exception=False) from None
+    except gr.Error:
+        raise
+    except Exception as error:
+        logger.exception("request failed")
+        raise gr.Error(f"internal error: {type(error).__name__}: {error}") from error
+
+
+def _without_named_files(message: dict, error: str) -> dict:
+    """The message less the files that an ImageError names (its message starts with the file's name)."""
+    files = [path for path in message["files"] if not error.startswith(os.path.basename(path) + ":")]
+    return {"text": message["text"], "files": files}
+
+
+def number(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+async def _stop(session: Session, request: gr.Request, visitors: Visitors) -> None:
+    """Stop the session's running answer, and let its answers still waiting in Gradio's queue
+    run at once (each sees the stop and ends without an answer); a turn accepted whose answer
+    neither waits nor runs (its respond step never came) is dropped, its files freed."""
+    session.request_stop()
+    await leave_queue(request, request.session_hash)
+    blocks = _blocks_of(request)
+    if session.pending is not None and not session.running and blocks is not None \
+            and request.session_hash not in queue_rules.sessions(blocks, GENERATE["concurrency_id"]):
+        visitors.release(session, session.drop_pending())
+
+
+def stopper(visitors: Visitors):
+    """The Stop buttons' callback."""
+    async def stop(session: Session, request: gr.Request) -> None:
+        await _stop(session, request, visitors)
+    return stop
+
+
+def _blocks_of(request: gr.Request | None):
+    """The Blocks serving `request`, or None (a test calling the handler)."""
+    app = getattr(getattr(request, "request", None), "app", None)
+    return app.get_blocks() if hasattr(app, "get_blocks") else None
+
+
+def check_queue(request: gr.Request | None, visitors: Visitors) -> None:
+    """RequestError when an answer of this session, from this address, may not join the queue
+    now (app_ui/queue_rules.py: one waiting per conversation, a few per address)."""
+    blocks = _blocks_of(request)
+    state = getattr(getattr(request, "request", None), "state", None)
+    if blocks is None or state is None:
+        return
+    refusal = queue_rules.refusal(blocks, GENERATE["concurrency_id"], request.session_hash,
+                                  getattr(state, "client", None), visitors.limits.answers_per_client)
+    if refusal:
+        raise RequestError(refusal)
+
+
+def clear(session: Session, visitors: Visitors) -> None:
+    """A new conversation; a running or waiting answer stops and is not kept; the old
+    conversation's uploads are deleted (unless another conversation holds them)."""
+    files = session.files()
+    session.clear()
+    visitors.release(session, files)
+
+
+def next_seed(seed):
+    """The seed after `seed`, wrapping at 2**63; no change (gr.skip) when `seed` is not a whole
+    number from 0 to 2**63 - 1: the answer then names it."""
+    if isinstance(seed, (int, float)) and not isinstance(seed, bool) and math.isfinite(seed) and seed == int(seed) \
+            and 0 <= seed < 2**63:
+        return (int(seed) + 1) % 2**63
+    return gr.skip()
+
+
+def claim(visitors: Visitors, session: Session, files: list[str], request: gr.Request | None) -> None:
+    """The session holds `files` now; RequestError names one that is not the visitor's own upload
+    (the Guard refuses those before Gradio reads the request; this holds without it too)."""
+    state = getattr(getattr(request, "request", None), "state", None)
+    refused = visitors.claim(session, files, getattr(state, "visitor", None))
+    if refused is not None:
+        raise RequestError(f"{os.path.basename(refused)}: not a file you uploaded to this server; upload it again")
+
+
+def arrival(request: gr.Request | None) -> float:
+    """When the request reached the server (stamped by visitors.Guard), else now."""
+    state = getattr(getattr(request, "request", None), "state", None)
+    return getattr(state, "arrived", None) or time.perf_counter()
+
+
+def start(session: Session, turn: Turn) -> None:
+    session.pending = turn
+
+
+def refused_files(served: Served, message, checked: dict[str, str | None], keep: int = 512):
+    """{"paths": [...]} of the message's files that are not usable images, each named in a notice
+    (ImageError's words), or gr.skip() when there are none; `checked`: path -> the refusal (None:
+    fine), so that typing reopens nothing (the oldest entries go beyond `keep`)."""
+    refused = []
+    for file in (message or {}).get("files") or []:
+        path = file.get("path") if isinstance(file, dict) else getattr(file, "path", file)
+        if not isinstance(path, str):
+            continue
+        if path not in checked:
+            try:
+                load_image(path, **served.image_fit())
+                checked[path] = None
+            except ImageError as error:
+                checked[path] = str(error)
+                gr.Warning(f"{error}. It is taken out of the message box; your text stays.")
+            while len(checked) > keep:
+                checked.pop(next(iter(checked)))
+        if checked.get(path):
+            refused.append(path)
+    return {"paths": refused, "at": time.time()} if refused else gr.skip()
+
+
+def respond(served: Engine | Served, session: Session, options: Options | dict, demo_model: bool = False):
+    """Prepare the pending turn's images, then stream its answer into the chat panels (and,
+    last, the message box), throttled; plots less often. A refused turn (an unreadable image, a
+    prompt too long for the context) goes back into the message box, less a refused file, with
+    the reason in a notice; the conversation is unchanged. A turn stopped before it started, or
+    that failed, is shown with the reason. A chat cleared meanwhile gets empty panels. `options`
+    as sent (a dict: the page sends them unprocessed), checked here: a bad one is refused like a
+    bad image, and the turn is cleared whatever fails."""
+    turn, history, served = session.pending, session.turns, served_of(served)
+    if turn is None:
+        return
+    turn.queue_wait_s = time.perf_counter() - turn.arrived
+    text_tick, plot_tick = views.Throttle(views.UPDATES_PER_SECOND), views.Throttle(views.PLOT_UPDATES_PER_SECOND)
+    side, points, returned = None, [], gr.skip()
+    plain_tok_s = session.plain_speed_for(turn)
+    kinds = {key: drafter.kind for key, drafter in served.drafters.items()}
+
+    def statistics(stats):
+        hint = demo_model and views.asked_without_a_picture(session)
+        return views.stats_markdown(stats, plain_tok_s, session.dropped, hint, kinds)
+
+    try:
+        options = checked(Options(**options) if isinstance(options, dict) else options, served)
+        _prepare_images(served, session, turn)
+        for side in answer(served, session, turn, options):
+            if side.stats.decode_tokens:
+                points.append((side.stats.new_tokens, round(side.stats.decode_tok_s, 2)))
+            if side.text and session.turns is history and text_tick.ready():
+                plots = plot_tick.ready()
+                yield panels(views.chatbot_messages(session, side), side, statistics(side.stats),
+                              points if plots else None) + (gr.skip(),)
+        if side is not None and not side.stats.new_tokens:
+            turn.error = "stopped before the answer started; nothing was answered (Retry sends it again)"
+            history.append(turn)
+    except (RequestError, ImageError) as error:
+        returned = _without_named_files(turn.message, str(error))
+        kept = "your text stays" if len(returned["files"]) < len(turn.files) else "your message is back in the box"
+        gr.Warning(f"Cannot answer: {error} ({kept}).")
+    except Exception as error:
+        logger.exception("generation failed")
+        turn.error = f"generation failed ({type(error).__name__}: {error}); the conversation is kept, try again"
+        history.append(turn)
+    finally:
+        session.pending = None
+    messages = views.chatbot_messages(session)
+    if session.turns is not history:  # New chat while it ran: the stopped answer is not shown
+        yield panels(messages) + (returned,)
+    elif side is None or not side.text:  # nothing answered: the panels keep the latest answer
+        latest = session.answered()[-1].stats if session.answered() else None
+        skipped = [gr.skip()] * (len(panels([])) - 3)  # the highlight, plots and their column stay
+        yield (messages, statistics(latest) if latest else views.stats_markdown(None), *skipped,
+               views.key_figures(latest), returned)
+    else:
+        yield panels(messages, side, statistics(side.stats), points) + (returned,)
+
+
+def _prepare_images(served: Served, session: Session, turn: Turn) -> None:
+    """Open and shrink the turn's images (a turn shown at once has its files only)."""
+    if turn.files and not turn.images:
+        prepared = new_turn(turn.message, served, session)
+        turn.images, turn.load_s = prepared.images, prepared.load_s
+
+
+def panels(messages: list[dict], side=None, statistics: str | None = None,
+            points: list[tuple[int, float]] | None = ()) -> tuple:
+    """The chat panels' values: chat, statistics (views.stats_markdown's text; None: the empty
+    panel's), highlight, the two plots (points None: left as they are), the column holding
+    the last three (shown once there is an answer) and the key figures' line (a phone's, under Stop)."""
+    stats = side.stats if side else None
+    if points is None:
+        plots = (gr.skip(), gr.skip())
+    else:
+        drafted = bool(stats and stats.drafted)
+        speed_max = max([10] + [tokens for tokens, _ in points])
+        plots = (gr.update(value=views.acceptance_frame(stats), visible=drafted),
+                 gr.update(value=views.speed_frame(list(points)), x_lim=[0, speed_max]))
+    return (messages, statistics or views.stats_markdown(None), views.highlight_html(side), *plots,
+            gr.Column(visible=bool(side and side.text)), views.key_figures(stats))
+
+
+def api_chat(served: Served, message_value, session: Session, options: Options, arrived: float,
+              visitors: Visitors, session_id: str | None = None, request: gr.Request | None = None):
+    """/chat: (answer text, statistics dict), streamed; the turn joins the session's history. A
+    request stopped while it waited in the queue answers "" with finish_reason "stopped"."""
+    waited, tick = time.perf_counter() - arrived, views.Throttle(views.UPDATES_PER_SECOND)
+    with user_errors():
+        session.check_not_expired(visitors.limits.idle_s)
+        options = checked(options, served)
+        turn = new_turn(message_value, served, session)
+        turn.arrived, turn.queue_wait_s = arrived, waited
+        claim(visitors, session, turn.files, request)
+        visitors.spoke(session, session_id)
+        for side in answer(served, session, turn, options):
+            if tick.ready():
+                yield side.text, _public_stats(served, side.stats, session.dropped, waited)
+    yield side.text, _public_stats(served, side.stats, session.dropped, waited)
+
+
+def _public_stats(served: Served, stats, dropped: int, queue_wait_s: float = 0.0) -> dict:
+    """views.stats_dict, the drafter named by its key (e.g. "text"), never by the folder it was loaded from,
+    and `queue_wait_s`: from the send to the answer's start, part of `prepare_s` and `ttft_s`."""
+    values = {**views.stats_dict(stats, dropped), "queue_wait_s": round(queue_wait_s, 4)}
+    keys = {getattr(drafter, "name", key): key for key, drafter in served.drafters.items()}
+    values["drafter"] = keys.get(values["drafter"], values["drafter"] and os.path.basename(str(values["drafter"])))
+    return values
+
+
+def _ab_events(served: Served, message_value, session: Session, options: Options, arrived: float,
+               ab_backend: Backend | None):
+    """run_ab on one message (no chat history), with a stop flag that Stop sets (also while the
+    request waits in the queue); against `ab_backend` when there is one."""
+    options = checked(options, served)
+    if served.server_decides and ab_backend is None:
+        raise RequestError(f"the server at {served.name} decides its own decoding, so there is no plain and "
+                           "speculative run to compare; start the app with --ab-backend URL to compare it with "
+                           "another backend")
+    turn = new_turn(message_value, served)
+    messages = messages_for(Session(), turn, options.system_prompt)
+    drafter = drafter_for(options, served) if served.drafters else None  # run_ab says why None cannot do
+    stop, session.running = session.begin(arrived), True
+    try:
+        for event in run_ab(served.backend, messages, drafter, options.sampling(), options.decode(), stop,
+                            options.max_image_tokens, against=ab_backend):
+            if not isinstance(event, ABProgress) and not event.stopped and event.plain.stats.speed_measured:
+                session.plain_tok_s, session.plain_question = event.plain.stats.decode_tok_s, question_of(turn)
+            yield event
+    finally:
+        session.running = False
+
+
+def ab_live(served: Served, message_value, session: Session, options: Options, arrived: float,
+             ab_backend: Backend | None):
+    tick, names = views.Throttle(views.UPDATES_PER_SECOND), ab_names(served, ab_backend)
+    with user_errors():
+        asked = views.asked(*read_message(message_value, served))
+        for event in _ab_events(served, message_value, session, options, arrived, ab_backend):
+            done = not isinstance(event, ABProgress)
+            if done or tick.ready():
+                verdict = asked + views.ab_markdown(event if done else None, None if done else event.running, names)
+                first = (views.plain_html(event.plain.text) if ab_backend is None
+                         else views.highlight_html(event.plain, names[0]))
+                yield (verdict, first, views.highlight_html(event.speculative, "Speculative" if ab_backend is None else names[1]),
+                       views.ab_table(event.plain.stats, event.speculative.stats, names))
+
+
+def api_ab(served: Served, message_value, session: Session, options: Options, arrived: float,
+            ab_backend: Backend | None):
+    """/ab: plain answer, speculative answer, speedup, identical, first difference (or None);
+    stopped: speedup, identical and first difference are None."""
+    with user_errors():
+        *_, result = _ab_events(served, message_value, session, options, arrived, ab_backend)
+    difference = result.as_dict()["first_difference"]
+    identical = None if result.identical is None else json.dumps(result.identical)  # gr.JSON reads "true"
+    return result.plain.text, result.speculative.text, result.decode_speedup, identical, difference
+
+
+class ApiMessageData(MultimodalData):
+    """The API's message as sent: "text" may be missing or of any type and "files" null (as
+    none), so that new_turn names what is wrong instead of Gradio failing without a message.
+    Files are still Gradio's FileData: only files uploaded to this server are taken. With
+    preprocess=False the callback gets this model's dict: {"text": ..., "files": [FileData dicts]}."""
+
+    text: object = ""
+    files: list[FileData] | object = []  # anything else reaches new_turn, which names it
+
+    @model_validator(mode="before")
+    @classmethod
+    def _any_value_is_a_message(cls, message):
+        """A bare string is the message's text (docs/app.md); any other value that is not a dict
+        becomes the text too, for new_turn to name ("the text must be a string, not int")."""
+        return message if isinstance(message, dict) or isinstance(message, cls) else {"text": message}
+
+    @field_validator("files", mode="before")
+    @classmethod
+    def _none_is_no_files(cls, files):
+        return [] if files is None else files

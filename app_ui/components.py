@@ -1,0 +1,238 @@
+"""The page's parts: the header, the settings sidebar, the Chat and A/B tabs, and the examples
+that fit the loaded model; their style and scripts are files in app_ui/page/ (`CSS`, `script`).
+The events that connect them are app_ui/layout.py's.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import gradio as gr
+
+from app_ui import views
+from app_ui.served import Served
+from engine import settings as schema
+from engine.backend import Backend
+
+PAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "page")
+
+EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "examples")
+# (text, files): the bundled demo model answers each of these correctly (tests/test_app.py runs
+# them); photographs only for other models, which can read them.
+DEMO_EXAMPLES = [
+    ("Describe the image.", ["scene.png"]),
+    ("What does this chart show?", ["chart.png"]),
+    ("Read the text in the image.", ["card.png"]),
+    ("Which image has more shapes?", ["two_scenes_a.png", "two_scenes_b.png"]),
+    ("How many purple shapes are there in all the images? Answer in a sentence.", ["count_a.png", "count_b.png"]),
+]
+PHOTO_EXAMPLES = [
+    ("Describe this photo.", ["chelsea.png"]),
+    ("What is in each picture?", ["chelsea.png", "rocket.jpg"]),
+    ("What does this chart show?", ["chart.png"]),
+]
+TEXT_EXAMPLES = [  # a backend that reads no images (a llama.cpp model without its vision projector)
+    ("What can you help me with?", []),
+    ("Explain speculative decoding in two sentences.", []),
+]
+DEMO_NOTE = ("This demo model is tiny (3.6 M parameters, trained here from scratch): it knows only synthetic "
+             "pictures of coloured shapes, bar charts and text cards like the examples, and gives confident "
+             "nonsense about anything else.")
+DEMO_SETTINGS_NOTE = ("The demo model reads every image as the same few tokens and was trained without a system "
+                      "prompt, so those two settings are not offered. The app can serve a real VLM in its place "
+                      "(see the README).")
+SERVER_SETTINGS_NOTE = ("The server decides its own speculative decoding (its drafter and draft length are set where "
+                        "it runs), and its own image sizes, so those settings are not offered here.")
+AUTO_LABEL = "Auto: the drafter that has been fastest"
+
+
+def script(name: str) -> str:
+    """app_ui/page/NAME.js, a function for an event's `js=`, less its comment lines (Gradio runs
+    the text as an expression)."""
+    with open(os.path.join(PAGE_DIR, f"{name}.js"), encoding="utf-8") as file:
+        return "\n".join(line for line in file.read().splitlines() if not line.lstrip().startswith("//"))
+
+
+with open(os.path.join(PAGE_DIR, "page.css"), encoding="utf-8") as _file:
+    CSS = _file.read()  # launch(css=CSS)
+CHAT_HEIGHT = "min(560px, calc(100dvh - 290px))"  # the message box stays on the first screen, phones too
+
+
+def examples_for(served: Served) -> list[tuple[str, list[str]]]:
+    """The examples the loaded model can answer: the demo model's own kind of pictures for it
+    (whichever backend serves it), photographs for another model that reads images, text only
+    for a backend that reads none (none for the demo model, which knows only its pictures)."""
+    if not served.reads_images:
+        return [] if served.demo else TEXT_EXAMPLES
+    return DEMO_EXAMPLES if served.demo else PHOTO_EXAMPLES
+
+
+def chat_tab(examples: list[dict], demo_model: bool, reads_images: bool = True) -> SimpleNamespace:
+    """The chat (examples inside it while it is empty: a click sends one), then the live
+    statistics (beside it on a wide screen, below it on a phone, in a section that folds); the
+    latest answer's highlight and plots appear with the first answer."""
+    placeholder = ("Ask about one or more images: drop them here or add them with the clip button below."
+                   if reads_images else "Ask a question: this model reads text only, not images.")
+    if demo_model:
+        placeholder += f"\n\n{DEMO_NOTE}"
+    if examples:
+        placeholder += "\n\n**Try an example** (a click sends it):"
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3):
+            chatbot = gr.Chatbot(label="Chat", show_label=False, height=CHAT_HEIGHT, elem_id="chatbot",
+                                 buttons=["copy"], placeholder=placeholder,
+                                 examples=[{**example, "display_text": example["text"]} for example in examples] or None,
+                                 group_consecutive_messages=False)
+            message = _message_box("chat-input")
+            with gr.Row():  # side by side on a phone too (Gradio wraps buttons under 160 px each)
+                stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="chat-stop", interactive=False,
+                                 min_width=80)
+                new_chat = gr.Button("New chat", size="sm", elem_id="chat-new", min_width=80)
+            figures = gr.Markdown(elem_id="chat-figures")  # shown on a phone only (page.css)
+        with gr.Column(scale=2):
+            with gr.Accordion("Live statistics", open=True, elem_id="stats-section"):
+                stats = gr.Markdown(views.stats_markdown(None), elem_id="stats", elem_classes=["stats"],
+                                    container=True)
+                with gr.Column(visible=False, elem_id="answer-details") as details:
+                    tokens = gr.HTML(elem_id="tokens", elem_classes=["tokens"], container=True)
+                    with gr.Accordion("Plots: acceptance by draft position, speed over the answer", open=False,
+                                      elem_id="plots"):
+                        acceptance_plot = gr.BarPlot(views.acceptance_frame(None), x="draft position",
+                                                     y="acceptance", y_lim=[0, 1], height=220,
+                                                     title="Acceptance by draft position")
+                        speed_plot = gr.LinePlot(views.speed_frame([]), x="tokens", y="tok/s", height=220,
+                                                 title="Decode tokens/s over the answer")
+    return SimpleNamespace(chatbot=chatbot, message=message, stop=stop, new_chat=new_chat,
+                           panels=[chatbot, stats, tokens, acceptance_plot, speed_plot, details, figures])
+
+
+def ab_names(served: Served, ab_backend: Backend | None) -> tuple[str, str]:
+    """What the A/B tab compares: plain and speculative decoding, or two backends by name."""
+    if ab_backend is None:
+        return "plain", "speculative"
+    return served.name, ab_backend.capabilities.name
+
+
+def ab_tab(examples: list[dict], served: Served, ab_backend: Backend | None) -> SimpleNamespace:
+    """Message box and Stop, the examples (in a section that folds once a run starts, so that the
+    results come next), then the verdict over the full width, the two answers (side by side on a
+    wide screen, one above the other on a phone) and the table."""
+    if ab_backend is None and served.server_decides:
+        gr.Markdown(f"*The server at `{served.name}` decides its own decoding, so there is no plain and speculative "
+                    "run of it to compare here: start the app with `--ab-backend URL` to compare it with another "
+                    "backend (docs/backends.md).*")
+    elif ab_backend is None:
+        gr.Markdown("One message (no chat history), answered plainly and then speculatively with the drafter from "
+                    "the settings; each side's timings count only its own run. At temperature 0 the two answers "
+                    "must be identical.")
+    else:
+        first, second = ab_names(served, ab_backend)
+        how = "with the drafter from the settings" if not served.server_decides else "as it decodes"
+        gr.Markdown(f"One message (no chat history), answered by **{first}** ({how}) and then by **{second}** (as it "
+                    "decodes); each side's timings count only its own run. At temperature 0, with the same model "
+                    "and weights, the two answers should be identical (compared as text when a backend gives no "
+                    "token ids).")
+    message = _message_box("ab-input")
+    with gr.Row():
+        stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="ab-stop", interactive=False, scale=0,
+                         min_width=160)
+    examples_section = None
+    if examples:
+        with gr.Accordion("Examples (a click puts one in the message box)", open=True,
+                          elem_id="ab-examples") as examples_section:  # folded once a run starts
+            gr.Examples(examples, inputs=[message], label=None)
+    verdict = gr.Markdown(views.ab_markdown(None), elem_id="ab-verdict", container=True)
+    with gr.Row(equal_height=False, elem_id="ab-answers"):
+        plain = gr.HTML(container=True, min_width=320, elem_id="ab-plain", elem_classes=["tokens"])
+        speculative = gr.HTML(container=True, min_width=320, elem_id="ab-speculative", elem_classes=["tokens"])
+    table = gr.Markdown(elem_id="ab-table", elem_classes=["stats"])
+    return SimpleNamespace(message=message, stop=stop, examples=examples_section,
+                           panels=[verdict, plain, speculative, table])
+
+
+def header(served: Served) -> str:
+    title = "## Chat with a vision-language model, faster with speculative decoding\n\n"
+    drafters = ", ".join(views.drafter_name(drafter.kind) for drafter in served.drafters.values())
+    drafters = "as the server is configured" if served.server_decides else drafters or "none (plain decoding only)"
+    images = f"up to {served.max_images} images per conversation"
+    if served.engine is None:
+        return title + f"Answers from `{served.name}` · speculative decoding: {drafters} · {images}"
+    name = served.model.rstrip("/").rsplit("/", 2)
+    return title + f"Model `{'/'.join(name[-2:])}` ({served.family}) · drafters: {drafters} · {images}"
+
+
+def settings_controls(served: Served) -> dict:
+    """The request settings, keyed by Options' field names (the API's parameter names too).
+    Settings that change nothing for the loaded model (or that the backend cannot honour: another
+    backend's draft settings) are hidden, and a note says why. (layout.py turns the drafter
+    controls off in plain mode.)"""
+    choices = [(views.drafter_name(drafter.kind) + (" (default)" if key == served.default_drafter else ""), key)
+               for key, drafter in served.drafters.items()] or [("none", "none")]
+    if len(served.drafters) > 1:  # engine/auto.py: per request, the drafter that has delivered the most
+        auto = ("Auto" + (" (default)" if served.auto else ""), "auto")
+        choices = [auto] + choices if served.auto else choices + [auto]
+    speculative = bool(served.drafters)
+    demo_model, image_tokens = served.demo, served.image_budget
+    settings = {
+        "mode": gr.Radio(list(schema.MODES), value="speculative" if speculative else "plain", label=_label("mode")),
+        "drafter": gr.Dropdown(choices, value=choices[0][1], label=_label("drafter"), interactive=speculative,
+                               info=drafter_info(served, choices[0][1]), elem_id="drafter"),
+        "draft_tokens": _slider("draft_tokens", interactive=speculative),
+        "adaptive": gr.Checkbox(schema.default("adaptive"), label=_label("adaptive"), interactive=speculative),
+        "temperature": _slider("temperature"),
+        "top_p": _slider("top_p"),
+        "max_new_tokens": _slider("max_new_tokens"),
+        "seed": gr.Number(schema.default("seed"), precision=0, label=_label("seed"),
+                          info=schema.spec("seed").help + "; Retry takes the next"),
+        "system_prompt": gr.Textbox(schema.default("system_prompt"), label=_label("system_prompt"), lines=2,
+                                    visible=not demo_model),
+        "max_image_tokens": gr.Slider(0, image_tokens or 4096, step=16, label=_label("max_image_tokens"),
+                                      value=min(served.max_image_tokens or 0, image_tokens or 0),
+                                      info="0: the model's own limit", visible=image_tokens is not None),
+        "draft_tree": _slider("draft_tree", interactive=speculative),
+        "top_k": _slider("top_k"),
+        "tree_branching": _slider("tree_branching", interactive=speculative),
+    }
+    assert list(settings) == schema.names(), "a control per setting, in the schema's order (the API's)"
+    if demo_model:
+        gr.Markdown(f"*{DEMO_SETTINGS_NOTE}*", elem_id="settings-note")
+    _hide_what_the_backend_decides(served, settings)
+    return settings
+
+
+DRAFTER_CONTROLS = ("drafter", "draft_tokens", "adaptive", "draft_tree", "tree_branching")  # off in plain mode
+
+
+def drafter_info(served: Served, key: str) -> str:
+    """The line under the Drafter menu for the drafter `key` (or "auto")."""
+    drafter = served.drafters.get(key)
+    label = AUTO_LABEL if key == "auto" else views.DRAFTER_LABELS.get(drafter.kind, drafter.kind) if drafter else ""
+    return label.partition(": ")[2]
+
+
+def _label(name: str) -> str:
+    return schema.spec(name).label
+
+
+def _slider(name: str, **options) -> gr.Slider:
+    """A setting's slider: the schema's label, help, default and range (its UI range where narrower)."""
+    meta = schema.spec(name)
+    low, high, step = meta.ui or (meta.low, meta.high, 1)
+    return gr.Slider(low, high, value=schema.default(name), step=step, label=meta.label, info=meta.help, **options)
+
+
+def _hide_what_the_backend_decides(served: Served, settings: dict) -> None:
+    """Another backend has no built-in draft settings; a server with no drafters to choose decides
+    its own decoding, so it gets no mode or drafter either, and a note says so."""
+    hidden = () if served.engine is not None else ("draft_tokens", "adaptive", "draft_tree", "tree_branching", "top_k")
+    if served.server_decides:
+        hidden += ("mode", "drafter")
+        gr.Markdown(f"*{SERVER_SETTINGS_NOTE}*", elem_id="settings-note")
+    for name in hidden:
+        settings[name].visible = False  # before the page is built: Gradio reads it when it launches
+
+
+def _message_box(elem_id: str) -> gr.MultimodalTextbox:
+    return gr.MultimodalTextbox(file_types=["image"], file_count="multiple", show_label=False, elem_id=elem_id,
+                                placeholder="Ask about the images… (drop, paste or upload several)")

@@ -1,0 +1,12 @@
+// Keyboard use: the settings sidebar comes after the chat in tab order (it is drawn fixed at the
+// side, so its place in the document changes only the order), and a menu's list closes when the
+// focus leaves it (Gradio's stays open over the next controls, with the chosen option in it).
+() => {
+  const sidebar = document.querySelector('.sidebar');
+  if (sidebar) sidebar.parentElement.append(sidebar);
+  document.addEventListener('focusout', (event) => {
+    const menu = event.target.closest?.('.block');
+    if (!event.target.matches?.('input[role=combobox]') || !menu || menu.contains(event.relatedTarget)) return;
+    event.target.dispatchEvent(new KeyboardEvent('keydown', { key: 'Escape', bubbles: true }));
+  }, true);
+}
