@@ -36,6 +36,16 @@ TEXT_EXAMPLES = [  # a backend that reads no images (a llama.cpp model without i
     ("What can you help me with?", []),
     ("Explain speculative decoding in two sentences.", []),
 ]
+SMOL_EXAMPLES = [  # the SmolLM2 demo: real English text; of the demo's pictures, one it reads right (about 1 in 4 of
+    # the world's held-out questions: models/demo/README.md)
+    ("Hello! What can you do?", []),
+    ("Give me three tips for better sleep.", []),
+    ("Write a haiku about autumn leaves.", []),
+    ("What colour is the word?", ["card.png"]),
+]
+SMOL_NOTE = ("This demo's language model is the real SmolLM2-135M-Instruct, a small model: fluent English, "
+             "often wrong on facts. Its vision part was trained here on synthetic pictures of shapes, bar charts "
+             "and text cards only, and reads them right about one time in four.")
 DEMO_NOTE = ("This demo model is tiny (3.6 M parameters, trained here from scratch): it knows only synthetic "
              "pictures of coloured shapes, bar charts and text cards like the examples, and gives confident "
              "nonsense about anything else.")
@@ -63,19 +73,22 @@ def examples_for(served: Served) -> list[tuple[str, list[str]]]:
     """The examples the loaded model can answer: the demo model's own kind of pictures for it
     (whichever backend serves it), photographs for another model that reads images, text only
     for a backend that reads none (none for the demo model, which knows only its pictures)."""
+    if served.smol:
+        return SMOL_EXAMPLES
     if not served.reads_images:
         return [] if served.demo else TEXT_EXAMPLES
     return DEMO_EXAMPLES if served.demo else PHOTO_EXAMPLES
 
 
-def chat_tab(examples: list[dict], demo_model: bool, reads_images: bool = True) -> SimpleNamespace:
+def chat_tab(examples: list[dict], demo_model: bool, reads_images: bool = True, note: str | None = None
+             ) -> SimpleNamespace:
     """The chat (examples inside it while it is empty: a click sends one), then the live
     statistics (beside it on a wide screen, below it on a phone, in a section that folds); the
     latest answer's highlight and plots appear with the first answer."""
     placeholder = ("Ask about one or more images: drop them here or add them with the clip button below."
                    if reads_images else "Ask a question: this model reads text only, not images.")
-    if demo_model:
-        placeholder += f"\n\n{DEMO_NOTE}"
+    if demo_model or note:
+        placeholder += f"\n\n{note or DEMO_NOTE}"
     if examples:
         placeholder += "\n\n**Try an example** (a click sends it):"
     with gr.Row(equal_height=False):

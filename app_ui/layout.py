@@ -53,7 +53,8 @@ def build_demo(served: Served | Engine, gpu: Callable = lambda fn: fn, visitors:
         demo.load(None, js=DROP_ON_CHAT)
         demo.load(None, js=KEYBOARD)
         with gr.Tab("Chat"):
-            chat = components.chat_tab(examples, served.demo, served.reads_images)
+            chat = components.chat_tab(examples, served.demo, served.reads_images,
+                                       components.SMOL_NOTE if served.smol else None)
         with gr.Tab(f"A/B: {' vs '.join(components.ab_names(served, ab_backend))}"):
             ab = components.ab_tab(examples, served, ab_backend)
         _wire_settings(served, settings)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from engine.backend import Backend, BuiltIn
 from engine.engine import Engine
 from engine.prompt import Prompt
-from models.presets import DEFAULT_MODEL
+from models.presets import DEFAULT_MODEL, SMOL_DEMO
 
 IMAGE_BUDGET_STEP, MAX_IMAGE_BUDGET = 16, 4096  # the tokens-per-image slider
 
@@ -36,13 +36,14 @@ class Served:
     max_image_tokens: int | None = None  # the default budget of tokens per image (built-in only)
     image_budget: int | None = None  # the largest tokens-per-image budget worth offering; None: none
     demo: bool = False  # the bundled demo model
+    smol: bool = False  # the SmolLM2 demo (--preset smol): real English text, pictures of the demo world
     engine: Engine | None = None  # the built-in engine; None for another backend
 
     @classmethod
     def built_in(cls, engine: Engine) -> Served:
         return cls(BuiltIn(engine), engine.target.name, engine.target.family.name, dict(engine.drafters), engine.auto,
                    engine.max_images, engine.max_image_tokens, _image_budget_range(engine),
-                   _is_demo(engine.target.name), engine)
+                   _is_demo(engine.target.name), _is_smol(engine.target.name), engine)
 
     @classmethod
     def remote(cls, backend: Backend, max_images: int = 8) -> Served:
@@ -105,6 +106,11 @@ class Named:
 def served_of(engine: Engine | Served) -> Served:
     """`engine` described, or the description itself."""
     return engine if isinstance(engine, Served) else Served.built_in(engine)
+
+
+def _is_smol(model) -> bool:
+    """The SmolLM2 demo (its folder as models/demo/smol.py assembles it: smol-demo-<parts hash>)."""
+    return os.path.basename(str(model).rstrip("/")).startswith(SMOL_DEMO)
 
 
 def _is_demo(model) -> bool:

@@ -223,3 +223,27 @@ def test_trained_parts_round_trip_into_a_new_assembly(tiny, tmp_path):
     again = AutoModelForImageTextToText.from_pretrained(other, dtype=torch.float32)
     assert torch.equal(again.model.visual.merger.mlp[2].bias, vlm.model.visual.merger.mlp[2].bias)
     assert torch.equal(again.lm_head.weight, vlm.lm_head.weight)
+
+
+def test_the_app_offers_the_smol_demo_its_own_examples_and_note(tiny):
+    """Served as the app serves it: the SmolLM2 demo (its assembled folder's name) gets text
+    examples and the one picture example it reads right, with its limits said in the chat."""
+    import os
+
+    from app_ui import components
+    from app_ui.served import Served
+    from engine.engine import Engine
+    from engine.target import load_target
+    from tests.conftest import MODEL_OPTIONS
+
+    _, folder = tiny
+    served = Served.built_in(Engine(load_target(str(folder), MODEL_OPTIONS)))
+    assert served.smol and not served.demo
+    examples = components.examples_for(served)
+    assert examples == components.SMOL_EXAMPLES and any(not files for _, files in examples)
+    assert all(os.path.isfile(os.path.join(components.EXAMPLES_DIR, f)) for _, files in examples for f in files)
+    import gradio as gr
+
+    with gr.Blocks():
+        chat = components.chat_tab([], served.demo, served.reads_images, components.SMOL_NOTE)
+    assert components.SMOL_NOTE in chat.chatbot.placeholder and components.DEMO_NOTE not in chat.chatbot.placeholder
