@@ -302,6 +302,7 @@ static Tensor int8_activations_product(const Tensor& x, const Tensor& weight, co
                   sums.scalar_type() == at::kInt && sums.is_contiguous() && sums.numel() == weight.size(1),
               "int8 activations take an int8 (out, in) weight seen as (in, out), scales and bias in the "
               "activations' dtype and int32 sums");
+  TORCH_CHECK(in <= 66000, "int8 activations take rows of at most 66,000 values (int32 sums), not ", in);
   const Tensor rows = weight.t();  // (out, in), contiguous
   switch (type) {
     case at::kFloat: return int8_rows::product<float>(x, rows, *scales, sums, bias);
