@@ -21,8 +21,9 @@ fewer operations, over a StaticKVCache (engine/static_cache.py):
 - a pass writes its K/V into the cache's slots; attention reads slots 0 .. length - 1; for 16-bit
   weights on a CPU the cache and attention are float32 (`attention_dtype`);
 - with `--quantization int8` (`quantize_int8`), the products and the output layer read int8
-  weights with per-row scales (`Int8Weight`; the compiled rows kernel, or torch's
-  `_weight_int8pack_mm`): half the bytes.
+  weights with per-row scales (engine/quantized.py, `Int8Weight`; the compiled rows kernel, or
+  torch's `_weight_int8pack_mm`): half the bytes; with `w8a8` the activations become int8 too
+  before each product (`W8A8Weight`: integer sums, VNNI in the compiled kernel).
 
 On a CPU the whole stack runs compiled where the machine can build it (engine/fast_native.py,
 engine/fast_layer.cpp: one call a pass; ATen's matrix products with the rest as loops, the same
@@ -52,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import fast_native
+from engine.quantized import Int8Weight, W8A8Weight, int8_linear
 from engine.static_cache import StaticKVCache
 
 TEXT_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen2_vl", "qwen2_5_vl", "llama", "qwen2")
@@ -120,50 +122,20 @@ class Attention:
     eps: float  # the RMSNorms'
 
 
-QUANTIZE_ROWS = 4096  # rows of a weight quantized at once (a 2048-wide block: 32 MB of float32)
-
-
-@dataclass
-class Int8Weight:
-    """A weight (out, in) as int8 values with one scale per output row (symmetric: the row's
-    largest |w| becomes 127), in the layout torch's CPU kernel `_weight_int8pack_mm` reads.
-    Half the bytes of bfloat16, so a bandwidth-bound product can run up to twice as fast."""
-
-    values: torch.Tensor  # (out, in) int8
-    scales: torch.Tensor  # (out,) in the activations' dtype
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
-        """weight (in, out), as `linear` takes it, any float dtype; the scales keep its dtype."""
-        weight = weight.t()  # (out, in)
-        if weight.dtype == torch.bfloat16 and weight.shape[1] % 16:
-            # torch 2.13's bfloat16 kernel reads past the row (wrong values, or a crash) otherwise
-            raise ValueError(f"int8 weights in bfloat16 need an input width that is a multiple of 16, not "
-                             f"{weight.shape[1]}")
-        values = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
-        scales = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device)
-        for start in range(0, len(weight), QUANTIZE_ROWS):  # a block of rows at a time: float32 copies stay small
-            rows = weight[start:start + QUANTIZE_ROWS].float()
-            block_scales = (rows.abs().amax(dim=1) / 127).clamp(min=1e-12).to(weight.dtype)
-            values[start:start + len(rows)] = (rows / block_scales.float()[:, None]).round().clamp(-127, 127)
-            scales[start:start + len(rows)] = block_scales
-        return cls(values, scales)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (n, in) times a weight (in, out) (plus bias): F.linear(x, weight.t(), bias) in the one
     matrix-product call F.linear would make (same kernel, same result), without its wrappers."""
     if isinstance(weight, Int8Weight):
-        y = torch._weight_int8pack_mm(x, weight.values, weight.scales)
-        return y if bias is None else y + bias
+        return int8_linear(x, weight, bias)
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
 def native_weight(native, weight: torch.Tensor | Int8Weight):
     """A product's weight as the compiled stack takes it (native.Weight): (in, out) values, and
-    the int8 scales of an Int8Weight."""
+    the int8 scales of an Int8Weight (and a W8A8Weight's sums: int8 activations)."""
     if isinstance(weight, Int8Weight):
-        return native.Weight(weight.values.t(), weight.scales)
+        sums = weight.sums if isinstance(weight, W8A8Weight) else None
+        return native.Weight(weight.values.t(), weight.scales, sums)
     return native.Weight(weight)
 
 
@@ -372,14 +344,16 @@ class FastDecoder:
         self.head_weight = share([self.lm_head], self.input_major)  # (H, V), or an Int8Weight
 
     @torch.no_grad()
-    def quantize_int8(self) -> None:
+    def quantize_int8(self, activations: bool = False) -> None:
         """Decode and verify passes read int8 copies of the layers' and the output layer's weights
-        (`--quantization int8`); the model's own weights stay for prefill (transformers' forward)."""
-        self.stack.layers = [Layer(layer.input_norm, Int8Weight.quantize(layer.qkv_weight), layer.qkv_bias,
-                                   Int8Weight.quantize(layer.o_weight), layer.o_bias, layer.post_norm,
-                                   Int8Weight.quantize(layer.gate_up_weight), Int8Weight.quantize(layer.down_weight))
+        (`--quantization int8`; with int8 activations too, `w8a8`: engine/quantized.py); the
+        model's own weights stay for prefill (transformers' forward)."""
+        kind = W8A8Weight if activations else Int8Weight
+        self.stack.layers = [Layer(layer.input_norm, kind.quantize(layer.qkv_weight), layer.qkv_bias,
+                                   kind.quantize(layer.o_weight), layer.o_bias, layer.post_norm,
+                                   kind.quantize(layer.gate_up_weight), kind.quantize(layer.down_weight))
                              for layer in self.stack.layers]
-        self.head_weight = Int8Weight.quantize(self.head_weight)
+        self.head_weight = kind.quantize(self.head_weight)
 
     def forward(self, cache: StaticKVCache, token_ids: list[int], positions: torch.Tensor | range,
                 attention_mask: torch.Tensor | None, num_logits: int,

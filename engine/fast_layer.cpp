@@ -19,6 +19,8 @@
 #include <immintrin.h>
 #endif
 
+#include "fast_int8.h"
+
 using at::Tensor;
 
 // Rotary on q and k and the cache writes in one loop: for each token t, head h (q heads, then kv
@@ -288,13 +290,37 @@ static bool plain(const c10::optional<Tensor>& vector, at::ScalarType type) {
   return !vector.has_value() || (vector->scalar_type() == type && vector->is_contiguous());
 }
 
+// x (n, in) times an int8 weight (in, out), a transposed view of an (out, in) buffer, with scales
+// (out,) in x's dtype and the weight rows' sums (out,) int32, plus bias: x made int8 row by row
+// (engine/fast_int8.h; W8A8Weight in engine/quantized.py), any number of rows.
+static Tensor int8_activations_product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias,
+                                       const c10::optional<Tensor>& scales, const Tensor& sums) {
+  const auto type = x.scalar_type();
+  const int64_t in = weight.size(0);
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.stride(0) == 1 && weight.stride(1) == in &&
+                  scales.has_value() && plain(scales, type) && plain(bias, type) &&
+                  sums.scalar_type() == at::kInt && sums.is_contiguous() && sums.numel() == weight.size(1),
+              "int8 activations take an int8 (out, in) weight seen as (in, out), scales and bias in the "
+              "activations' dtype and int32 sums");
+  TORCH_CHECK(in <= 66000, "int8 activations take rows of at most 66,000 values (int32 sums), not ", in);
+  const Tensor rows = weight.t();  // (out, in), contiguous
+  switch (type) {
+    case at::kFloat: return int8_rows::product<float>(x, rows, *scales, sums, bias);
+    case at::kBFloat16: return int8_rows::product<at::BFloat16>(x, rows, *scales, sums, bias);
+    case at::kHalf: return int8_rows::product<at::Half>(x, rows, *scales, sums, bias);
+    default: TORCH_CHECK(false, "int8 activations from float32, bfloat16 or float16, not ", type);
+  }
+}
+
 // x (n, in) times weight (in, out) (float, or int8 with scales (out,): fast_decode.Int8Weight's
 // values transposed), plus bias: the rows kernel where it applies (the weight a transposed view of
 // an (out, in) buffer, fast_decode.default_input_major), else ATen's.
 static Tensor product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias,
-                      const c10::optional<Tensor>& scales = c10::nullopt) {
+                      const c10::optional<Tensor>& scales = c10::nullopt,
+                      const c10::optional<Tensor>& sums = c10::nullopt) {
   const int64_t in = weight.size(0);
   const auto type = x.scalar_type();
+  if (sums.has_value()) return int8_activations_product(x, weight, bias, scales, *sums);
   if (x.size(0) <= ROWS_KERNEL_MAX && in % 16 == 0 && weight.stride(0) == 1 && weight.stride(1) == in &&
       plain(bias, type) && plain(scales, type) && scales.has_value() == (weight.scalar_type() == at::kChar) &&
       (weight.scalar_type() == type || weight.scalar_type() == at::kChar)) {
@@ -331,15 +357,17 @@ void use_rows_kernel(const std::string& name) {
 }
 
 // A product's weight as fast_decode.linear takes it, (in, out): float values, or int8 values
-// (fast_decode.Int8Weight's transposed) with their per-output scales (out,).
+// (engine/quantized.py's Int8Weight transposed) with their per-output scales (out,), and for int8
+// activations (W8A8Weight) the values' row sums.
 struct Weight {
   Tensor values;  // (in, out), a transposed view of an (out, in) buffer for the rows kernel
   c10::optional<Tensor> scales;  // (out,) for int8 values, else none
+  c10::optional<Tensor> sums;  // (out,) int32 for int8 activations, else none
 };
 
 // fast_decode.linear: x (n, in) times weight, plus bias.
 static Tensor linear(const Tensor& x, const Weight& weight, const c10::optional<Tensor>& bias) {
-  return product(x, weight.values, bias, weight.scales);
+  return product(x, weight.values, bias, weight.scales, weight.sums);
 }
 
 // One decoder layer's weights: fast_decode.Layer, field for field (the Python class builds it by
@@ -551,7 +579,8 @@ Tensor embed(const Tensor& weight, const std::vector<int64_t>& token_ids) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   py::class_<Weight>(m, "Weight")
-      .def(py::init<Tensor, c10::optional<Tensor>>(), py::arg("values"), py::arg("scales") = c10::nullopt);
+      .def(py::init<Tensor, c10::optional<Tensor>, c10::optional<Tensor>>(), py::arg("values"),
+           py::arg("scales") = c10::nullopt, py::arg("sums") = c10::nullopt);
   py::class_<Layer>(m, "Layer")
       .def(py::init<Tensor, Weight, c10::optional<Tensor>, Weight, c10::optional<Tensor>, Tensor, Weight, Weight>(),
            py::arg("input_norm"), py::arg("qkv_weight"), py::arg("qkv_bias"), py::arg("o_weight"), py::arg("o_bias"),
@@ -565,5 +594,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_rows_kernel", &use_rows_kernel);
   m.def("rows_kernels_built", &rows_kernels_built);
   m.def("product", &product, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::arg("scales") = c10::nullopt);
+        pybind11::arg("scales") = c10::nullopt, pybind11::arg("sums") = c10::nullopt);
+  // int8 activations' kernel (engine/fast_int8.h): the one in use, the built ones, choosing one
+  // (tests), and why the VNNI one is not in use ("" when it is)
+  m.def("int8_kernel", [] { return int8_rows::in_use; });
+  m.def("int8_kernels_built", [] { return int8_rows::built; });
+  m.def("use_int8_kernel", &int8_rows::use);
+  m.def("int8_fallback_reason", &int8_rows::fallback_reason);
 }

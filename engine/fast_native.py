@@ -14,7 +14,8 @@ machine's C++ compiler and ninja the first time (about 30 s, said on stderr; the
 Where it cannot be built (no compiler, a read-only home) or with `VLM_NATIVE_LAYER=0` (then
 nothing is built), the Python layer runs on its own weight layout and `unavailable()` says why.
 int8 weights (`--quantization int8`) run compiled too (the rows kernel reads their int8 values
-and scales).
+and scales), and with int8 activations (`w8a8`) engine/fast_int8.h's integer products (AVX512-VNNI
+where the CPU has it; `int8_fallback_reason()` says why not, and a portable loop gives the same bits).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 from engine.tree import MAX_VERIFY_ROWS
 
 SOURCE = Path(__file__).with_name("fast_layer.cpp")
+HEADERS = [Path(__file__).with_name("fast_int8.h")]  # included by SOURCE: int8 activations' products
 NAME = "vlm_fast_layer"  # and torch's version, the CPU's features and the source: another build is never loaded
 # -march=native: the vector width of this CPU (AVX-512 where it has it); -fopenmp: at::parallel_for
 # on torch's OpenMP threads and `omp simd` sums; no FMA contraction, so that the rotary loop rounds
@@ -88,7 +90,8 @@ def _machine() -> str:
 def _source() -> str:
     """A short hash of the source and flags: a changed file is a new name, so the message above is
     printed for its build too (torch's loader would rebuild under the old name, silently)."""
-    return hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:8]
+    text = b"".join(path.read_bytes() for path in [SOURCE, *HEADERS])
+    return hashlib.sha1(text + " ".join(FLAGS).encode()).hexdigest()[:8]
 
 
 def _built(name: str) -> bool:

@@ -7,14 +7,18 @@ KV cache.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from engine import fast_native
 from engine.linear_attention_rollback import runner_for
 from engine.runner import Runner
 from models.families import Family
-from models.loading import LoadError, LoadOptions, load_config, load_vlm
+from models.loading import FAST_QUANTIZATIONS, LoadError, LoadOptions, load_config, load_vlm
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,19 +43,36 @@ def load_target(name: str, options: LoadOptions = LoadOptions()) -> Target:
     config = load_config(name, options)
     vlm = load_vlm(name, options, config)
     runner = runner_for(vlm.model, vlm.family)
-    if options.quantization == "int8":
-        quantize_int8(runner, name)
+    if options.quantization in FAST_QUANTIZATIONS:
+        quantize_int8(runner, name, activations=options.quantization == "w8a8")
     return Target(name, vlm.model, vlm.processor, vlm.family, runner, vlm.placeholder_ids)
 
 
-def quantize_int8(runner: Runner, name: str) -> None:
+def quantize_int8(runner: Runner, name: str, activations: bool = False) -> None:
     """`--quantization int8`: the fast path's decode and verify passes read int8 weights
-    (engine/fast_decode.py, Int8Weight); prefill keeps the model's own. Refused where the fast
-    path does not cover the model."""
+    (engine/quantized.py, Int8Weight); `w8a8` (activations): int8 activations too (W8A8Weight);
+    prefill keeps the model's own. Refused where the fast path does not cover the model; where the
+    int8 activations' fast kernel cannot run, said on the log, with the reason."""
+    flag = "--quantization " + ("w8a8" if activations else "int8")
     if runner.fast is None:
-        raise LoadError(f"--quantization int8 needs the fast decode path, which does not cover {name!r} "
+        raise LoadError(f"{flag} needs the fast decode path, which does not cover {name!r} "
                         f"({runner.fast_fallback}); use --quantization 8bit (bitsandbytes) or none")
     try:
-        runner.fast.quantize_int8()
+        runner.fast.quantize_int8(activations)
     except ValueError as error:
-        raise LoadError(f"--quantization int8 on {name!r}: {error}; use --dtype float32 or none") from None
+        raise LoadError(f"{flag} on {name!r}: {error}; use --dtype float32 or none") from None
+    slow = activations and int8_activations_slow(runner.fast.stack.native)
+    if slow:
+        log.warning("%s: %s", flag, slow)
+
+
+def int8_activations_slow(native) -> str | None:
+    """Why int8 activations' products run slower than AVX512-VNNI's here (None when they do not):
+    the same results either way (integer sums), from a portable loop or the Python reference."""
+    if native is None:
+        return (f"the compiled decode path is unavailable ({fast_native.unavailable()}): the Python reference "
+                "computes the int8 products (float64 matrix products), the same results, several times slower")
+    if native.int8_kernel() != "avx512-vnni":
+        reason = native.int8_fallback_reason() or f"the {native.int8_kernel()} kernel was chosen"
+        return f"{reason}: a portable integer loop computes the int8 products, the same results, slower"
+    return None

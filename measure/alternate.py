@@ -1,16 +1,18 @@
 """Plain decoding of this engine and of llama.cpp on the same weights, in alternating processes.
 
-    python -m measure.alternate [--preset smolvlm-256m] [--int8] [--rounds 3] [--repeats 5]
-                                [--max-new-tokens 32] [--threads 2]
+    python -m measure.alternate [--preset smolvlm-256m] [--int8 | --quantization w8a8] [--rounds 3]
+                                [--repeats 5] [--max-new-tokens 32] [--threads 2]
 
 One request's text turn (measure/realscale.py's request without its image: llama.cpp refuses the
 random SmolVLM shape's images), greedy, `--max-new-tokens` tokens that never stop early. Each
 round runs this engine in a fresh process, then llama.cpp in another (the GGUF that
-measure/realscale.py converts: bf16 for a bfloat16 target, Q8_0 with `--int8`), so neither
+measure/realscale.py converts: bf16 for a bfloat16 target, Q8_0 with `--int8` or `--quantization
+int8|w8a8`; llama.cpp built for this CPU where it has been built: engine/backends/llamacpp_native.py), so neither
 shares an OpenMP runtime or memory with the other, and a machine that slows down or speeds up
 during the run moves both sides of a round alike. Each process warms up (pages its weights in),
 decodes the turn once untimed (warm-up), then `--repeats` times and reports the median decode tokens/s. Printed: every
-process's figure and the median of the rounds' ratios. A measurement, not a test: on a shared
+process's figure and the median of the rounds' ratios, and beside them the machine's streaming-read
+bandwidth for 1 and 2 threads (measure/bandwidth.py) before and after the rounds. A measurement, not a test: on a shared
 machine read the rounds' spread before the median.
 """
 
@@ -25,7 +27,7 @@ import sys
 import torch
 
 
-def decode_speeds(side: str, preset: str, int8: bool, repeats: int, max_new_tokens: int) -> list[float]:
+def decode_speeds(side: str, preset: str, quantization: str | None, repeats: int, max_new_tokens: int) -> list[float]:
     """Decode tokens/s of `repeats` runs of the text turn on `side` ("this" or "llama.cpp")."""
     from engine.loop import DecodeSettings
     from measure.llamacpp_rows import text_only
@@ -43,22 +45,31 @@ def decode_speeds(side: str, preset: str, int8: bool, repeats: int, max_new_toke
         from models.loading import LoadOptions
 
         target = load_target(str(target_dir), LoadOptions(dtype="bfloat16", device="cpu"))
-        if int8:
-            quantize_int8(target.runner, str(target_dir))
+        if quantization:
+            quantize_int8(target.runner, str(target_dir), activations=quantization == "w8a8")
         engine = Engine(target, {})
         run_this(engine, None, messages, decode, 0)  # warm-up: one whole untimed answer
         return [run_this(engine, None, messages, decode, i).decode_tok_s for i in range(repeats)]
     from measure.llamacpp_rows import answer, start
 
-    backend = start(str(target_dir), None, "q8_0" if int8 else "bf16")
+    backend = start(str(target_dir), None, "q8_0" if quantization else "bf16")
+    print(f"llama.cpp: {backend.server.kind}", file=sys.stderr)
     answer(backend, messages, None, decode)  # warm-up: one whole untimed answer
     return [answer(backend, messages, None, decode).stats.decode_tok_s for _ in range(repeats)]
+
+
+def bandwidths() -> str:
+    from measure.bandwidth import streaming_read
+
+    return "streaming read: " + ", ".join(f"{streaming_read(threads):.1f} GB/s on {threads}" for threads in (1, 2))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m measure.alternate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="smolvlm-256m")
     parser.add_argument("--int8", action="store_true", help="this engine with --quantization int8, llama.cpp Q8_0")
+    parser.add_argument("--quantization", choices=("int8", "w8a8"), help="this engine with --quantization "
+                        "int8 or w8a8, llama.cpp Q8_0")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -66,23 +77,26 @@ def main(argv=None) -> int:
     parser.add_argument("--side", choices=("this", "llama.cpp"), help=argparse.SUPPRESS)  # one process's part
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    quantization = args.quantization or ("int8" if args.int8 else None)
     if args.side:
-        print(json.dumps(decode_speeds(args.side, args.preset, args.int8, args.repeats, args.max_new_tokens)))
+        print(json.dumps(decode_speeds(args.side, args.preset, quantization, args.repeats, args.max_new_tokens)))
         return 0
+    print(bandwidths(), flush=True)
     ratios = []
     for round_index in range(args.rounds):
         medians = {}
         for side in ("this", "llama.cpp"):
             command = [sys.executable, "-m", "measure.alternate", "--side", side, "--preset", args.preset,
                        "--repeats", str(args.repeats), "--max-new-tokens", str(args.max_new_tokens),
-                       "--threads", str(args.threads)] + (["--int8"] if args.int8 else [])
+                       "--threads", str(args.threads)] + (["--quantization", quantization] if quantization else [])
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             speeds = json.loads(done.stdout.strip().splitlines()[-1])
             medians[side] = statistics.median(speeds)
             print(f"round {round_index + 1}, {side}: {' '.join(f'{s:.2f}' for s in speeds)} tok/s "
                   f"(median {medians[side]:.2f})", flush=True)
         ratios.append(medians["this"] / medians["llama.cpp"])
-    print(f"{args.preset}, {'int8 / Q8_0' if args.int8 else 'bfloat16 / bf16'}, {args.threads} threads, "
+    print(bandwidths(), flush=True)
+    print(f"{args.preset}, {quantization + ' / Q8_0' if quantization else 'bfloat16 / bf16'}, {args.threads} threads, "
           f"{args.max_new_tokens} tokens: this engine / llama.cpp, median of rounds {statistics.median(ratios):.2f}x "
           f"(rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
     return 0

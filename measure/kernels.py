@@ -38,7 +38,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine import fast_decode, fast_native
+from engine import fast_decode, fast_native, quantized
 
 SHAPES = {  # name: (out, in)
     "smolvlm": {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate/up 576->3072": (3072, 576),
@@ -85,7 +85,7 @@ def make(kind: str, weight: torch.Tensor):
     if kind.startswith("upcast:"):  # upcast_linear for every n, tiles of KB of float32
         return lambda x, size=int(kind.partition(":")[2]) * 1024: upcast_linear(x, input_major, size)
     if kind == "int8":
-        return lambda x, w=fast_decode.Int8Weight.quantize(weight.t()): fast_decode.linear(x, w)
+        return lambda x, w=quantized.Int8Weight.quantize(weight.t()): fast_decode.linear(x, w)
     if kind.startswith("compiled"):  # compiled:NAME, one of the build's rows kernels
         native = fast_native.layer()
         if native is None:

@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from engine import fast_decode
+from engine import fast_decode, quantized
 from engine.fast_decode import linear, rms_norm
 
 PARTS = ("norm", "rotary", "write", "attention", "silu")
@@ -60,7 +60,7 @@ def layer_without(parts: set[str]):
 def products_of(decoder: fast_decode.FastDecoder):
     """The pass's products alone: each layer's four and the output layer's, inputs made once."""
     dtype = decoder.final_norm.dtype
-    width = lambda weight: (weight.values.shape[1] if isinstance(weight, fast_decode.Int8Weight)  # noqa: E731
+    width = lambda weight: (weight.values.shape[1] if isinstance(weight, quantized.Int8Weight)  # noqa: E731
                             else weight.shape[0])
     inputs = [[torch.zeros(1, width(w), dtype=dtype) for w in (layer.qkv_weight, layer.o_weight,
                                                                layer.gate_up_weight, layer.down_weight)]

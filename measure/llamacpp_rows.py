@@ -199,9 +199,9 @@ def realscale_figures(target_dir, drafter_dir, outtype: str, messages, decode: D
 def weight_bytes(target) -> int:
     """Bytes of weights a decode step of this engine reads: the language model's parameters (the
     vision tower runs at prefill only), each product that the fast path reads as int8
-    (`--quantization int8`: engine/fast_decode.py, Int8Weight) counted at its int8 size with its
+    (`--quantization int8`: engine/quantized.py, Int8Weight) counted at its int8 size with its
     scales. Like gguf_weight_bytes, the whole embedding counts (a step reads one row of it)."""
-    from engine.fast_decode import Int8Weight
+    from engine.quantized import Int8Weight
 
     total = sum(p.numel() * p.element_size() for name, p in target.model.named_parameters()
                 if "visual" not in name and "vision" not in name)

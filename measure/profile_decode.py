@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from engine import fast_decode
+from engine import fast_decode, quantized
 from engine.build import add_model_flags, build_engine, spec_from_args
 from engine.runner import Runner
 from models.loading import dtype_name
@@ -126,7 +126,7 @@ LAYOUT_SHAPES = {"qkv 576->960": (960, 576), "gate/up 576->3072": (3072, 576), "
 
 def layout_products(weight: torch.Tensor, kinds: list[str]) -> dict:
     """{kind: (x (rows, in) -> y (rows, out))} for one float32 weight (out, in) stored each way:
-    f32 / bf16 (out, in) or (in, out), int8 per-channel (engine/fast_decode.Int8Weight), or
+    f32 / bf16 (out, in) or (in, out), int8 per-channel (engine/quantized.Int8Weight), or
     torchao's int8 weight-only tensor (`torchao` kind; only where torchao is installed), or
     bitsandbytes' 8-bit Linear (`bnb8`). Every
     kind but f32 / f32-in takes a bfloat16 x."""
@@ -134,7 +134,7 @@ def layout_products(weight: torch.Tensor, kinds: list[str]) -> dict:
     stored = {"f32": weight, "f32-in": weight.t().contiguous().t(), "bf16": bf16, "bf16-in": bf16.t().contiguous().t()}
     products = {kind: (lambda x, w=stored[kind]: F.linear(x, w)) for kind in kinds if kind in stored}
     if "int8" in kinds:
-        products["int8"] = lambda x, w=fast_decode.Int8Weight.quantize(bf16.t()): fast_decode.linear(x, w)
+        products["int8"] = lambda x, w=quantized.Int8Weight.quantize(bf16.t()): fast_decode.linear(x, w)
     if "torchao" in kinds:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 

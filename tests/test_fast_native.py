@@ -19,7 +19,8 @@ import torch
 
 from engine import fast_native
 from engine.drafters.base import Draft
-from engine.fast_decode import FastDecoder, Int8Weight
+from engine.fast_decode import FastDecoder
+from engine.quantized import Int8Weight, W8A8Weight, quantize_rows
 from engine.engine import Engine
 from engine.loop import DecodeSettings
 from engine.tree import MAX_VERIFY_ROWS, chain_parents
@@ -156,6 +157,12 @@ def test_a_verify_pass_is_bitwise_the_decode_passes(zoo, dtype, int8, rows, rows
     runner = Runner(target.model, target.family)
     if int8:
         runner.fast.quantize_int8()
+    assert_verify_is_decode(runner, target, rows)
+
+
+def assert_verify_is_decode(runner, target, rows: int) -> None:
+    """A pass over `rows` tokens on two threads gives, row for row, the logits of that many one-token
+    passes on one thread, and leaves the same cache."""
     threads = torch.get_num_threads()
     try:
         logits, state = runner.prefill(prompt_of(target, 1).target_inputs)

@@ -16,7 +16,7 @@ import torch
 from app_ui.setup import read_config
 from engine.build import EngineSpec, build_engine
 from engine.engine import Engine
-from engine.fast_decode import Int8Weight
+from engine.quantized import Int8Weight, W8A8Weight
 from engine.loop import DecodeSettings
 from engine.target import load_target
 from models.loading import LoadError, LoadOptions
@@ -51,17 +51,19 @@ def test_the_app_reads_quantization_from_its_flag_or_variable():
 # (relative norm); through its random layers (weights of std 0.2) that is 2-8 % of its logits
 # (measured: worst entry 0.21-0.44 of logits up to 5.6-6.6; greedy tokens equal in 17-20 of 20
 # steps). A real model's logits move far less; these bounds catch a wrong scale or layout, which
-# moves them by about 100 %.
-RELATIVE_RMS, WORST_OF_LARGEST = 0.05, 0.12
+# moves them by about 100 %. w8a8 (int8 activations too, engine/quantized.py) adds the activations'
+# rounding (a step of 1/127 of each row's largest value).
+BOUNDS = {"int8": (0.05, 0.12), "w8a8": (0.08, 0.2)}  # relative RMS, worst entry / largest
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("quantization", ("int8", "w8a8"))
 @pytest.mark.parametrize("family, dtype", [("qwen2_vl", "bfloat16"), ("smolvlm", "float32")])
-def test_int8_weights_give_logits_close_to_the_unquantized_ones(zoo, family, dtype):
+def test_int8_weights_give_logits_close_to_the_unquantized_ones(zoo, family, dtype, quantization):
     plain, int8 = (load_target(str(zoo.dir(family)), LoadOptions(dtype=dtype, device="cpu", quantization=q))
-                   for q in (None, "int8"))
-    assert isinstance(int8.runner.fast.stack.layers[0].qkv_weight, Int8Weight)
-    assert isinstance(int8.runner.fast.head_weight, Int8Weight)
+                   for q in (None, quantization))
+    kind = W8A8Weight if quantization == "w8a8" else Int8Weight
+    assert type(int8.runner.fast.stack.layers[0].qkv_weight) is kind and type(int8.runner.fast.head_weight) is kind
     content = [{"type": "image", "image": tiny.tiny_images(1, seed=3)[0]}, {"type": "text", "text": "Say more."}]
     inputs = Engine(plain).prepare([{"role": "user", "content": content}]).target_inputs
     (logits, plain_state), (_, int8_state) = plain.runner.prefill(inputs), int8.runner.prefill(inputs)
@@ -73,9 +75,10 @@ def test_int8_weights_give_logits_close_to_the_unquantized_ones(zoo, family, dty
     passes.append(tuple(runner.extend(state, [token, 5, 6, 7])  # a verify pass of 4 tokens
                         for runner, state in ((plain.runner, plain_state), (int8.runner, int8_state))))
     expected, got = torch.cat([p[0] for p in passes]), torch.cat([p[1] for p in passes])
-    print(f"int8 {family} {dtype}: greedy tokens equal in {agree} of 12 decode passes")
-    assert (got - expected).norm() <= RELATIVE_RMS * expected.norm()
-    assert (got - expected).abs().max() <= WORST_OF_LARGEST * expected.abs().max()
+    print(f"{quantization} {family} {dtype}: greedy tokens equal in {agree} of 12 decode passes")
+    relative_rms, worst_of_largest = BOUNDS[quantization]
+    assert (got - expected).norm() <= relative_rms * expected.norm()
+    assert (got - expected).abs().max() <= worst_of_largest * expected.abs().max()
 
 
 def test_int8_is_refused_in_one_line_where_the_fast_path_does_not_reach(zoo):
@@ -92,11 +95,11 @@ def test_bfloat16_int8_weights_of_a_width_the_kernel_misreads_are_refused():
 
 def test_quantizing_in_blocks_of_rows_gives_the_same_weights(monkeypatch):
     """Int8Weight.quantize works a block of rows at a time (memory); the blocks change nothing."""
-    from engine import fast_decode
+    from engine import quantized
 
     weight = torch.randn(64, 37, dtype=torch.bfloat16)  # (in, out): 37 output rows
     whole = Int8Weight.quantize(weight)
-    monkeypatch.setattr(fast_decode, "QUANTIZE_ROWS", 5)  # 8 blocks, the last of 2 rows
+    monkeypatch.setattr(quantized, "QUANTIZE_ROWS", 5)  # 8 blocks, the last of 2 rows
     blocks = Int8Weight.quantize(weight)
     assert torch.equal(blocks.values, whole.values) and torch.equal(blocks.scales, whole.scales)
     assert blocks.values.shape == (37, 64) and blocks.values.is_contiguous()
