@@ -55,8 +55,9 @@ import torch.nn.functional as F
 from engine import fast_native
 from engine.quantized import Int8Weight, W8A8Weight, int8_linear
 from engine.static_cache import StaticKVCache
+from models.families import fast_text_types
 
-TEXT_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen2_vl", "qwen2_5_vl", "llama", "qwen2")
+TEXT_TYPES = fast_text_types()  # as each family declares (models/families/)
 
 
 def text_stack(model):
@@ -269,6 +270,7 @@ class FastStack:
         # engine/fast_layer.cpp, on a CPU over a float32 cache (what it takes); else the Python layer
         compiled = norm.device.type == "cpu" and self.cache_dtype == torch.float32
         self.native = fast_native.layer() if compiled else None
+        self.layer_fn = decoder_layer  # the Python layer (measure/layer_costs.py times variants of it)
 
     @staticmethod
     def _layer(layer, input_major: bool) -> Layer:
@@ -319,8 +321,8 @@ class FastStack:
             hidden.update(zip(later, kept))
         else:
             for index, layer in enumerate(self.layers):
-                x = decoder_layer(layer, self.sizes, x, cos, signed_sin, cache.keys[index], cache.values[index], start,
-                                  mask)
+                x = self.layer_fn(layer, self.sizes, x, cos, signed_sin, cache.keys[index], cache.values[index],
+                                  start, mask)
                 if index + 1 in keep:
                     hidden[index + 1] = x
         cache.length = start + n

@@ -19,12 +19,13 @@ import torch
 
 from engine.fast_decode import FastStack, default_input_major, linear, share, stack_unsupported
 from engine.static_cache import HEADROOM, StaticKVCache
+from models.families import fast_head_layers
 
 
 def unsupported(module) -> str | None:
     """Why the fast path does not cover this MtpHead / BlockDrafter (None when it does)."""
-    if module.config.layers_from != "qwen2_vl":
-        return f"a head built from {module.config.layers_from} layers (covered: qwen2_vl)"
+    if module.config.layers_from not in fast_head_layers():  # as each family declares (models/families/)
+        return f"a head built from {module.config.layers_from} layers (covered: {', '.join(fast_head_layers())})"
     return stack_unsupported(module.config.decoder_config(), module.stack.layers, module.stack.rotary)
 
 

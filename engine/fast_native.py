@@ -57,15 +57,16 @@ def unavailable() -> str | None:
 def _build():
     if os.environ.get("VLM_NATIVE_LAYER", "1") == "0":
         return None, "turned off (VLM_NATIVE_LAYER=0)"
+    flags = FLAGS + (["-mno-avx512f"] if os.environ.get("VLM_NATIVE_AVX2") == "1" else [])  # measure/as_avx2.py
     try:
         import torch
         from torch.utils.cpp_extension import load
 
-        name = f"{NAME}_{re.sub(r'[^A-Za-z0-9]', '_', torch.__version__)}_{_machine()}_{_source()}"
+        name = f"{NAME}_{re.sub(r'[^A-Za-z0-9]', '_', torch.__version__)}_{_machine()}_{_source(flags)}"
         if not _built(name):
             print("Compiling the fast decode path (engine/fast_layer.cpp) for this machine: about 30 s ...",
                   file=sys.stderr, flush=True)
-        return load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        return load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     verbose=False), None
     except Exception as error:  # no compiler, no ninja, an unwritable cache: the Python layer runs
         lines = str(error).splitlines() or [""]
@@ -87,11 +88,11 @@ def _machine() -> str:
     return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:8]
 
 
-def _source() -> str:
+def _source(flags: list[str] = FLAGS) -> str:
     """A short hash of the source and flags: a changed file is a new name, so the message above is
     printed for its build too (torch's loader would rebuild under the old name, silently)."""
     text = b"".join(path.read_bytes() for path in [SOURCE, *HEADERS])
-    return hashlib.sha1(text + " ".join(FLAGS).encode()).hexdigest()[:8]
+    return hashlib.sha1(text + " ".join(flags).encode()).hexdigest()[:8]
 
 
 def _built(name: str) -> bool:

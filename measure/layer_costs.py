@@ -103,7 +103,6 @@ def main(argv=None) -> int:
     variants = {**({"compiled": "compiled"} if native else {}), "full": None,
                 **{f"without {p}": layer_without({p}) for p in PARTS},
                 "without all": layer_without(set(PARTS))}
-    eager = fast_decode.decoder_layer
     times = {name: [] for name in [*variants, "products"]}
     with torch.inference_mode():
         _, state = runner.prefill({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
@@ -124,9 +123,9 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             for name, layer_fn in variants.items():
                 runner.fast.stack.native = native if layer_fn == "compiled" else None
-                fast_decode.decoder_layer = eager if layer_fn in (None, "compiled") else layer_fn
+                runner.fast.stack.layer_fn = fast_decode.decoder_layer if layer_fn in (None, "compiled") else layer_fn
                 times[name].append(per_pass(step))
-            fast_decode.decoder_layer = eager
+            runner.fast.stack.layer_fn = fast_decode.decoder_layer
             times["products"].append(per_pass(products))
     full = statistics.median(times["full"])
     print(f"{args.shape}, {args.dtype}, {args.threads} threads, one token after 64, {args.rounds} rounds x 20 passes")

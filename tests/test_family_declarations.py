@@ -31,13 +31,7 @@ def family_words() -> set[str]:
             (family.name, *family.model_types, *family.fast_text_types)} | set(REGISTRY)
 
 
-# The fast files are another engineer's until the int8 kernels land; each needs one line (issue 37's
-# note): fast_decode.TEXT_TYPES = fast_text_types(), fast_heads' check against fast_head_layers().
-PENDING = pytest.mark.xfail(strict=True, reason="the one-line change to the fast file is not applied yet")
-
-
-@pytest.mark.parametrize("path", ["models/gguf.py", pytest.param("engine/fast_decode.py", marks=PENDING),
-                                  pytest.param("engine/fast_heads.py", marks=PENDING)])
+@pytest.mark.parametrize("path", ["models/gguf.py", "engine/fast_decode.py", "engine/fast_heads.py"])
 def test_the_files_that_act_on_a_declaration_name_no_family(path):
     tree = ast.parse(Path(ROOT, path).read_text())
     named = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}

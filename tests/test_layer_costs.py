@@ -23,14 +23,10 @@ def runner(zoo):
 def logits_with(runner, layer_fn) -> torch.Tensor:
     """Logits of two decode passes after a 6-token prompt, with `layer_fn` as the decoder layer."""
     ids = torch.tensor([[5, 9, 13, 7, 21, 4]])
-    eager = fast_decode.decoder_layer
-    try:
-        fast_decode.decoder_layer = layer_fn
-        with torch.inference_mode():
-            _, state = runner.prefill({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-            return torch.cat([runner.extend(state, [7]), runner.extend(state, [11])])
-    finally:
-        fast_decode.decoder_layer = eager
+    runner.fast.stack.layer_fn = layer_fn  # this runner's stack only: nothing global is patched
+    with torch.inference_mode():
+        _, state = runner.prefill({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        return torch.cat([runner.extend(state, [7]), runner.extend(state, [11])])
 
 
 def test_nothing_left_out_is_the_engines_layer_and_each_part_matters(runner, one_thread):
