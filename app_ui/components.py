@@ -188,24 +188,22 @@ def settings_controls(served: Served) -> dict:
     speculative = bool(served.drafters)
     demo_model, image_tokens = served.demo, served.image_budget
     settings = {
-        "mode": gr.Radio(list(schema.MODES), value="speculative" if speculative else "plain", label=_label("mode")),
-        "drafter": gr.Dropdown(choices, value=choices[0][1], label=_label("drafter"), interactive=speculative,
-                               info=drafter_info(served, choices[0][1]), elem_id="drafter"),
-        "draft_tokens": _slider("draft_tokens", interactive=speculative),
-        "adaptive": gr.Checkbox(schema.default("adaptive"), label=_label("adaptive"), interactive=speculative),
-        "temperature": _slider("temperature"),
-        "top_p": _slider("top_p"),
-        "max_new_tokens": _slider("max_new_tokens"),
-        "seed": gr.Number(schema.default("seed"), precision=0, label=_label("seed"),
-                          info=schema.spec("seed").help + "; Retry takes the next"),
-        "system_prompt": gr.Textbox(schema.default("system_prompt"), label=_label("system_prompt"), lines=2,
-                                    visible=not demo_model),
-        "max_image_tokens": gr.Slider(0, image_tokens or 4096, step=16, label=_label("max_image_tokens"),
-                                      value=min(served.max_image_tokens or 0, image_tokens or 0),
-                                      info="0: the model's own limit", visible=image_tokens is not None),
-        "draft_tree": _slider("draft_tree", interactive=speculative),
-        "top_k": _slider("top_k"),
-        "tree_branching": _slider("tree_branching", interactive=speculative),
+        "mode": _control("mode", gr.Radio, value="speculative" if speculative else "plain", info=None),
+        "drafter": _control("drafter", gr.Dropdown, choices=choices, value=choices[0][1], interactive=speculative,
+                            info=drafter_info(served, choices[0][1]), elem_id="drafter"),
+        "draft_tokens": _control("draft_tokens", gr.Slider, interactive=speculative),
+        "adaptive": _control("adaptive", gr.Checkbox, info=None, interactive=speculative),
+        "temperature": _control("temperature", gr.Slider),
+        "top_p": _control("top_p", gr.Slider),
+        "max_new_tokens": _control("max_new_tokens", gr.Slider),
+        "seed": _control("seed", gr.Number, precision=0, info=schema.spec("seed").help + "; Retry takes the next"),
+        "system_prompt": _control("system_prompt", gr.Textbox, info=None, lines=2, visible=not demo_model),
+        "max_image_tokens": _control("max_image_tokens", gr.Slider, maximum=image_tokens or 4096, step=16,
+                                     value=min(served.max_image_tokens or 0, image_tokens or 0),
+                                     info="0: the model's own limit", visible=image_tokens is not None),
+        "draft_tree": _control("draft_tree", gr.Slider, interactive=speculative),
+        "top_k": _control("top_k", gr.Slider),
+        "tree_branching": _control("tree_branching", gr.Slider, interactive=speculative),
     }
     assert list(settings) == schema.names(), "a control per setting, in the schema's order (the API's)"
     if demo_model:
@@ -224,15 +222,18 @@ def drafter_info(served: Served, key: str) -> str:
     return label.partition(": ")[2]
 
 
-def _label(name: str) -> str:
-    return schema.spec(name).label
-
-
-def _slider(name: str, **options) -> gr.Slider:
-    """A setting's slider: the schema's label, help, default and range (its UI range where narrower)."""
-    meta = schema.spec(name)
-    low, high, step = meta.ui or (meta.low, meta.high, 1)
-    return gr.Slider(low, high, value=schema.default(name), step=step, label=meta.label, info=meta.help, **options)
+def _control(name: str, kind: type, **overrides):
+    """The setting's control of Gradio class `kind` from the schema's `control(name)` (engine/settings.py):
+    its label, help, default, and choices (a Radio, a Dropdown) or (least, most, step) (a Slider; a Number
+    takes any whole number, `check` refuses one out of range); `overrides` for what the loaded model decides
+    (the drafters, the image budget) and where the sidebar words it otherwise."""
+    shown = schema.control(name)
+    options = {"label": shown["label"], "info": shown["info"], "value": shown["value"]}
+    if shown["choices"] and kind in (gr.Radio, gr.Dropdown):
+        options["choices"] = list(shown["choices"])
+    if shown["range"] and kind is gr.Slider:
+        options["minimum"], options["maximum"], options["step"] = shown["range"]
+    return kind(**(options | overrides))
 
 
 def _hide_what_the_backend_decides(served: Served, settings: dict) -> None:

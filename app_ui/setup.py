@@ -3,8 +3,9 @@
 Every flag has an environment variable (for Hugging Face Spaces, where there are no flags); a
 flag wins over its variable. The model and load flags (--preset, --model, --drafter, --dtype,
 --device, ...) and their VLM_* variables are made from one schema (engine/load_settings.py);
-the app's own are below (--host, --port, --share, --no-browser, --max-images, --backend,
---ab-backend). `python app.py --help` lists every flag and every variable.
+the app's own are `AppSettings` below (--host, --port, --share, --no-browser, --max-images,
+--backend, --ab-backend), schema fields of the same kind; every variable of both is read by
+engine/settings.py `from_environ`. `python app.py --help` lists every flag and every variable.
 
 A bad value, of a flag or a variable, raises SetupError naming it (app.py prints one line).
 """
@@ -20,7 +21,8 @@ from PIL import Image
 from app_ui.visitors import Limits
 from engine.build import EngineSpec, spec_from_args
 from engine.engine import Ceilings, ceiling_variable
-from engine.load_settings import TRUE, add_model_flags, check_variables, variables
+from engine.load_settings import add_model_flags, check_variables, variables
+from engine.settings import flag, from_environ, read_variable, setting, specs_of
 from models.loading import LoadError
 
 
@@ -56,78 +58,98 @@ class Config:
         return self.spec.max_images
 
 
+MAX_IMAGES = 64
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    """The app's own settings, after the load settings (engine/load_settings.py): each a flag (`--`
+    and dashes) and its variable, read by engine/settings.py `from_environ` (the one reader)."""
+
+    host: str = setting("127.0.0.1", "the address to serve on (default: 127.0.0.1; 0.0.0.0 on a Space)",
+                        env="VLM_HOST")
+    port: int | None = setting(None, "the port to serve on (default: 7860, or the next free one)", low=1, high=65535,
+                               env="VLM_PORT")
+    share: bool = setting(False, "also serve a public gradio.live link", env="VLM_SHARE")
+    no_browser: bool = setting(False, "do not open a browser (never opened on a Space)", env="VLM_NO_BROWSER")
+    max_images: int = setting(8, f"images per conversation, 1 to {MAX_IMAGES} (default: 8)", low=1, high=MAX_IMAGES,
+                              env="VLM_MAX_IMAGES")
+    backend: str | None = setting(None, "answer with this OpenAI-compatible server (URL#MODEL names its model; API "
+                                  "key: VLM_BACKEND_API_KEY) instead of loading a model, or with llama.cpp in this "
+                                  "process: the bundled demo model and its text drafter, or PATH (a checkpoint "
+                                  "folder, converted to GGUF on first use; a .gguf file; a folder of GGUF files)",
+                                  env="VLM_BACKEND")
+    ab_backend: str | None = setting(None, "the A/B tab compares the app's backend with this one (as --backend)",
+                                     env="VLM_AB_BACKEND")
+
+
+# Gradio's own variables, read after VLM_HOST and VLM_PORT; and the flags' metavars where the name is not enough.
+GRADIO_VARIABLES = {"host": "GRADIO_SERVER_NAME", "port": "GRADIO_SERVER_PORT"}
+METAVARS = {"backend": "URL|llamacpp[:PATH]", "ab_backend": "URL|llamacpp[:PATH]"}
+
+
 def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
     """The app's settings: flags, else VLM_* variables, else defaults. A bad flag or variable
     raises SetupError naming it (one line); --help prints the usage and exits."""
     args = app_parser(environ).parse_args(argv)
     try:
         check_variables(args)
-    except LoadError as error:
-        raise SetupError(str(error)) from None
-
-    port_variable = environ.get("VLM_PORT") or environ.get("GRADIO_SERVER_PORT")
-    port = args.port if args.port is not None else (
-        _whole("VLM_PORT", 1, 65535)(port_variable) if port_variable else None)
-    max_images = args.max_images if args.max_images is not None else (
-        _whole("VLM_MAX_IMAGES", 1, MAX_IMAGES)(environ["VLM_MAX_IMAGES"]) if environ.get("VLM_MAX_IMAGES") else 8)
-    try:
-        spec = spec_from_args(args, max_images=max_images)
+        spec = spec_from_args(args, max_images=args.max_images)
     except LoadError as error:
         raise SetupError(str(error)) from None
     if spec.drafters and "ngram" not in spec.drafters:
         spec = replace(spec, drafters=spec.drafters + ("ngram",))  # the app always offers n-gram: it costs nothing
-    return Config(spec, args.host, port, args.share, not args.no_browser, behind_proxy=bool(environ.get("SPACE_ID")),
-                  backend=args.backend, ab_backend=args.ab_backend)
+    return Config(spec, args.host, args.port, args.share, not args.no_browser,
+                  behind_proxy=bool(environ.get("SPACE_ID")), backend=args.backend, ab_backend=args.ab_backend)
+
+
+def app_settings(environ=os.environ) -> AppSettings:
+    """AppSettings from the VLM_* variables, else Gradio's (GRADIO_SERVER_NAME, GRADIO_SERVER_PORT),
+    else a Space's defaults (0.0.0.0, no browser), else the schema's; SetupError names a bad variable."""
+    on_space = bool(environ.get("SPACE_ID"))
+    fallback = {"host": "0.0.0.0"} if on_space else {}
+    for name, wanted, meta in specs_of(AppSettings):
+        variable = GRADIO_VARIABLES.get(name)
+        if variable and environ.get(variable):
+            fallback[name] = read_variable(variable, environ[variable], wanted, meta, SetupError)
+    settings = from_environ(AppSettings, environ, SetupError, **fallback)
+    return replace(settings, no_browser=True) if on_space else settings
 
 
 def app_parser(environ=os.environ) -> argparse.ArgumentParser:
-    """The app's flags, their defaults from `environ`; a bad variable raises SetupError naming it."""
-    on_space = bool(environ.get("SPACE_ID"))
-
-    def env(name: str, default=None):
-        return environ.get(f"VLM_{name}") or default
-
+    """The app's flags (the load settings', then AppSettings'), their defaults from `environ`; a bad
+    variable raises SetupError naming it, a bad flag's number too ("--port: 99999 is over 65535")."""
     parser = _Parser(prog="python app.py", description="Chat with a VLM; speculative decoding.",
                      epilog=environment_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     try:
         add_model_flags(parser, environ)
     except LoadError as error:
         raise SetupError(str(error)) from None
-    parser.add_argument("--host", default=env("HOST", environ.get("GRADIO_SERVER_NAME")
-                                             or ("0.0.0.0" if on_space else "127.0.0.1")),
-                        help="the address to serve on (default: 127.0.0.1; 0.0.0.0 on a Space)")
-    parser.add_argument("--port", type=_whole("--port", 1, 65535),
-                        help="the port to serve on (default: 7860, or the next free one)")
-    parser.add_argument("--share", action="store_true", default=env("SHARE", "").lower() in TRUE,
-                        help="also serve a public gradio.live link")
-    parser.add_argument("--no-browser", action="store_true", default=on_space or env("NO_BROWSER", "").lower() in TRUE,
-                        help="do not open a browser (never opened on a Space)")
-    parser.add_argument("--max-images", type=_whole("--max-images", 1, MAX_IMAGES),
-                        help=f"images per conversation, 1 to {MAX_IMAGES} (default: 8)")
-    parser.add_argument("--backend", default=env("BACKEND"), metavar="URL|llamacpp[:PATH]",
-                        help="answer with this OpenAI-compatible server (URL#MODEL names its model; API key: "
-                             "VLM_BACKEND_API_KEY) instead of loading a model, or with llama.cpp in this process: "
-                             "the bundled demo model and its text drafter, or PATH (a checkpoint folder, "
-                             "converted to GGUF on first use; a .gguf file; a folder of GGUF files)")
-    parser.add_argument("--ab-backend", default=env("AB_BACKEND"), metavar="URL|llamacpp[:PATH]",
-                        help="the A/B tab compares the app's backend with this one (as --backend)")
+    given = app_settings(environ)
+    for name, wanted, meta in specs_of(AppSettings):
+        if wanted is bool:
+            parser.add_argument(flag(name), action="store_true", default=getattr(given, name), help=meta.help)
+        else:
+            parser.add_argument(flag(name), type=_reader(flag(name), wanted, meta), default=getattr(given, name),
+                                metavar=METAVARS.get(name), help=meta.help)
     return parser
 
 
-MAX_IMAGES = 64
-# The app's own variables, after the load settings' (engine/load_settings.py): (variable, what it gives).
-APP_VARIABLES = [("VLM_HOST", "--host"), ("VLM_PORT", "--port"), ("VLM_MAX_IMAGES", "--max-images"),
-                 ("VLM_SHARE=1", "--share"), ("VLM_NO_BROWSER=1", "--no-browser"),
-                 ("VLM_BACKEND", "--backend: a URL or llamacpp[:PATH]"), ("VLM_AB_BACKEND", "--ab-backend"),
-                 ("VLM_BACKEND_API_KEY", "the servers' API key (sent to them only)"),
-                 ("VLM_NATIVE_LAYER=0", "decode with the Python layers, not the ones compiled from C++ "
-                                        "(engine/fast_native.py)"),
-                 ("VLM_LLAMACPP_NATIVE=0", "llama.cpp backends run the xllamacpp wheel's server even where llama.cpp "
-                                           "was built for this CPU (engine/backends/llamacpp_native.py)"),
-                 ("VLM_SPECULATIVE_CHAT_CACHE", "where --preset smol assembles its model (default "
-                                                "$XDG_CACHE_HOME/vlm-speculative-chat or ~/.cache/...)"),
-                 ("GRADIO_SERVER_NAME, GRADIO_SERVER_PORT", "host and port, after VLM_HOST and VLM_PORT"),
-                 ("SPACE_ID (set on a Hugging Face Space)", "serve on 0.0.0.0, open no browser")]
+def _reader(name: str, wanted: type, meta):
+    """A flag's type: its text read as its variable's is (engine/settings.py `read_variable`), named by the flag."""
+    return lambda text: read_variable(name, text, wanted, meta, SetupError)
+
+
+# The variables outside the schemas (engine/load_settings.py, AppSettings): (variable, what it gives).
+OTHER_VARIABLES = [("VLM_BACKEND_API_KEY", "the servers' API key (sent to them only)"),
+                   ("VLM_NATIVE_LAYER=0", "decode with the Python layers, not the ones compiled from C++ "
+                                          "(engine/fast_native.py)"),
+                   ("VLM_LLAMACPP_NATIVE=0", "llama.cpp backends run the xllamacpp wheel's server even where "
+                                             "llama.cpp was built for this CPU (engine/backends/llamacpp_native.py)"),
+                   ("VLM_SPECULATIVE_CHAT_CACHE", "where --preset smol assembles its model (default "
+                                                  "$XDG_CACHE_HOME/vlm-speculative-chat or ~/.cache/...)"),
+                   ("GRADIO_SERVER_NAME, GRADIO_SERVER_PORT", "host and port, after VLM_HOST and VLM_PORT"),
+                   ("SPACE_ID (set on a Hugging Face Space)", "serve on 0.0.0.0, open no browser")]
 
 
 def environment_help() -> str:
@@ -138,7 +160,7 @@ def environment_help() -> str:
                 for f in fields(Ceilings)]
     limits = [(f"VLM_{f.name.upper()}", f"the visitors' limit {f.name} (default {f.default:,})") for f in fields(Limits)]
     decoding = [("VLM_DECODE_SLOTS", "images decoded at once (default 2, or 1 on a 2-core machine)")]
-    rows = [*variables(), *APP_VARIABLES, *ceilings, *limits, *decoding]
+    rows = [*variables(), *variables(AppSettings), *OTHER_VARIABLES, *ceilings, *limits, *decoding]
     return "environment variables (a flag wins over its variable; VLM_DRAFTER may list several drafters,\n" \
            "separated by commas):\n" + "\n".join(f"  {variable:<40} {what}" for variable, what in rows)
 
@@ -148,19 +170,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise SetupError(message)
-
-
-def _whole(name: str, low: int, high: int):
-    """A reader of the flag or variable `name` that takes a whole number from `low` to `high`."""
-    def parse(value: str) -> int:
-        try:
-            number = int(value)
-        except ValueError:
-            raise SetupError(f"{name}: {value!r} is not a whole number") from None
-        if not low <= number <= high:
-            raise SetupError(f"{name}: {number} is not from {low} to {high}")
-        return number
-    return parse
 
 
 def load_engine(config: Config):

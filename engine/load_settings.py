@@ -91,9 +91,10 @@ def check_variables(args: argparse.Namespace) -> None:
             raise LoadError(f"{meta.env}: {value!r} is not one of {', '.join(meta.choices)}")
 
 
-def variables() -> list[tuple[str, str]]:
-    """(the variable, as it is set; its flag) of every load setting: ("VLM_SHARE=1", "--share")."""
-    return [(meta.env + ("=1" if wanted is bool else ""), flag(name)) for name, wanted, meta in specs()]
+def variables(cls=LoadSettings) -> list[tuple[str, str]]:
+    """(the variable, as it is set; its flag) of every field of the schema `cls` (default: the load
+    settings; the app's: app_ui/setup.py AppSettings): ("VLM_SHARE=1", "--share")."""
+    return [(meta.env + ("=1" if wanted is bool else ""), flag(name)) for name, wanted, meta in specs_of(cls)]
 
 
 class _Repeat(argparse.Action):
@@ -104,11 +105,12 @@ class _Repeat(argparse.Action):
         setattr(namespace, self.dest, ([] if given is None or given is self.default else given) + [values])
 
 
-def table() -> str:
-    """The load settings as a Markdown table (docs/settings.md holds it; a test keeps the two equal)."""
+def table(cls=LoadSettings) -> str:
+    """The load settings (or another schema of flags and variables: the app's, app_ui/setup.py
+    AppSettings) as a Markdown table (docs/settings.md holds it; a test keeps the two equal)."""
     rows = ["| flag | variable | default | choices or range | what it does |", "|---|---|---|---|---|"]
-    for name, wanted, meta in specs():
-        value = LoadSettings.__dataclass_fields__[name].default
+    for name, wanted, meta in specs_of(cls):
+        value = cls.__dataclass_fields__[name].default
         bounds = ", ".join(meta.choices) if meta.choices else (
             f"{meta.low:g} to {meta.high_text or f'{meta.high:g}'}" if meta.low is not None else "")
         rows.append(f"| `{flag(name)}` | `{meta.env}` | `{value!r}` | {bounds} | {meta.help} |")

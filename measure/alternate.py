@@ -26,6 +26,8 @@ import sys
 
 import torch
 
+from measure.bench_rows import interleaved
+
 
 def decode_speeds(side: str, preset: str, quantization: str | None, repeats: int, max_new_tokens: int) -> list[float]:
     """Decode tokens/s of `repeats` runs of the text turn on `side` ("this" or "llama.cpp")."""
@@ -82,19 +84,19 @@ def main(argv=None) -> int:
         print(json.dumps(decode_speeds(args.side, args.preset, quantization, args.repeats, args.max_new_tokens)))
         return 0
     print(bandwidths(), flush=True)
-    ratios = []
-    for round_index in range(args.rounds):
-        medians = {}
-        for side in ("this", "llama.cpp"):
-            command = [sys.executable, "-m", "measure.alternate", "--side", side, "--preset", args.preset,
-                       "--repeats", str(args.repeats), "--max-new-tokens", str(args.max_new_tokens),
-                       "--threads", str(args.threads)] + (["--quantization", quantization] if quantization else [])
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
-            speeds = json.loads(done.stdout.strip().splitlines()[-1])
-            medians[side] = statistics.median(speeds)
-            print(f"round {round_index + 1}, {side}: {' '.join(f'{s:.2f}' for s in speeds)} tok/s "
-                  f"(median {medians[side]:.2f})", flush=True)
-        ratios.append(medians["this"] / medians["llama.cpp"])
+
+    def median_speed(round_index: int, side: str) -> float:
+        command = [sys.executable, "-m", "measure.alternate", "--side", side, "--preset", args.preset,
+                   "--repeats", str(args.repeats), "--max-new-tokens", str(args.max_new_tokens),
+                   "--threads", str(args.threads)] + (["--quantization", quantization] if quantization else [])
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        speeds = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"round {round_index + 1}, {side}: {' '.join(f'{s:.2f}' for s in speeds)} tok/s "
+              f"(median {statistics.median(speeds):.2f})", flush=True)
+        return statistics.median(speeds)
+
+    medians = interleaved(args.rounds, ("this", "llama.cpp"), median_speed)
+    ratios = [this / other for this, other in zip(medians["this"], medians["llama.cpp"])]
     print(bandwidths(), flush=True)
     print(f"{args.preset}, {quantization + ' / Q8_0' if quantization else 'bfloat16 / bf16'}, {args.threads} threads, "
           f"{args.max_new_tokens} tokens: this engine / llama.cpp, median of rounds {statistics.median(ratios):.2f}x "

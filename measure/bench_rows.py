@@ -165,3 +165,13 @@ def _draft_cost(target, drafter, prompt, k: int, repeats: int, clock: Clock, dra
         session.accept(len(path)) if draft.parents is None else session.accept(len(path), path)
         generated += [draft.token_ids[node] for node in path] + [bonus_token]
     return statistics.median(times[1:])
+
+
+def interleaved(rounds: int, sides, measure) -> dict:
+    """{side: [measure(round_index, side) for each round]}, the sides taking turns within each round,
+    so that a drift of the machine (heat, another process) falls on every side alike."""
+    results = {side: [] for side in sides}
+    for round_index in range(rounds):
+        for side in sides:
+            results[side].append(measure(round_index, side))
+    return results

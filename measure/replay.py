@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     from engine.build import add_model_flags, build_engine, spec_from_args
     from engine.loop import DecodeSettings
     from measure.bench import demo_requests, request_messages
-    from measure.bench_rows import run_this
+    from measure.bench_rows import interleaved, run_this
 
     parser = argparse.ArgumentParser(prog="python -m measure.replay", description=main.__doc__.split("\n\n")[0])
     add_model_flags(parser)
@@ -98,17 +98,14 @@ def main(argv=None) -> int:
     engine.drafters["replay"] = ReplayDrafter(plain.token_ids, args.acceptance, engine.target.vocab_size,
                                               engine.target.placeholder_ids)
     rows = {"plain": (None, None), "replay, k = 4": ("replay", 4), "replay, k from cost": ("replay", None)}
-    speeds = {name: [] for name in rows}
-    runs = {}
-    for _ in range(args.repeats):
-        for name, (drafter, k) in rows.items():
-            runs[name] = run_this(engine, drafter, messages, replace(decode, draft_tokens=k), 0)
-            speeds[name].append(runs[name].decode_tok_s)
+    runs = interleaved(args.repeats, rows, lambda _, name: run_this(engine, rows[name][0], messages,
+                                                                    replace(decode, draft_tokens=rows[name][1]), 0))
+    speeds = {name: [run.decode_tok_s for run in runs[name]] for name in rows}
     plain_speed = statistics.median(speeds["plain"])
     print(f"{args.max_new_tokens}-token answer, replay drafter at acceptance {args.acceptance}, "
           f"{args.repeats} interleaved repeats (median decode tok/s)")
     for name, values in speeds.items():
-        m = runs[name]
+        m = runs[name][-1]
         print(f"| {name} | {statistics.median(values):.1f} tok/s | {statistics.median(values) / plain_speed:.3f}x plain "
               f"| drafted {m.drafted}, accepted {m.accepted}, plain steps {m.draft_lengths.count(0)} of "
               f"{len(m.draft_lengths)} | identical: {m.token_ids == plain.token_ids} |")

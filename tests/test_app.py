@@ -250,3 +250,26 @@ def test_the_starting_page_names_the_step_until_it_closes(capsys):
     assert len(printed) == 3  # the quick step says nothing
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
+
+
+def test_every_sidebar_control_is_the_schemas(engine):
+    """app_ui/components.py `settings_controls` makes each control from engine/settings.py `control`:
+    the label everywhere, the range of every slider (but the image budget, the loaded model's) and the
+    choices of the mode; a control per setting, in the schema's order."""
+    import gradio as gr
+
+    from app_ui import components
+    from app_ui.served import Served
+    from engine import settings as schema
+
+    with gr.Blocks():
+        controls = components.settings_controls(Served.built_in(engine))
+    assert list(controls) == schema.names()
+    for name, control in controls.items():
+        shown = schema.control(name)
+        assert control.label == shown["label"], name
+        if isinstance(control, gr.Slider) and name != "max_image_tokens":
+            assert (control.minimum, control.maximum, control.step) == shown["range"], name
+            assert (control.value, control.info) == (shown["value"], shown["info"]), name
+    assert [choice[1] for choice in controls["mode"].choices] == list(schema.MODES)
+    assert (controls["max_image_tokens"].minimum, controls["max_image_tokens"].step) == (0, 16)

@@ -298,3 +298,14 @@ def test_a_round_is_never_priced_below_a_plain_step():
     costs = measured({1: 1.0, 3: 0.2}, 0.01)
     choice = best_k(costs, "d", 1.0, 2)
     assert choice.k == 2 and choice.gain <= 3.0 + 1e-9
+
+
+def test_interleaved_measures_take_turns_within_each_round():
+    """measure/bench_rows.py `interleaved` (measure.replay's and measure.alternate's loop): every side once a
+    round, in the order given, so that a drift of the machine falls on all of them alike."""
+    from measure.bench_rows import interleaved
+
+    calls = []
+    results = interleaved(2, ("plain", "replay"), lambda round_index, side: calls.append((round_index, side)) or side)
+    assert calls == [(0, "plain"), (0, "replay"), (1, "plain"), (1, "replay")]
+    assert results == {"plain": ["plain", "plain"], "replay": ["replay", "replay"]}

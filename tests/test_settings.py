@@ -79,6 +79,7 @@ def test_the_docs_tables_are_the_schemas():
         text = page.read()
     assert schema.table() in text, "docs/settings.md: paste the output of python -m engine.settings"
     assert load_settings.table() in text, "docs/settings.md: paste the output of python -m engine.load_settings"
+    assert load_settings.table(setup.AppSettings) in text, "docs/settings.md: paste load_settings.table(AppSettings)"
 
 
 def test_the_security_page_lists_every_ceiling_and_limit_with_its_variable():
@@ -112,6 +113,15 @@ def test_every_variable_is_read_by_one_reader_with_one_kind_of_message():
                 read({variable: text})
             assert str(refused.value).startswith(says), str(refused.value)
     assert schema.Ceilings.from_environ({"VLM_MAX_DRAFT_TOKENS": "8"}).draft_tokens == 8
+    for variable, text, says in [("VLM_PORT", "abc", "VLM_PORT: 'abc' is not a whole number"),
+                                 ("VLM_PORT", "0", "VLM_PORT: 0 is under 1"),
+                                 ("GRADIO_SERVER_PORT", "70000", "GRADIO_SERVER_PORT: 70000 is over 65535"),
+                                 ("VLM_MAX_IMAGES", "65", "VLM_MAX_IMAGES: 65 is over 64")]:
+        with pytest.raises(setup.SetupError, match=f"^{says}$"):
+            setup.read_config([], {variable: text})
+    assert setup.app_settings({"VLM_HOST": "::1", "GRADIO_SERVER_NAME": "x", "VLM_SHARE": "yes", "SPACE_ID": "a/b",
+                               "GRADIO_SERVER_PORT": "9000", "VLM_MAX_IMAGES": "3"}) == setup.AppSettings(
+        host="::1", port=9000, share=True, no_browser=True, max_images=3)
     assert Limits.from_environ({"VLM_TIME_BUDGET_S": "60"}, proxy_hops=1) == Limits(time_budget_s=60.0, proxy_hops=1)
     with pytest.raises(ValueError, match="VLM_TIME_BUDGET_S: 'nan' is not a finite number"):
         Limits.from_environ({"VLM_TIME_BUDGET_S": "nan"})
@@ -155,7 +165,7 @@ def test_the_apps_help_lists_every_variable_the_code_reads(capsys):
     ({"VLM_MAX_IMAGE_TOKENS": "many"}, "VLM_MAX_IMAGE_TOKENS: 'many' is not a whole number"),
     ({"VLM_MAX_IMAGE_TOKENS": "-1"}, "VLM_MAX_IMAGE_TOKENS: -1 is under 0"),
     ({"VLM_DTYPE": "float64"}, "VLM_DTYPE: 'float64' is not one of fit, float32, bfloat16, float16, auto"),
-    ({"VLM_QUANTIZATION": "3bit"}, "VLM_QUANTIZATION: '3bit' is not one of 4bit, 8bit, int8"),
+    ({"VLM_QUANTIZATION": "3bit"}, "VLM_QUANTIZATION: '3bit' is not one of 4bit, 8bit, int8, w8a8"),
 ])
 def test_a_bad_variable_is_one_line_naming_it_and_a_flag_wins_over_a_bad_choice(environ, error):
     with pytest.raises(setup.SetupError) as refused:

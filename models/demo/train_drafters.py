@@ -210,6 +210,42 @@ class LossLog:
         return time.perf_counter() - self.started
 
 
+def optimizer_step(optimizer, module: torch.nn.Module, loss: torch.Tensor, lr: float) -> None:
+    """One step of `module`: the learning rate set, the loss's gradients clipped to norm 1, applied, cleared."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def add_training_flags(parser: argparse.ArgumentParser, steps: int, save_every: int) -> None:
+    """The flags both training scripts take (--steps, --batch-size, --lr, --seed, --threads, --save-every,
+    --max-answer-tokens), with the script's own number of steps and saving interval."""
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--save-every", type=int, default=save_every,
+                        help="also save every N steps (0: at the end only)")
+    parser.add_argument("--max-answer-tokens", type=int, default=96, help="longest target answer generated")
+
+
+def run_training(steps: int, save_every: int, train_step, save) -> float:
+    """`train_step(step)` for each step (its figures kept by a LossLog), `save(entries, seconds)` every
+    `save_every` steps (0: never) and at the end; the seconds it took. Both training scripts' loop."""
+    log = LossLog()
+    for step in range(steps):
+        log.add(step, steps, train_step(step))
+        if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
+            save(log.entries, log.seconds())
+    seconds = log.seconds()
+    save(log.entries, seconds)
+    return seconds
+
+
 def save(args, argv, mtp, block, log: list[dict], seconds: float) -> None:
     """Both folders and drafters_training.json (settings, time, parameter counts, the loss log)."""
     for name, module in (("mtp_drafter", mtp), ("block_drafter", block)):
@@ -226,18 +262,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m models.demo.train_drafters", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    add_training_flags(parser, steps=3000, save_every=0)
     parser.add_argument("--mtp-steps", type=int, default=6, help="unrolled MTP steps (the draft length it learns)")
     parser.add_argument("--anchors", type=int, default=16, help="blocks per conversation")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--first-example", type=int, default=0, help="index of the first training conversation")
     parser.add_argument("--reference-answers", action="store_true",
                         help="train on the world's reference answers instead of the target's own")
-    parser.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: at the end only)")
-    parser.add_argument("--max-answer-tokens", type=int, default=96, help="longest target answer generated")
     parser.add_argument("--block-layers", default=",".join(map(str, BLOCK_TARGET_LAYERS)),
                         help="hidden_states indices the block drafter reads (e.g. 10,20,30 for the 30-layer "
                              "SmolLM2 demo: --target $(python -m models.demo.smol))")
@@ -257,31 +287,23 @@ def main(argv=None) -> None:
     layers = (0, -1) + block_layers
     optimizers = {name: torch.optim.AdamW(module.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
                   for name, module in (("mtp", mtp), ("block", block))}
-    log = LossLog()
-    for step in range(args.steps):
+
+    def train_step(step: int) -> dict[str, float]:
         first = args.first_example + step * args.batch_size
         examples = list(world.train_examples(first, args.batch_size))
         if not args.reference_answers:
             examples = target_answers(target, processor, examples, args.max_answer_tokens)
         batch = TargetPass(target, processor, examples, layers)
         lr = learning_rate(step, args.steps, args.lr, warmup=20)
-        for optimizer in optimizers.values():
-            for group in optimizer.param_groups:
-                group["lr"] = lr
         mtp_losses = mtp_loss(mtp, batch, lm_head, args.mtp_steps)
         blk, accuracy = block_loss(block, batch, lm_head, embed, args.anchors, rng)
-        for (name, optimizer), loss, module in zip(optimizers.items(), (sum(mtp_losses) / len(mtp_losses), blk),
-                                                   (mtp, block)):
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        log.add(step, args.steps, {f"mtp_step{i + 1}": loss.item() for i, loss in enumerate(mtp_losses)} |
+        optimizer_step(optimizers["mtp"], mtp, sum(mtp_losses) / len(mtp_losses), lr)
+        optimizer_step(optimizers["block"], block, blk, lr)
+        return ({f"mtp_step{i + 1}": loss.item() for i, loss in enumerate(mtp_losses)} |
                 {"block": blk.item()} | {f"block_acc{i + 1}": a for i, a in enumerate(accuracy)})
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            save(args, argv, mtp, block, log.entries, log.seconds())
-    seconds = log.seconds()
-    save(args, argv, mtp, block, log.entries, seconds)
+
+    seconds = run_training(args.steps, args.save_every, train_step,
+                           lambda entries, seconds: save(args, argv, mtp, block, entries, seconds))
     print(f"saved {args.out}/mtp_drafter and {args.out}/block_drafter ({seconds:.0f} s)")
 
 

@@ -49,7 +49,8 @@ from models import eagle3
 from models.demo import world
 from models.processors import load_processor
 from models.demo.train import learning_rate
-from models.demo.train_drafters import DEFAULT_TARGET, LossLog, TargetPass, answer_chains, target_answers
+from models.demo.train_drafters import (DEFAULT_TARGET, TargetPass, add_training_flags, answer_chains, optimizer_step,
+                                       run_training, target_answers)
 
 
 
@@ -182,16 +183,10 @@ def main(argv=None) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET, help="a VLM folder, or smol (the SmolLM2 demo)")
     parser.add_argument("--shared-embedding", action="store_true",
                         help="leave the (frozen, the target's) embedding table out of the checkpoint: the loader takes the target's")
+    add_training_flags(parser, steps=220, save_every=50)
     parser.add_argument("--data", help="a models.demo.distill_smol data folder: train on the target's own answers")
-    parser.add_argument("--steps", type=int, default=220)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--ttt-steps", type=int, default=5, help="unrolled steps (the draft length it learns)")
     parser.add_argument("--draft-vocab", type=int, default=512, help="draft vocabulary size (d2t / t2d)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--save-every", type=int, default=50)
-    parser.add_argument("--max-answer-tokens", type=int, default=96)
     parser.add_argument("--target-answers", action="store_true",
                         help="replace each assistant turn by the target's greedy answer (slower: a generate per batch)")
     args = parser.parse_args(argv)
@@ -220,28 +215,23 @@ def main(argv=None) -> None:
     layers = [i + 1 for i in layers_as_outputs(target.config.get_text_config().num_hidden_layers)]  # hidden_states indices
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr,
                                   betas=(0.9, 0.98), weight_decay=0.01)
-    log = LossLog()
     stream, passes = batches(distilled, args.batch_size, args.seed), {}
-    for step in range(args.steps):
+
+    def train_step(step: int) -> dict[str, float]:
         key, examples = next(stream)
         if args.target_answers:
             examples = target_answers(target, processor, examples, args.max_answer_tokens)
         batch = passes.get(key) or TargetPass(target, processor, examples, tuple([0] + layers))
         if key is not None:  # --data: the same batch comes back each epoch; its frozen target pass is kept
             passes[key] = batch
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args.steps, args.lr, warmup=20)
         losses, accuracy = eagle3_losses(module, batch, layers, args.ttt_steps, draft_of)
-        (sum(losses) / len(losses)).backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        log.add(step, args.steps, {f"loss{i + 1}": loss.item() for i, loss in enumerate(losses)} |
-                {f"acc{i + 1}": a for i, a in enumerate(accuracy)})
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            save(args, argv, module, config, log.entries, log.seconds())
-    seconds = log.seconds()
-    save(args, argv, module, config, log.entries, seconds)
+        lr = learning_rate(step, args.steps, args.lr, warmup=20)
+        optimizer_step(optimizer, module, sum(losses) / len(losses), lr)
+        return {f"loss{i + 1}": loss.item() for i, loss in enumerate(losses)} | \
+            {f"acc{i + 1}": a for i, a in enumerate(accuracy)}
+
+    seconds = run_training(args.steps, args.save_every, train_step,
+                           lambda entries, seconds: save(args, argv, module, config, entries, seconds))
     print(f"saved {args.out} ({seconds:.0f} s)")
 
 
