@@ -5,12 +5,23 @@ fails here. No server: the queue Gradio builds for a Blocks, and events made as 
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 
 import gradio as gr
 from gradio.queueing import Event
 
 from app_ui.stop_lane import STOPPED_LANE, GradioQueue, leave_queue
+
+
+def run_apart(coroutine):
+    """`asyncio.run` on a thread of its own: an earlier test (the browser's) may leave an event
+    loop running on this one."""
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(value=asyncio.run(coroutine)))
+    thread.start()
+    thread.join()
+    return result["value"]
 
 
 def queued_blocks():
@@ -34,11 +45,11 @@ def test_stop_moves_only_that_sessions_waiting_events_to_an_unlimited_lane():
     lane = demo._queue.event_queue_per_concurrency_id["generate"]
     mine, other = Event("mine", fn, None, None), Event("other", fn, None, None)
     lane.queue.extend([mine, other])
-    assert asyncio.run(leave_queue(request_of(demo), "mine")) == 1
+    assert run_apart(leave_queue(request_of(demo), "mine")) == 1
     stopped = demo._queue.event_queue_per_concurrency_id[STOPPED_LANE]
     assert stopped.concurrency_limit is None and stopped.queue == [mine] and mine.concurrency_id == STOPPED_LANE
     assert lane.queue == [other] and other.concurrency_id == "generate"
-    assert asyncio.run(leave_queue(request_of(demo), "mine")) == 0  # nothing left waiting
+    assert run_apart(leave_queue(request_of(demo), "mine")) == 0  # nothing left waiting
 
 
 def test_the_adapter_reads_gradios_queue_and_says_none_without_one():
@@ -48,4 +59,4 @@ def test_the_adapter_reads_gradios_queue_and_says_none_without_one():
     assert [lane.concurrency_id for lane in queue.limited_lanes()] == ["generate"]
     assert hasattr(queue.lock, "acquire")
     assert GradioQueue.of(SimpleNamespace(request=None)) is None  # a handler called directly, not served
-    assert asyncio.run(leave_queue(SimpleNamespace(request=None), "mine")) == 0
+    assert run_apart(leave_queue(SimpleNamespace(request=None), "mine")) == 0
