@@ -89,9 +89,11 @@ def _machine() -> str:
 
 
 def _source(flags: list[str] = FLAGS) -> str:
-    """A short hash of the source and flags: a changed file is a new name, so the message above is
-    printed for its build too (torch's loader would rebuild under the old name, silently)."""
-    text = b"".join(path.read_bytes() for path in [SOURCE, *HEADERS])
+    """A short hash of the source, its folder and the flags: a changed file is a new name, so the
+    message above is printed for its build too (torch's loader would rebuild under the old name,
+    silently), and so is another clone: torch's build file names the source's path, so two clones
+    sharing one name rebuilt it at every start that alternated between them."""
+    text = b"".join(path.read_bytes() for path in [SOURCE, *HEADERS]) + str(SOURCE.resolve()).encode()
     return hashlib.sha1(text + " ".join(flags).encode()).hexdigest()[:8]
 
 
