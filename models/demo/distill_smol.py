@@ -79,6 +79,7 @@ def generate_data(target_folder: str, out: Path, n_text: int, n_pictures: int, m
     processor = load_processor(target_folder)
     tokenizer = processor.tokenizer
     tokenizer.padding_side = "left"  # batched greedy generation: every answer starts at the same column
+    ends = {tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
     started = time.time()
     for first in range(0, len(records), batch_size):
         batch = records[first: first + batch_size]
@@ -89,7 +90,6 @@ def generate_data(target_folder: str, out: Path, n_text: int, n_pictures: int, m
         with torch.inference_mode():
             output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                     pad_token_id=tokenizer.pad_token_id)
-        ends = {tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
         with open(path, "a") as f:
             for record, row in zip(batch, output[:, inputs["input_ids"].shape[1]:].tolist()):
                 stop = next((i for i, t in enumerate(row) if t in ends), len(row))

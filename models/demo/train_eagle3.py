@@ -157,10 +157,10 @@ def batches(examples: list[world.Example] | None, batch_size: int, seed: int):
     cut once into batches of similar length (less padding), their order shuffled each epoch
     (seed, epoch); a batch's key is the same every epoch, so its target pass can be kept."""
     if examples is None:
-        for step in itertools.count():
-            yield None, list(world.train_examples(step * batch_size, batch_size))
+        yield from ((None, list(world.train_examples(step * batch_size, batch_size))) for step in itertools.count())
+        return
     order = sorted(range(len(examples)), key=lambda i: (len(examples[i].images), len(str(examples[i].messages))))
-    groups = [order[first: first + batch_size] for first in range(0, len(order) - batch_size + 1, batch_size)]
+    groups = [order[first: first + batch_size] for first in range(0, len(order), batch_size)]  # the last may be short
     for epoch in itertools.count():
         keys = list(range(len(groups)))
         random.Random(f"{seed}:{epoch}").shuffle(keys)
