@@ -76,6 +76,9 @@ def say(message: str) -> None:
     print(f"[smol demo] {message}", file=sys.stderr, flush=True)
 
 
+ADAPTERS_FILE = "language_adapters.safetensors"  # the language model's low-rank updates, if trained
+
+
 def cache_dir() -> Path:
     explicit = os.environ.get("VLM_SPECULATIVE_CHAT_CACHE")
     if explicit:
@@ -203,14 +206,20 @@ def load_parts(folder: Path = PARTS) -> tuple[dict, dict[str, torch.Tensor]] | N
     if not (folder / "vision.safetensors").exists():
         return None
     saved = json.loads((folder / "vision.json").read_text())["vision_config"]
-    return {k: saved[k] for k in seed_vision_config() if k in saved}, load_file(folder / "vision.safetensors")
+    weights = load_file(folder / "vision.safetensors")
+    if (folder / ADAPTERS_FILE).exists():
+        weights |= load_file(folder / ADAPTERS_FILE)  # models.demo.picture_adapters, merged at assembly
+    return {k: saved[k] for k in seed_vision_config() if k in saved}, weights
 
 
-def save_parts(model, folder: Path, info: dict | None = None) -> None:
-    """The vision tower + connector of `model` (a Qwen2-VL) as parts (float32)."""
+def save_parts(model, folder: Path, info: dict | None = None, adapters=None) -> None:
+    """The vision tower + connector of `model` (a Qwen2-VL) as parts (float32), and the language
+    model's adapters (`picture_adapters.PictureAdapters`) when there are any."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
+    if adapters is not None:
+        save_file(adapters.merged_deltas(), folder / ADAPTERS_FILE)
     state = {"visual." + k: v.detach().float().contiguous() for k, v in model.model.visual.state_dict().items()}
     saved = model.config.vision_config.to_dict()
     vision = {k: saved[k] for k in seed_vision_config() if k in saved}
@@ -244,10 +253,13 @@ def build_model(llama, parts: tuple[dict, dict[str, torch.Tensor]]):
     """The Qwen2-VL model: SmolLM2's weights as its language model, `parts` as its vision tower."""
     from transformers import Qwen2VLForConditionalGeneration
 
+    from models.demo.picture_adapters import merge
+
     vision, weights = parts
     config = vlm_config(llama.config, vision)
     model = Qwen2VLForConditionalGeneration(config)
-    state = language_state(llama) | {"model." + k: v for k, v in weights.items()}
+    deltas = {k: v for k, v in weights.items() if k.endswith((".lora_A", ".lora_B"))}
+    state = merge(language_state(llama), deltas) | {"model." + k: v for k, v in weights.items() if k not in deltas}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:

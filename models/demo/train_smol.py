@@ -25,6 +25,7 @@ assets/demo_smol to ship it).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 from models.demo import smol, world
+from models.demo.picture_adapters import PictureAdapters, text_batches, text_distillation
 from models.demo.train import (PROBE_CLASSES, PROBE_GROUPS, accuracy, cell_loss, encode, learning_rate,
                                picture_loss, probe_loss)
 
@@ -88,13 +90,24 @@ def losses(model, probe, batch, weights: dict, bf16: bool) -> dict[str, torch.Te
     return result
 
 
-def save_checkpoint(path: Path, model, probe, optimizer, step: int, info: dict) -> None:
+def save_checkpoint(path: Path, model, probe, adapters, optimizer, step: int, info: dict) -> None:
     state = {"visual": {k: v.detach().clone() for k, v in model.model.visual.state_dict().items()},
-             "probe": probe.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "info": info}
+             "probe": probe.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "info": info,
+             "adapters": adapters.state_dict() if adapters is not None else None}
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
-    smol.save_parts(model, path.parent / "parts", {"step": step, **info})
+    smol.save_parts(model, path.parent / "parts", {"step": step, **info}, adapters)
+
+
+def text_data(args, processor):
+    """Endless text batches of the frozen target's own answers (None without --text-data)."""
+    if args.text_data is None or args.text_batch == 0:
+        return None
+    records = [r for r in map(json.loads, open(args.text_data)) if r["kind"] == "text"]
+    render = lambda prompt: processor.apply_chat_template(  # noqa: E731
+        [{"role": "user", "content": [{"type": "text", "text": prompt}]}], add_generation_prompt=True)
+    return text_batches(records, processor.tokenizer, render, args.text_batch, args.seed)
 
 
 def main() -> None:
@@ -116,6 +129,16 @@ def main() -> None:
     parser.add_argument("--eval-questions", type=int, default=40)
     parser.add_argument("--checkpoint-minutes", type=float, default=10.0)
     parser.add_argument("--max-steps", type=int, help="stop after this step (default: --steps)")
+    parser.add_argument("--adapters-rank", type=int, default=0,
+                        help="low-rank adapters on the language model (models.demo.picture_adapters); 0: frozen")
+    parser.add_argument("--adapters-alpha", type=float, default=16.0)
+    parser.add_argument("--adapters-lr", type=float, default=5e-4)
+    parser.add_argument("--text-data", type=Path, help="answers.jsonl of models.demo.distill_smol: its text "
+                        "records keep text turns close to SmolLM2 (KL to the adapters-off model)")
+    parser.add_argument("--text-batch", type=int, default=2)
+    parser.add_argument("--text-weight", type=float, default=1.0)
+    parser.add_argument("--init-from", type=Path, help="a vision-only checkpoint (latest.pt) to start the "
+                        "vision tower, connector and probe from, when --ckpt has none yet")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -125,20 +148,34 @@ def main() -> None:
     folder = smol.assemble(parts=smol.initial_parts(seed=args.seed))
     model, processor = load_model(folder)
     probe = torch.nn.Linear(model.config.text_config.hidden_size, len(PROBE_GROUPS) * PROBE_CLASSES)
+    adapters = (PictureAdapters(model.model.language_model, args.adapters_rank, args.adapters_alpha, args.seed)
+                if args.adapters_rank else None)
     trained = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trained if p.ndim >= 2] + [probe.weight]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
-                                   {"params": [p for p in trained if p.ndim < 2] + [probe.bias], "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.98))
+    groups = [{"params": decay, "weight_decay": 0.01, "peak": args.lr},
+              {"params": [p for p in trained if p.ndim < 2] + [probe.bias], "weight_decay": 0.0, "peak": args.lr}]
+    if adapters is not None:
+        groups.append({"params": list(adapters.parameters()), "weight_decay": 0.0, "peak": args.adapters_lr})
+        trained += list(adapters.parameters())
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
     start = 0
-    if latest.exists():
-        state = torch.load(latest, weights_only=False)
+    if latest.exists() or args.init_from:
+        state = torch.load(latest if latest.exists() else args.init_from, weights_only=False)
         model.model.visual.load_state_dict(state["visual"])
         probe.load_state_dict(state["probe"])
-        optimizer.load_state_dict(state["optimizer"])
-        start = state["step"]
-        print(f"resumed from {latest} at step {start}", flush=True)
-    print(f"trained parameters: {sum(p.numel() for p in trained):,} (language model frozen)", flush=True)
+        if latest.exists():
+            optimizer.load_state_dict(state["optimizer"])
+            if adapters is not None:
+                adapters.load_state_dict(state["adapters"])
+            start = state["step"]
+            print(f"resumed from {latest} at step {start}", flush=True)
+        else:
+            print(f"vision tower, connector and probe from {args.init_from} (step {state['step']})", flush=True)
+    print(f"trained parameters: {sum(p.numel() for p in trained):,} "
+          f"({'adapters on the language model' if adapters else 'language model frozen'})", flush=True)
+    texts = text_data(args, processor)
+    if texts is not None and start:
+        texts = itertools.islice(texts, start, None)  # a resumed run sees the text batches it would have
     weights = {"cell": args.cell_weight, "picture": args.picture_weight, "probe": args.probe_weight}
     settings = {k: str(v) for k, v in vars(args).items()}
     questions = world.eval_questions(0, args.eval_questions)
@@ -148,9 +185,12 @@ def main() -> None:
         batch = encode(processor, batch_examples(step, args.batch_size, args.seed))
         lr = learning_rate(step, args.steps, args.lr, args.warmup)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["peak"] / args.lr
         model.train()
         parts = losses(model, probe, batch, weights, not args.no_bf16)
+        if texts is not None:
+            parts["text_kl"] = text_distillation(model, adapters, next(texts), not args.no_bf16)
+            parts["total"] = parts["total"] + args.text_weight * parts["text_kl"]
         parts["total"].backward()
         torch.nn.utils.clip_grad_norm_(trained + list(probe.parameters()), 1.0)
         optimizer.step()
@@ -178,7 +218,7 @@ def main() -> None:
                 f.write(json.dumps(line) + "\n")
             began = time.time()
         if time.time() - last_save > 60 * args.checkpoint_minutes or done in (start + 1, end):
-            save_checkpoint(latest, model, probe, optimizer, done, {"settings": settings})
+            save_checkpoint(latest, model, probe, adapters, optimizer, done, {"settings": settings})
             print(f"checkpoint at step {done}: {latest}", flush=True)
             last_save = time.time()
 
