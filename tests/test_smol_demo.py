@@ -69,7 +69,7 @@ def write_tiny_gguf(path) -> None:
         writer.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
 
     tensor("token_embd.weight", len(tokens), HIDDEN, scale=0.5)
-    tensor("output_norm.weight", HIDDEN, scale=0.0)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))  # not zero: the logits are compared
     head_dim = HIDDEN // HEADS
     for i in range(LAYERS):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
@@ -247,3 +247,31 @@ def test_the_app_offers_the_smol_demo_its_own_examples_and_note(tiny):
     with gr.Blocks():
         chat = components.chat_tab([], served.demo, served.reads_images, components.SMOL_NOTE)
     assert components.SMOL_NOTE in chat.chatbot.placeholder and components.DEMO_NOTE not in chat.chatbot.placeholder
+
+
+def test_picture_adapters_merge_into_the_assembly_and_start_as_the_language_model(tiny, tmp_path):
+    """The adapters (models/demo/picture_adapters.py) start at zero (the model is SmolLM2's),
+    their KL term is then 0; trained, they are saved with the parts and merged at assembly into
+    a plain Qwen2-VL model that computes what the hooked model computed."""
+    from models.demo.picture_adapters import PictureAdapters, text_distillation
+
+    cache, folder = tiny
+    vlm = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        base = vlm(input_ids=ids).logits
+    adapters = PictureAdapters(vlm.model.language_model, rank=2, alpha=4.0)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([[-100, -100, 6, 7, 8, 9]])}
+    assert text_distillation(vlm, adapters, batch, bf16=False).item() == pytest.approx(0.0, abs=1e-7)
+    with torch.no_grad():
+        assert torch.equal(vlm(input_ids=ids).logits, base)
+        for up in adapters.up.values():
+            up.normal_(0.0, 0.5)  # as if trained
+        hooked = vlm(input_ids=ids).logits
+    assert not torch.allclose(hooked, base)
+    assert text_distillation(vlm, adapters, batch, bf16=False).item() > 0
+    smol.save_parts(vlm, tmp_path / "parts", {"step": 1}, adapters)
+    merged = AutoModelForImageTextToText.from_pretrained(smol.assemble(parts=smol.load_parts(tmp_path / "parts"),
+                                                                       cache=cache), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, hooked, atol=1e-4, rtol=1e-4)
