@@ -322,14 +322,16 @@ def test_a_drafting_llama_server_refuses_an_image_turn_by_name_and_still_drafts_
                                                "images .*--image-backend URL .*without --model-draft") as error:
             list(remote.stream(Request(ask(question.prompt, question.images))))
         assert "\n" not in str(error.value)
+    assert remote.server.drafts and remote.requests["started"] == 1  # /slots; the second turn was not sent
     done = list(remote.stream(Request(ask("Describe a red circle."), decode=DecodeSettings(max_new_tokens=12))))[-1]
     assert done.text and done.stats.mode == "speculative"
 
 
 def test_a_drafting_llama_servers_image_turns_are_answered_plainly_by_the_image_server_with_the_reason(llama):
     """`images`: the same model served without the draft model (the llama.cpp backend's plain
-    twin). An image turn refused by the drafting server is answered there, plainly, its statistics
-    saying why; the next image turn goes there at once; text turns still draft."""
+    twin). An image turn refused by the drafting server (after the test before, which left its draft
+    cache behind, with "failed to process mtmd chunk") is answered there, plainly, its statistics saying why;
+    the next image turn goes there at once; text turns still draft."""
     from models.demo.world import eval_questions
 
     decode = DecodeSettings(max_new_tokens=12)

@@ -17,7 +17,8 @@ to `max_image_side`, in their place among the text).
 
 The server, asked once on the first request: `GET /v1/models` gives the model (the one named, which
 must be listed, else the first) and the server's kind from its `owned_by` ("vllm", "sglang",
-"llamacpp"); llama-server's `GET /props` gives its chat template (does it label images?).
+"llamacpp"); llama-server's `GET /props` gives its chat template (does it label images?), `GET /slots`
+whether it drafts. A turn with images that its draft model refuses goes to `images`, if given (below).
 
 What is measured here, from the stream (time.perf_counter() on this machine): `prepare_s` (the
 request's start to the request sent: images encoded, vLLM's /metrics read), `ttft_s` (to the first
