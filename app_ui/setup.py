@@ -4,7 +4,7 @@ Every flag has an environment variable (for Hugging Face Spaces, where there are
 flag wins over its variable. The model and load flags (--preset, --model, --drafter, --dtype,
 --device, ...) and their VLM_* variables are made from one schema (engine/load_settings.py);
 the app's own are `AppSettings` below (--host, --port, --share, --no-browser, --max-images,
---backend, --ab-backend), schema fields of the same kind; every variable of both is read by
+--backend, --ab-backend, --image-backend), schema fields of the same kind; every variable of both is read by
 engine/settings.py `from_environ`. `python app.py --help` lists every flag and every variable.
 
 A bad value, of a flag or a variable, raises SetupError naming it (app.py prints one line).
@@ -40,6 +40,7 @@ class Config:
     behind_proxy: bool = False  # on a Space: a client's address is the rightmost entry of X-Forwarded-For
     backend: str | None = None  # a server's URL, or llamacpp[:PATH], answering instead of the loaded model
     ab_backend: str | None = None  # the same, for the A/B tab to compare with the app's backend
+    image_backend: str | None = None  # a server's URL: turns with images when --backend's draft model refuses them
 
     @property
     def model(self) -> str:
@@ -81,11 +82,15 @@ class AppSettings:
                                   env="VLM_BACKEND")
     ab_backend: str | None = setting(None, "the A/B tab compares the app's backend with this one (as --backend)",
                                      env="VLM_AB_BACKEND")
+    image_backend: str | None = setting(None, "turns with images go to this OpenAI-compatible server (URL#MODEL), "
+                                        "plainly, when --backend is a llama-server whose draft model refuses them "
+                                        "(the same model served without --model-draft: docs/backends.md)",
+                                        env="VLM_IMAGE_BACKEND")
 
 
 # Gradio's own variables, read after VLM_HOST and VLM_PORT; and the flags' metavars where the name is not enough.
 GRADIO_VARIABLES = {"host": "GRADIO_SERVER_NAME", "port": "GRADIO_SERVER_PORT"}
-METAVARS = {"backend": "URL|llamacpp[:PATH]", "ab_backend": "URL|llamacpp[:PATH]"}
+METAVARS = {"backend": "URL|llamacpp[:PATH]", "ab_backend": "URL|llamacpp[:PATH]", "image_backend": "URL"}
 
 
 def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
@@ -100,7 +105,8 @@ def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
     if spec.drafters and "ngram" not in spec.drafters:
         spec = replace(spec, drafters=spec.drafters + ("ngram",))  # the app always offers n-gram: it costs nothing
     return Config(spec, args.host, args.port, args.share, not args.no_browser,
-                  behind_proxy=bool(environ.get("SPACE_ID")), backend=args.backend, ab_backend=args.ab_backend)
+                  behind_proxy=bool(environ.get("SPACE_ID")), backend=args.backend, ab_backend=args.ab_backend,
+                  image_backend=args.image_backend)
 
 
 def app_settings(environ=os.environ) -> AppSettings:
@@ -186,16 +192,17 @@ def open_backends(config: Config):
     """The backends of --backend and --ab-backend (None where not set): "llamacpp[:PATH]" starts
     llama.cpp in a child process (engine/backends/llamacpp.py `LlamaCpp.open`: the bundled demo model
     and its text drafter, or PATH, converted to GGUF on first use), anything else is an
-    OpenAI-compatible server's URL. A bad URL or PATH, a missing xllamacpp, a failed conversion or a
+    OpenAI-compatible server's URL (its turns with images go to --image-backend's server, if set,
+    when its draft model refuses them). A bad URL or PATH, a missing xllamacpp, a failed conversion or a
     server that does not start is SetupError (one line)."""
     from engine.backends.openai import OpenAIServer
 
-    def open_one(flag: str, value: str | None):
+    def open_one(flag: str, value: str | None, images: OpenAIServer | None = None):
         if not value:
             return None
         kind, _, path = value.partition(":")
         if kind != "llamacpp":
-            return OpenAIServer(value)
+            return OpenAIServer(value, images=images)
         try:
             from engine.backends.llamacpp import LlamaCpp
 
@@ -208,7 +215,10 @@ def open_backends(config: Config):
             raise SetupError(f"{flag} {value}: {first_line}") from None
 
     try:
-        return open_one("--backend", config.backend), open_one("--ab-backend", config.ab_backend)
+        if config.image_backend and not (config.backend and config.backend.partition(":")[0] != "llamacpp"):
+            raise SetupError("--image-backend answers the image turns of --backend URL; give --backend a server's URL")
+        images = OpenAIServer(config.image_backend) if config.image_backend else None
+        return open_one("--backend", config.backend, images), open_one("--ab-backend", config.ab_backend)
     except ValueError as error:
         raise SetupError(str(error)) from None
 

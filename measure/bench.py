@@ -4,7 +4,7 @@ transformers' own `generate()`.
 
     python -m measure.bench [--preset demo | --model ID --drafter ID ...] [--dtype bfloat16]
                             [--drafter-dtype auto] [--draft-tokens K] [--fixed-k K] [--quick]
-                            [--tree [--draft-tree N]] [--llamacpp [f32|bf16|q8_0]] [--int8-row] [--load N] [--json FILE] [--plot FILE]
+                            [--tree [--draft-tree N]] [--llamacpp [f32|bf16|q8_0] [native]] [--int8-row] [--load N] [--json FILE] [--plot FILE]
 
 Rows (all on the same requests, greedy, streamed): this engine plain; this engine with each
 drafter; transformers `generate()` plain; `generate(assistant_model=...)` with each drafter
@@ -23,7 +23,10 @@ the engine it learns from what the other rows' requests measured.
 plain, its token ids compared with this engine's plain row and its bound (weights per token over
 measured bandwidth) printed; with a text drafter, llama.cpp plain and with that draft model on the
 requests' text (llama.cpp refuses to draft on images). `--llamacpp q8_0` runs llama.cpp on Q8_0 weights
-(its ids then need not equal this engine's).
+(its ids then need not equal this engine's). `--llamacpp native` (with a type or without) runs these
+rows twice, from llama.cpp built for this CPU (engine/backends/llamacpp_native.py) and from the
+prebuilt xllamacpp wheel, each row named by its build; without it, from the native build where it
+has been built (else the wheel).
 
 `--int8-row` adds this engine's plain row on int8 weights (`--quantization int8`: the fast decode
 path's int8 copy of the target's text weights), beside `--llamacpp q8_0`.
@@ -192,6 +195,21 @@ def _gguf_type(engine) -> str:
     return {"bfloat16": "bf16"}.get(dtype_name(engine.target.model), "f32")
 
 
+def llamacpp_phases(values: list[str], engine, target: str) -> list[llamacpp_rows.Phase]:
+    """`--llamacpp [TYPE] [native]`'s phases: the GGUF type (default: the target's dtype) and the
+    builds, llama.cpp built for this CPU beside the prebuilt wheel's with `native`."""
+    types = [value for value in values if value not in ("same", "native")]
+    if len(types) > 1:
+        raise SystemExit(f"error: --llamacpp takes one GGUF type, got {', '.join(types)}")
+    from engine.backends.llamacpp_native import binary
+
+    if "native" in values and binary("llama-server") is None:
+        raise SystemExit("error: --llamacpp native: llama.cpp has not been built for this CPU "
+                         "(python -m engine.backends.llamacpp_native)")
+    builds = (True, False) if "native" in values else (None,)
+    return llamacpp_rows.bench_phases(engine, target, types[0] if types else _gguf_type(engine), builds)
+
+
 def machine_info(dtype: str, engine=None) -> dict:
     """Machine, threads, versions, and the dtype each model actually runs in."""
     import transformers
@@ -305,9 +323,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tree", action="store_true",
                         help="also a draft-tree row per drafter, at the chain's verify budget (--draft-tree nodes; "
                              "default: --draft-tokens, else 4)")
-    parser.add_argument("--llamacpp", nargs="?", const="same", choices=["same", "f32", "bf16", "q8_0"],
+    parser.add_argument("--llamacpp", nargs="*", choices=["same", "f32", "bf16", "q8_0", "native"],
                         help="also llama.cpp rows on the same weights converted to GGUF: the target's dtype "
-                             "(default), or f32, bf16, q8_0")
+                             "(default), or f32, bf16, q8_0; with `native`, rows from llama.cpp built for this "
+                             "CPU beside rows from the prebuilt xllamacpp wheel (else the first where it is built)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' rows")
     parser.add_argument("--int8-row", action="store_true",
                         help="also this engine plain with --quantization int8 (a second copy of the target)")
@@ -339,8 +358,7 @@ def main(argv=None) -> int:
         # this engine's plain decoding 2.5x slower with the server merely started). So it starts
         # after this engine's rows, and its rows run apart, one server at a time (llamacpp_rows.Phase).
         llamacpp = []
-        for phase in llamacpp_rows.bench_phases(engine, spec.target, _gguf_type(engine) if args.llamacpp == "same"
-                                                else args.llamacpp) if args.llamacpp else []:
+        for phase in llamacpp_phases(args.llamacpp, engine, spec.target) if args.llamacpp is not None else []:
             release_thread_pool()
             run_rows(engine, phase.start(), requests, decode)
             phase.close()

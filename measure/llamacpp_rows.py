@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from engine.backend import Request
+from engine.backends.llamacpp_process import uses_native
 from engine.loop import DecodeSettings, Done
 from engine.settings import RequestError
 from engine.openmp_pool import release_thread_pool
@@ -31,6 +32,7 @@ class Row:
     def __init__(self, backend, drafter: str | None, label: str | None, text_turns: bool = False):
         self.backend, self.drafter, self.label, self.text_turns = backend, drafter, label, text_turns
         self.model_path = backend.paths["model"]  # kept after the backend is closed (Phase.close)
+        self.native = backend.server.native  # which llama.cpp: built for this CPU, or the prebuilt wheel
         self.engine, self.mode = "llama.cpp", "speculative" if drafter else "plain"
         self.draft_tree, self.draft_tokens = 0, None
         self.runs = []
@@ -62,12 +64,13 @@ def text_only(messages: list[dict]) -> list[dict]:
     return [{"role": m["role"], "content": [p for p in m["content"] if p["type"] == "text"]} for m in messages]
 
 
-def start(target: str, draft: str | None, outtype: str = "f32"):
-    """The llama.cpp backend on `target` (and `draft`), converted once, threads as torch's."""
+def start(target: str, draft: str | None, outtype: str = "f32", native: bool | None = None):
+    """The llama.cpp backend on `target` (and `draft`), converted once, threads as torch's; `native`:
+    which build (engine/backends/llamacpp.py; None: the native one where it has been built)."""
     from engine.backends.llamacpp import LlamaCpp
 
     return LlamaCpp.from_checkpoint(target, draft=draft, outtype=outtype, threads=torch.get_num_threads(),
-                                    cache_prompt=False)
+                                    cache_prompt=False, native=native)
 
 
 def answer(backend, messages, drafter: str | None, decode: DecodeSettings) -> Done:
@@ -116,19 +119,29 @@ class Phase:
             row.backend = None
 
 
-def bench_phases(engine, target: str, outtype: str = "f32") -> list[Phase]:
+def bench_phases(engine, target: str, outtype: str = "f32", builds: tuple[bool | None, ...] = (None,)) -> list[Phase]:
     """llama.cpp plain on the benchmark's requests and on their text alone (a server without a
     draft model); then, with the engine's text drafter (if loaded) as llama.cpp's draft model,
-    speculative on their text (llama.cpp drafts on text turns only)."""
+    speculative on their text (llama.cpp drafts on text turns only). `builds`: which llama.cpp
+    (True: built for this CPU, False: the prebuilt wheel, None: the first where it has been built),
+    each row labelled with its build; the plain phases of all builds first, then the drafting ones."""
     draft = next((d.name for d in engine.drafters.values() if d.kind == "text_lm"), None)
-    suffix = "" if outtype in ("f32", "bf16") else f", {outtype}"
-    phases = [Phase(lambda: start(target, None, outtype),
-                    [(None, None if outtype in ("f32", "bf16") else outtype, False)]
-                    + ([(None, f"text turns{suffix}", True)] if draft else []))]
-    if draft:
-        phases.append(Phase(lambda: start(target, draft, outtype),
-                            [("text", f"text_drafter, text turns{suffix}", True)]))
-    return phases
+    plain, drafting = [], []
+    for native in (uses_native(build) for build in builds):
+        suffix = ("" if outtype in ("f32", "bf16") else f", {outtype}") + (", native" if native else ", prebuilt")
+        plain.append(Phase(lambda native=native: start(target, None, outtype, native),
+                           [(None, suffix.removeprefix(", "), False)]
+                           + ([(None, f"text turns{suffix}", True)] if draft else [])))
+        if draft:
+            drafting.append(Phase(lambda native=native: start(target, draft, outtype, native),
+                                  [("text", f"text_drafter, text turns{suffix}", True)]))
+    return plain + drafting
+
+
+def text_plain_row(row: Row, rows: list[Row]) -> Row | None:
+    """The plain text-turn row of `row`'s build: what its text is compared with and its speedup taken against."""
+    return next((other for other in rows if other.text_turns and other.drafter is None and other.native == row.native),
+                None)
 
 
 def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
@@ -138,7 +151,6 @@ def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
     the lines to print under the table: what was compared, and each plain row's bound."""
     ours = {m.request: without_stop(engine, m.token_ids) for m in this_plain.runs}
     by_title = {r["engine"] + " " + r["mode"] + (f" ({r['drafter']})" if r["drafter"] else ""): r for r in table}
-    text_plain = next((row for row in rows if row.text_turns and row.drafter is None), None)
     bandwidth = measured_bandwidth()
     lines = [f"this plain: {bound(weight_bytes(engine.target), bandwidth)}"]
     for row in rows:
@@ -149,7 +161,7 @@ def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
             lines.append(f"{row.title}: token ids compared with this engine's plain answers (stop token aside); "
                          + bound(gguf_weight_bytes(row.model_path), bandwidth))
             continue
-        plain = {m.request: m for m in text_plain.runs if m.error is None}
+        plain = {m.request: m for m in text_plain_row(row, rows).runs if m.error is None}
         summary["identical_to_plain"] = sum(m.text == plain[m.request].text for m in runs if m.request in plain)
         summary["differing"] = [m.request for m in runs if m.request in plain and m.text != plain[m.request].text]
         speedups = [m.decode_tok_s / plain[m.request].decode_tok_s for m in runs  # one-token answers: no speed
@@ -157,7 +169,7 @@ def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
         if speedups:
             summary["speedup_vs_plain"] = {"min": min(speedups), "median": statistics.median(speedups),
                                            "max": max(speedups)}
-        lines.append(f"{row.title}: text compared with, and speedup against, llama.cpp plain (text turns)"
+        lines.append(f"{row.title}: text compared with, and speedup against, {text_plain_row(row, rows).title}"
                      + ("" if row.drafter else "; " + bound(gguf_weight_bytes(row.model_path), bandwidth)))
     return lines
 

@@ -240,3 +240,51 @@ def test_in_the_browser_the_server_answers_and_the_panel_says_what_it_does_not_r
     expect(page.locator("#chatbot .message.bot").first).to_contain_text(ANSWER)
     assert SECRET not in page.content()
     page.close()
+
+
+def test_on_a_drafting_llama_server_a_picture_is_answered_plainly_by_the_image_backend(llamacpp):
+    """`--backend URL` of a real llama-server that drafts (the `llamacpp` fixture's: the demo model
+    with its text drafter as the draft model, which refuses turns with images) and `--image-backend
+    URL` of the same model without it: a text turn drafts, a turn with a picture is answered
+    plainly with the reason in its statistics, and so is every later turn of that conversation (its
+    messages hold the picture); a new conversation's text turn drafts again."""
+    from engine.backend import Request
+    from engine.images import load_image
+    from engine.loop import DecodeSettings
+
+    plain_url, tokens = llamacpp.plain().listening_address, 16
+    served = launch_app(None, "--backend", llamacpp.url, "--image-backend", plain_url, models=[])
+    try:
+        client = Client(served.url, verbose=False)
+        first, stats = client.predict(message("Describe a red circle."), max_new_tokens=tokens, api_name="/chat")
+        assert first and (stats["mode"], stats["fallback_reason"]) == ("speculative", None) and stats["drafted"] > 0
+        second, stats = client.predict(message("What does this chart show?", [IMAGE]), max_new_tokens=tokens,
+                                       api_name="/chat")
+        conversation = [{"role": "user", "content": [{"type": "text", "text": "Describe a red circle."}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": first}]},
+                        {"role": "user", "content": [{"type": "image", "image": load_image(IMAGE)},
+                                                     {"type": "text", "text": "What does this chart show?"}]}]
+        *_, own = OpenAIServer(plain_url).stream(Request(conversation, decode=DecodeSettings(max_new_tokens=tokens)))
+        assert second == own.text and (stats["mode"], stats["drafted"]) == ("plain", 0)
+        assert "drafts with a draft model that cannot take a turn with images" in stats["fallback_reason"]
+        assert served.backends[0].images.capabilities.name in stats["fallback_reason"]
+        third, stats = client.predict(message("Which is larger?"), max_new_tokens=tokens, api_name="/chat")
+        assert third and (stats["mode"], stats["drafted"]) == ("plain", 0)  # the conversation holds the picture
+        assert stats["fallback_reason"].startswith("the llama-server at")
+        client.predict(api_name="/clear")
+        fourth, stats = client.predict(message("Which is larger?"), max_new_tokens=tokens, api_name="/chat")
+        assert fourth and stats["mode"] == "speculative" and stats["drafted"] > 0 and stats["fallback_reason"] is None
+    finally:
+        served.demo.close()
+
+
+def test_the_image_backend_needs_a_server_url_as_backend():
+    from app_ui import setup
+
+    for argv in ([], ["--backend", "llamacpp"]):
+        config = setup.read_config([*argv, "--image-backend", "http://127.0.0.1:9"], environ={})
+        with pytest.raises(setup.SetupError, match="--image-backend answers the image turns of --backend URL"):
+            setup.open_backends(config)
+    config = setup.read_config(["--backend", "http://127.0.0.1:9", "--image-backend", "http://127.0.0.1:8"], environ={})
+    backend, _ = setup.open_backends(config)  # servers are asked on the first request, not at start
+    assert backend.images.capabilities.name == "http://127.0.0.1:8"

@@ -14,6 +14,7 @@ import xllamacpp  # noqa: E402,F401  (in requirements.txt: a missing install fai
 
 from engine.backend import Request as backend_request  # noqa: E402
 from engine.backends.llamacpp import DRAFTER, FALLBACK, LlamaCpp  # noqa: E402
+from engine.backends.llamacpp_native import binary  # noqa: E402
 from engine.backends.messages import openai_content  # noqa: E402
 from engine.engine import RequestError  # noqa: E402
 from engine.loop import Chunk, DecodeSettings, Done  # noqa: E402
@@ -188,11 +189,12 @@ def test_bench_rows_for_llama_cpp(tmp_path, capsys):
     assert main(["--drafter", TEXT_DRAFTER, "--requests", "2", "--max-new-tokens", "16", "--no-transformers",
                  "--llamacpp", "--json", str(out), "--plot", ""]) == 0
     rows = {(r["engine"], r["mode"], r["drafter"]): r for r in json.loads(out.read_text())["rows"]}
-    assert rows[("llama.cpp", "plain", None)]["identical_to_plain"] == 2
-    speculative = rows[("llama.cpp", "speculative", "text_drafter, text turns")]
+    build = "native" if binary("llama-server") else "prebuilt"  # the native build where it has been built
+    assert rows[("llama.cpp", "plain", build)]["identical_to_plain"] == 2
+    speculative = rows[("llama.cpp", "speculative", f"text_drafter, text turns, {build}")]
     assert speculative["identical_to_plain"] == 2 and speculative["acceptance"] is not None
     printed = capsys.readouterr().out
-    assert printed.count("bound: ") == 3 and "| llama.cpp plain |" in printed
+    assert printed.count("bound: ") == 3 and f"| llama.cpp plain ({build}) |" in printed
 
 
 def test_tokens_the_stream_held_back_are_counted_from_the_servers_timings(backend):

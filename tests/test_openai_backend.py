@@ -317,12 +317,39 @@ def test_a_drafting_llama_server_refuses_an_image_turn_by_name_and_still_drafts_
 
     remote = OpenAIServer(llama.url)  # started with the text drafter as its draft model
     question = next(q for q in eval_questions(0, 8) if q.images)
-    with pytest.raises(RequestError, match="drafts with a draft model, and llama.cpp cannot draft on a turn with "
-                                           "images .*start it without --model-draft") as error:
-        list(remote.stream(Request(ask(question.prompt, question.images))))
-    assert "\n" not in str(error.value)
+    for _ in range(2):  # no server for images given: refused by name each time
+        with pytest.raises(RequestError, match="drafts with a draft model, and llama.cpp cannot draft on a turn with "
+                                               "images .*--image-backend URL .*without --model-draft") as error:
+            list(remote.stream(Request(ask(question.prompt, question.images))))
+        assert "\n" not in str(error.value)
+    assert remote.server.drafts and remote.requests["started"] == 1  # /slots; the second turn was not sent
     done = list(remote.stream(Request(ask("Describe a red circle."), decode=DecodeSettings(max_new_tokens=12))))[-1]
     assert done.text and done.stats.mode == "speculative"
+
+
+def test_a_drafting_llama_servers_image_turns_are_answered_plainly_by_the_image_server_with_the_reason(llama):
+    """`images`: the same model served without the draft model (the llama.cpp backend's plain
+    twin). An image turn refused by the drafting server (after the test before, which left its draft
+    cache behind, with "failed to process mtmd chunk") is answered there, plainly, its statistics saying why;
+    the next image turn goes there at once; text turns still draft."""
+    from models.demo.world import eval_questions
+
+    decode = DecodeSettings(max_new_tokens=12)
+    images = OpenAIServer(llama.plain().listening_address)
+    remote = OpenAIServer(llama.url, images=images)
+    for question in [q for q in eval_questions(0, 8) if q.images][:2]:
+        turn = ask(question.prompt, question.images)
+        done = list(remote.stream(Request(turn, decode=decode)))[-1]
+        assert done.text == list(llama.stream(Request(turn, decode=decode)))[-1].text, question.prompt  # plain's own
+        assert (done.stats.mode, done.stats.drafted) == ("plain", 0)
+        assert done.stats.fallback_reason.startswith(f"the llama-server at {remote.capabilities.name} drafts with a "
+                                                     "draft model that cannot take a turn with images (failed to "
+                                                     "process speculative batch)")
+        assert dict(views._stat_rows(done.stats))["Fell back to plain"] == done.stats.fallback_reason  # the panel
+    assert remote.server.refuses_images and (remote.requests["started"], images.requests["started"]) == (1, 2)
+    text = list(remote.stream(Request(ask("Describe a red circle."), decode=decode)))[-1]
+    assert (text.stats.mode, text.stats.fallback_reason) == ("speculative", None) and text.stats.drafted > 0
+    assert images.requests["started"] == 2
 
 
 def test_a_real_text_only_llama_server_refuses_an_image_turn_in_one_line():

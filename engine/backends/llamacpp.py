@@ -84,8 +84,11 @@ class LlamaCpp:
 
     def __init__(self, model: str | Path, mmproj: str | Path | None = None, draft: str | Path | None = None,
                  threads: int = 2, context: int = 4096, cache_prompt: bool = True, checkpoint: str | Path | None = None,
-                 max_image_tokens: int = CPU_IMAGE_TOKENS):
-        """`checkpoint`: the folder the GGUF files were converted from (its processor sizes images)."""
+                 max_image_tokens: int = CPU_IMAGE_TOKENS, native: bool | None = None):
+        """`checkpoint`: the folder the GGUF files were converted from (its processor sizes images);
+        `native`: True, llama.cpp built for this CPU; False, the xllamacpp wheel's server; None, the
+        first where it has been built (engine/backends/llamacpp_process.py `uses_native`)."""
+        self.native = native
         self.paths = {"model": Path(model), "mmproj": mmproj and Path(mmproj), "draft": draft and Path(draft)}
         self.threads, self.context, self.cache_prompt = threads, context, cache_prompt
         self.fit = _image_fit(checkpoint, max_image_tokens) if mmproj else {}
@@ -182,7 +185,7 @@ class LlamaCpp:
     def _start(self, draft: Path | None) -> ServerProcess:
         files = ServerFiles(str(self.paths["model"]), self.paths["mmproj"] and str(self.paths["mmproj"]),
                             draft and str(draft))
-        return ServerProcess(files, self.threads, self.context)
+        return ServerProcess(files, self.threads, self.context, self.native)
 
     def close(self) -> None:
         """End the child servers (they also end with this process)."""

@@ -1,6 +1,6 @@
 """llama-server in a child process, for engine/backends/llamacpp.py.
 
-    server = ServerProcess(ServerFiles(model, mmproj, draft), threads=2, context=4096)
+    server = ServerProcess(ServerFiles(model, mmproj, draft), threads=2, context=4096)   # native=True / False: a build
     server.handle_chat_completions(body, on_chunk)   # xllamacpp.Server's call, over HTTP
     server.close()
 
@@ -63,11 +63,12 @@ class ServerError(RuntimeError):
 class ServerProcess:
     def __init__(self, files: ServerFiles, threads: int = 2, context: int = 4096, native: bool | None = None):
         self.files, self.threads, self.context = files, threads, context
-        self.native = native if native is not None else (os.environ.get(NATIVE_VARIABLE, "1") != "0"
-                                                         and binary("llama-server") is not None)
+        self.native = uses_native(native)
+        if self.native and binary("llama-server") is None:
+            raise ServerError("llama.cpp has not been built for this CPU: python -m engine.backends.llamacpp_native")
         if not self.native and not _wheel_installed():
             raise ImportError("xllamacpp is not installed", name="xllamacpp")
-        self.kind = "llama.cpp built for this CPU" if self.native else "the xllamacpp wheel's llama-server"
+        self.kind = build_name(self.native)
         self._lock = threading.Lock()
         self._child: subprocess.Popen | None = None
         self._log = tempfile.TemporaryFile()  # the child's stderr: its last line names a failure
@@ -183,6 +184,18 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+
+
+def uses_native(native: bool | None = None, environ=os.environ) -> bool:
+    """Whether a server runs llama.cpp built for this CPU: `native` where given, else where it has
+    been built and VLM_LLAMACPP_NATIVE is not 0."""
+    if native is not None:
+        return native
+    return environ.get(NATIVE_VARIABLE, "1") != "0" and binary("llama-server") is not None
+
+
+def build_name(native: bool) -> str:
+    return "llama.cpp built for this CPU" if native else "the xllamacpp wheel's llama-server"
 
 
 def native_arguments(files: ServerFiles, threads: int, context: int) -> list[str]:

@@ -41,6 +41,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from engine.stats import Stats
+
 _SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$')
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 VLLM_PREFIX = "vllm:spec_decode_"
@@ -160,6 +162,22 @@ def sglang_request_counts(meta_info: dict) -> SpecCounts | None:
             counts.drafted_by_position = _same_k(counts.drafted, rounds, len(counts.accepted_by_position))
             return counts
     return None
+
+
+def record_drafts(stats: Stats, counts: SpecCounts | None, approximate: str | None) -> None:
+    """A vLLM or SGLang request's drafts into `stats`; `counts` None: the server did not draft."""
+    known = {"mode", "drafted", "accepted", "acceptance"}
+    if counts is None:
+        stats.mode, stats.drafted, stats.accepted, stats.acceptance = "plain", 0, 0, None
+    else:
+        stats.mode, stats.drafted, stats.accepted = "speculative", counts.drafted, counts.accepted
+        stats.acceptance, stats.drafts_approximate = counts.acceptance, approximate
+        stats.accepted_by_position, stats.drafted_by_position = counts.accepted_by_position, counts.drafted_by_position
+        known |= {name for name in ("accepted_by_position", "drafted_by_position") if getattr(counts, name)}
+        if counts.drafts:  # tokens per verify pass, the bonus token counted (vLLM's mean acceptance length)
+            stats.tokens_per_forward = 1 + counts.accepted / counts.drafts
+            known.add("tokens_per_forward")
+    stats.unknown = tuple(name for name in stats.unknown if name not in known)
 
 
 def accepted_by_position(histogram: list[int]) -> list[int]:

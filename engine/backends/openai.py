@@ -17,7 +17,8 @@ to `max_image_side`, in their place among the text).
 
 The server, asked once on the first request: `GET /v1/models` gives the model (the one named, which
 must be listed, else the first) and the server's kind from its `owned_by` ("vllm", "sglang",
-"llamacpp"); llama-server's `GET /props` gives its chat template (does it label images?).
+"llamacpp"); llama-server's `GET /props` gives its chat template (does it label images?), `GET /slots`
+whether it drafts. A turn with images that its draft model refuses goes to `images`, if given (below).
 
 What is measured here, from the stream (time.perf_counter() on this machine): `prepare_s` (the
 request's start to the request sent: images encoded, vLLM's /metrics read), `ttft_s` (to the first
@@ -42,11 +43,11 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.backend import Capabilities, Request, stream_timed
 from engine.backends.messages import MAX_SIDE, LongestSide, labels_images, openai_content
-from engine.backends.metrics import (MetricsError, SpecCounts, sglang_request_counts, vllm_request_counts,
+from engine.backends.metrics import (MetricsError, record_drafts, sglang_request_counts, vllm_request_counts,
                                      vllm_response_counts)
 from engine.engine import RequestError
 from engine.loop import Chunk, Done
@@ -58,12 +59,13 @@ TIMEOUT_S = 120.0  # the longest wait for the server to connect or to send the n
 FINISH_REASONS = {"stop": "stop_token", "length": "max_new_tokens"}
 KINDS = ("vllm", "sglang", "llamacpp")  # the `owned_by` each writes into /v1/models (docs/backends.md)
 IMAGE_WORDS = ("image", "multimodal", "mmproj", "vision")  # in an error about a turn with images
-# A llama-server started with a draft model refuses every turn with images so (its draft model
-# cannot take the image embeddings). Its per-request `speculative.*` fields, which could ask for
-# plain decoding, are compiled out in b11549 (`#if 0` in tools/server/server-schema.cpp).
+# A llama-server with a text model as its draft model under an M-RoPE target (Qwen2-VL) refuses every
+# turn with images so, and no request field of b11549 turns its draft model off (docs/backends.md
+# says what the source does); such turns go to `images`, a server without the draft model, if given.
 SPECULATIVE_IMAGE_REFUSAL = "failed to process speculative batch"
+STALE_DRAFT_REFUSAL = "failed to process mtmd chunk"  # the next image turn there: its draft cache was left behind
 MEASURED = frozenset({"prepare_s", "ttft_s", "decode_tokens", "decode_s", "decode_tok_s", "total_s",
-                      "new_tokens", "finish_reason", "tok_s_curve", "drafts_approximate"})
+                      "new_tokens", "finish_reason", "tok_s_curve", "drafts_approximate", "fallback_reason"})
 FROM_SERVER = ("mode", "prefill_tokens", "prefill_s", "drafted", "accepted", "acceptance", "tokens_per_forward",
                "accepted_by_position", "drafted_by_position")  # known if it says
 
@@ -77,14 +79,19 @@ class Server:
     label_images: bool = False  # it flattens messages and its template labels images (llama-server)
     per_request_drafts: bool = False  # vLLM sends metrics.speculative_decoding: /metrics is not read
     metrics: bool = True  # vLLM's /metrics answered (or was not asked yet)
+    drafts: bool = False  # a llama-server whose /slots say they speculate
+    refuses_images: bool = False  # a llama-server whose draft model refused a turn with images
 
 
 class OpenAIServer:
     def __init__(self, url: str, model: str | None = None, api_key_variable: str = API_KEY_VARIABLE,
-                 timeout_s: float = TIMEOUT_S, environ=os.environ, max_image_side: int = MAX_SIDE):
+                 timeout_s: float = TIMEOUT_S, environ=os.environ, max_image_side: int = MAX_SIDE,
+                 images: OpenAIServer | None = None):
         """`url`: the server's base, with or without `/v1`, optionally `#model` (the model's name);
         `model`: the same, as an argument (None: the first of the server's /v1/models);
-        `max_image_side`: images are shrunk to this many pixels on their longest side."""
+        `max_image_side`: images are shrunk to this many pixels on their longest side; `images`: the
+        server that answers turns with images, plainly, when this one is a llama-server whose draft
+        model refuses them (SPECULATIVE_IMAGE_REFUSAL above; None: such a turn is refused by name)."""
         url, _, named = url.partition("#")
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -93,7 +100,7 @@ class OpenAIServer:
         self.endpoint = self.base + "/v1"
         self.model = model or urllib.parse.unquote(named) or None
         self.api_key = environ.get(api_key_variable) or None  # sent to the server only, never shown
-        self.timeout_s, self.max_image_side = timeout_s, max_image_side
+        self.timeout_s, self.max_image_side, self.images = timeout_s, max_image_side, images
         self.server: Server | None = None  # asked on the first request (the app starts while it is down)
         self.requests = {"running": 0, "started": 0}  # this backend's requests, for overlap
         self.lock = threading.Lock()
@@ -115,6 +122,20 @@ class OpenAIServer:
             raise RequestError(f"drafter {request.drafter!r}: the server at {self.capabilities.name} decides its own "
                                "speculative decoding; send no drafter")
         server = self._server()
+        answered = False
+        try:
+            if server.refuses_images and _has_images(request.messages):  # refused before: not sent again (a
+                raise _DraftRefusal(self.capabilities.name)  # second try can fail at the image: stale draft cache)
+            for event in self._answer(request, server, started, stats):
+                answered = True
+                yield event
+        except _DraftRefusal:
+            server.refuses_images = True
+            if answered or self.images is None:
+                raise
+            yield from self._plainly(request, started)
+
+    def _answer(self, request: Request, server: Server, started: float, stats: Stats) -> Iterator[Chunk | Done]:
         body = self._body(request, server)
         before = self._metrics(server)
         stats.prepare_s = time.perf_counter() - started
@@ -141,6 +162,15 @@ class OpenAIServer:
         _server_counts(stats, last.get("usage"), last.get("timings"))
         self._draft_counts(stats, server, last, before, overlap)
         yield Done(text, [], _finished(stats, FINISH_REASONS.get(reason, reason), started, first_at))
+
+    def _plainly(self, request: Request, started: float) -> Iterator[Chunk | Done]:
+        """A turn with images answered by `self.images`; every event's statistics say why."""
+        reason = (f"the llama-server at {self.capabilities.name} drafts with a draft model that cannot take a turn "
+                  "with images (failed to process speculative batch), and llama.cpp has no per-request switch to "
+                  f"plain decoding: answered by {self.images.capabilities.name}")
+        for event in self.images.stream(replace(request, started=started)):
+            event.stats.fallback_reason = reason
+            yield event
 
     def _body(self, request: Request, server: Server) -> dict:
         if isinstance(request.messages, Prompt):
@@ -183,10 +213,11 @@ class OpenAIServer:
         kind = next((m.get("owned_by") for m in listed if m["id"] == model), None)
         server = Server(model, kind if kind in KINDS else None)
         if server.kind == "llamacpp":
-            props = self._get("/props")
+            props, slots = self._get("/props"), self._get("/slots")  # /slots: 501 when started with --no-slots
             try:
                 server.label_images = labels_images(json.loads(props or b"{}").get("chat_template") or "")
-            except (ValueError, AttributeError):
+                server.drafts = any(s.get("speculative") is True for s in json.loads(slots or b"[]"))
+            except (ValueError, AttributeError, TypeError):
                 pass
         self.server = server
         return server
@@ -205,14 +236,14 @@ class OpenAIServer:
         try:
             if spec is not None:
                 server.per_request_drafts = True
-                _record_drafts(stats, vllm_response_counts(spec), None)
+                record_drafts(stats, vllm_response_counts(spec), None)
             elif details is not None:
-                _record_drafts(stats, sglang_request_counts(details), None)
+                record_drafts(stats, sglang_request_counts(details), None)
             elif before is not None and (after := self._metrics(server)) is not None:
                 counts = vllm_request_counts(before, after)
                 why = ("other requests ran on the server meanwhile" if counts and counts.approximate else
                        "other requests of this app ran meanwhile" if overlap["overlapped"] else None)
-                _record_drafts(stats, counts, why)
+                record_drafts(stats, counts, why)
         except (MetricsError, RequestError):
             pass  # not in the documented format, or /metrics unreachable after the answer: unknown
 
@@ -241,11 +272,9 @@ class OpenAIServer:
             images = any(isinstance(m["content"], list) and any(p["type"] == "image_url" for p in m["content"])
                          for m in body["messages"])
             message = error.message if isinstance(error, _HTTPError) else str(error)
-            if images and server.kind == "llamacpp" and SPECULATIVE_IMAGE_REFUSAL in message:
-                raise RequestError(f"the llama-server at {self.capabilities.name} drafts with a draft model, and "
-                                   "llama.cpp cannot draft on a turn with images (failed to process speculative "
-                                   "batch); its version offers no per-request switch to plain decoding: start it "
-                                   "without --model-draft to answer pictures, or send text only") from None
+            if images and server.kind == "llamacpp" and (SPECULATIVE_IMAGE_REFUSAL in message
+                                                         or server.drafts and STALE_DRAFT_REFUSAL in message):
+                raise _DraftRefusal(self.capabilities.name) from None
             if images and isinstance(error, _HTTPError) and any(word in message.lower() for word in IMAGE_WORDS):
                 raise RequestError(f"the backend at {self.capabilities.name} does not take images "
                                    f"(model {server.model!r}): {message}; send text only") from None
@@ -282,6 +311,21 @@ class _HTTPError(RequestError):
     def __init__(self, text: str, message: str):
         super().__init__(text)
         self.message = message
+
+
+class _DraftRefusal(RequestError):
+    """A llama-server's draft model refused a turn with images (SPECULATIVE_IMAGE_REFUSAL)."""
+
+    def __init__(self, name: str):
+        super().__init__(f"the llama-server at {name} drafts with a draft model, and llama.cpp cannot draft on a turn "
+                         "with images (failed to process speculative batch); its version offers no per-request switch "
+                         "to plain decoding: start the app with --image-backend URL of the same model served without "
+                         "--model-draft, or start this one without it, or send text only")
+
+
+def _has_images(messages: list[dict]) -> bool:
+    return any(isinstance(m["content"], list) and any(p.get("type") == "image" for p in m["content"])
+               for m in messages)
 
 
 def _chunks(response, name: str) -> Iterator[dict]:
@@ -345,22 +389,6 @@ def _inner(last: dict, outer: str, name: str) -> dict | None:
     value = last.get(outer)
     value = value.get(name) if isinstance(value, dict) else None
     return value if isinstance(value, dict) else None
-
-
-def _record_drafts(stats: Stats, counts: SpecCounts | None, approximate: str | None) -> None:
-    """A vLLM or SGLang request's drafts into `stats`; `counts` None: the server did not draft."""
-    known = {"mode", "drafted", "accepted", "acceptance"}
-    if counts is None:
-        stats.mode, stats.drafted, stats.accepted, stats.acceptance = "plain", 0, 0, None
-    else:
-        stats.mode, stats.drafted, stats.accepted = "speculative", counts.drafted, counts.accepted
-        stats.acceptance, stats.drafts_approximate = counts.acceptance, approximate
-        stats.accepted_by_position, stats.drafted_by_position = counts.accepted_by_position, counts.drafted_by_position
-        known |= {name for name in ("accepted_by_position", "drafted_by_position") if getattr(counts, name)}
-        if counts.drafts:  # tokens per verify pass, the bonus token counted (vLLM's mean acceptance length)
-            stats.tokens_per_forward = 1 + counts.accepted / counts.drafts
-            known.add("tokens_per_forward")
-    stats.unknown = tuple(name for name in stats.unknown if name not in known)
 
 
 def _finished(stats: Stats, reason: str, started: float, first_at: float | None) -> Stats:
