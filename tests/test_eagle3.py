@@ -182,14 +182,17 @@ CASES = [pytest.param(family, fmt, id=f"{family}-{fmt}") for family in FAMILIES 
 
 @pytest.mark.parametrize("family, fmt", CASES)
 @pytest.mark.parametrize("num_images", IMAGE_COUNTS)
-def test_eagle3_speculation_equals_plain(zoo, family, fmt, num_images):
+@pytest.mark.parametrize("draft_tree", [0, 6], ids=("chain", "tree"))
+def test_eagle3_speculation_equals_plain(zoo, family, fmt, num_images, draft_tree):
+    """Chains of 4, and trees of up to 6 nodes 4 deep (2 children a node): the plain answer."""
     target, drafter = zoo.target(family), zoo.drafter(family, fmt)
     plain = answer(target, num_images)
-    speculative = answer(target, num_images, drafter)
+    speculative = answer(target, num_images, drafter, draft_tree=draft_tree)
     assert speculative.token_ids == plain.token_ids
-    assert speculative.stats.fallback_reason is None
+    assert speculative.stats.fallback_reason is None and speculative.stats.tree_fallback is None
     assert speculative.stats.drafter_kind == "eagle3"
-    assert max(speculative.stats.draft_lengths) == 4
+    assert speculative.stats.draft_shape == ("tree" if draft_tree else "chain")
+    assert max(speculative.stats.draft_lengths) == (draft_tree or 4)
 
 
 def reference_logits(target, drafter, prompt, tokens: list[int], draft: list[int]) -> torch.Tensor:

@@ -2,8 +2,9 @@
 block drafters), as vLLM's EAGLE, MTP and DFlash proposers share one base proposer.
 
 Such a drafter declares in `reads` which hidden layers each target pass must keep; the loop
-calls `accept(num_accepted)` after each pass, and the pass's rows for the last committed token
-and the accepted drafts (its first num_accepted + 1 rows) are queued in `pending` until the
+calls `accept(num_accepted)` after each pass (`accept(num_accepted, path)` after a tree, whose
+pass's rows the runner has cut to the accepted path), and the pass's rows for the last committed
+token and the accepted drafts (its first num_accepted + 1 rows) are queued in `pending` until the
 drafter's next round consumes them (`take_pending`). Rows of rejected drafts are never queued,
 so nothing the drafter keeps has to be undone for them.
 
@@ -37,8 +38,9 @@ class TargetReadingSession:
         """(num_rows, L * H): the first rows of the target's last pass, `layers` concatenated."""
         return torch.cat([self.target.hidden[layer][:num_rows] for layer in self.layers], dim=-1)
 
-    def accept(self, num_accepted: int) -> None:
-        """The last pass's rows for the last committed token and the accepted drafts join `pending`."""
+    def accept(self, num_accepted: int, path: list[int] | None = None) -> None:
+        """The last pass's rows for the last committed token and the accepted drafts join `pending`
+        (after a tree pass the runner's `keep_path` has put the accepted `path`'s rows first)."""
         rows = self.target_rows(num_accepted + 1)
         self.pending = rows if self.pending is None else torch.cat([self.pending, rows])
 
