@@ -21,14 +21,16 @@ from safetensors.torch import save_file
 
 from engine.drafters.registry import load_drafter
 from engine.engine import Engine
-from engine.loop import DecodeSettings
 from models import tiny
 from engine.target import load_target
 from models.loading import LoadError
 from tests.conftest import MODEL_OPTIONS
-from tests.mocks import ForcedDrafter, assert_forced_acceptance, corrupt
+from engine.sampling import Sampler, SamplingSettings
+from engine.tree import children_of, tree_depths
+from tests.mocks import ForcedDrafter, ForcedSampler, ScriptedTreeDrafter, assert_forced_acceptance, corrupt
+from tests.test_tree import path_to
 from tests.oracles import uncached_forward, uncached_inputs
-from tests.tiny_next import IMAGE_COUNTS, MAX_NEW, answer, assert_samples_without_falling_back, messages
+from tests.tiny_next import IMAGE_COUNTS, answer, assert_samples_without_falling_back, messages
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -265,15 +267,68 @@ def test_eagle3_samples_without_falling_back(zoo):
     assert_samples_without_falling_back(zoo.target("qwen3_vl"), zoo.drafter("qwen3_vl", "specforge"))
 
 
-def test_eagle3_drafts_chains_for_a_tree_request(zoo):
-    target, drafter = zoo.target("qwen2_5_vl"), zoo.drafter("qwen2_5_vl", "speculators")
-    plain = answer(target, 1)
-    engine = Engine(target, {"drafter": drafter})
-    decode = DecodeSettings(max_new_tokens=MAX_NEW, draft_tree=6, stop_token_ids=frozenset({-1}))
-    done = list(engine.stream(messages(1), drafter="drafter", decode=decode))[-1]
-    assert done.token_ids == plain.token_ids
-    assert done.stats.draft_shape == "chain"
-    assert "eagle3 drafter drafts chains only" in done.stats.tree_fallback
+class TreesAroundTheAnswer(ScriptedTreeDrafter):
+    """Trees around the true answer (a decoy beside every true node, often as the first child, so
+    the accepted path's rows are not the pass's first rows) for the target to verify, while the
+    real EAGLE-3 session follows each accepted path (`accept(num_accepted, path)`); every round
+    the session also drafts a forced chain of the answer's next tokens, whose logits are kept."""
+
+    def __init__(self, inner, truth: list[int], placeholder_ids):
+        super().__init__(truth, placeholder_ids)
+        self.inner, self.name, self.kind, self.reads = inner, inner.name, inner.kind, inner.reads
+        self.logits: list[tuple[int, list[torch.Tensor]]] = []  # (answer length, the chain's logits)
+
+    def begin(self, prompt, target_state):
+        self.session = self.inner.begin(prompt, target_state)
+        return self
+
+    def propose_tree(self, generated, depth, budget, branching, sampler):
+        forced = ForcedSampler(sampler.settings, self.continuation, len(generated))
+        self.session.propose(generated, min(2, len(self.continuation) - len(generated)), forced)
+        self.logits.append((len(generated), forced.logits))
+        return super().propose_tree(generated, depth, budget, branching, sampler)
+
+    def accept(self, num_accepted, path=None):
+        super().accept(num_accepted, path)
+        self.session.accept(num_accepted, path)
+
+
+@pytest.mark.parametrize("family, num_images", [("qwen2_5_vl", 2), ("smolvlm", 1)])
+def test_eagle3_continues_from_the_target_rows_of_the_accepted_path(zoo, family, num_images):
+    """After each tree round the session's next logits equal the from-scratch reference's: the
+    tree pass handed back the target's rows of the accepted path (branches that are not the
+    first child included), in order."""
+    target, inner = zoo.target(family), zoo.drafter(family, "specforge")
+    truth = answer(target, num_images).token_ids
+    drafter = TreesAroundTheAnswer(inner, truth, target.placeholder_ids)
+    done = answer(target, num_images, drafter, draft_tree=1)
+    assert done.token_ids == truth and done.stats.draft_shape == "tree"
+    assert drafter.second_child_accepted >= 3 and max(map(len, drafter.paths)) >= 3
+    prompt = Engine(target).prepare(messages(num_images))
+    for answer_len, logits in [(n, rows) for n, rows in drafter.logits if rows][:8]:
+        tokens = prompt.input_ids + truth[:answer_len]
+        expected = reference_logits(target, inner, prompt, tokens, truth[answer_len:answer_len + len(logits) - 1])
+        finite = ~torch.isinf(expected)
+        scale = float(expected[finite].abs().max())
+        torch.testing.assert_close(torch.stack(logits)[finite], expected[finite], atol=2e-4 * max(1.0, scale),
+                                   rtol=1e-3)
+
+
+def test_eagle3_tree_nodes_are_the_top_choices_along_each_path(zoo):
+    """A tree of a fresh session: the root's children and each expanded node's children are the
+    `branching` best tokens of the from-scratch reference after that node's path, best first."""
+    target, drafter = zoo.target("qwen2_5_vl"), zoo.drafter("qwen2_5_vl", "specforge")
+    prompt = Engine(target).prepare(messages(1))
+    logits, state = target.runner.prefill(prompt.target_inputs, drafter.reads)
+    generated = [int(logits.argmax())]
+    draft = drafter.begin(prompt, state).propose_tree(generated, 3, 10, 2, Sampler(SamplingSettings()))
+    assert len(draft.token_ids) == 10 and max(tree_depths(draft.parents)) == 2
+    children = children_of(draft.parents)
+    tokens = prompt.input_ids + generated
+    for node in [-1] + [n for n in range(len(draft.parents)) if children[n + 1]]:
+        path = path_to(draft.parents, node) if node >= 0 else []
+        expected = reference_logits(target, drafter, prompt, tokens, [draft.token_ids[n] for n in path])[-1]
+        assert [draft.token_ids[c] for c in children[node + 1]] == expected.topk(2).indices.tolist()
 
 
 def test_eagle3_without_context_decodes_plainly(zoo):
