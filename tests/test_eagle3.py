@@ -25,10 +25,8 @@ from models import tiny
 from engine.target import load_target
 from models.loading import LoadError
 from tests.conftest import MODEL_OPTIONS
-from engine.sampling import Sampler, SamplingSettings
-from engine.tree import children_of, tree_depths
-from tests.mocks import ForcedDrafter, ForcedSampler, ScriptedTreeDrafter, assert_forced_acceptance, corrupt
-from tests.test_tree import path_to
+from tests.mocks import (ForcedDrafter, ForcedSampler, ScriptedTreeDrafter, assert_forced_acceptance,
+                         assert_tree_nodes_are_top_choices, corrupt)
 from tests.oracles import uncached_forward, uncached_inputs
 from tests.tiny_next import IMAGE_COUNTS, answer, assert_samples_without_falling_back, messages
 
@@ -315,20 +313,8 @@ def test_eagle3_continues_from_the_target_rows_of_the_accepted_path(zoo, family,
 
 
 def test_eagle3_tree_nodes_are_the_top_choices_along_each_path(zoo):
-    """A tree of a fresh session: the root's children and each expanded node's children are the
-    `branching` best tokens of the from-scratch reference after that node's path, best first."""
     target, drafter = zoo.target("qwen2_5_vl"), zoo.drafter("qwen2_5_vl", "specforge")
-    prompt = Engine(target).prepare(messages(1))
-    logits, state = target.runner.prefill(prompt.target_inputs, drafter.reads)
-    generated = [int(logits.argmax())]
-    draft = drafter.begin(prompt, state).propose_tree(generated, 3, 10, 2, Sampler(SamplingSettings()))
-    assert len(draft.token_ids) == 10 and max(tree_depths(draft.parents)) == 2
-    children = children_of(draft.parents)
-    tokens = prompt.input_ids + generated
-    for node in [-1] + [n for n in range(len(draft.parents)) if children[n + 1]]:
-        path = path_to(draft.parents, node) if node >= 0 else []
-        expected = reference_logits(target, drafter, prompt, tokens, [draft.token_ids[n] for n in path])[-1]
-        assert [draft.token_ids[c] for c in children[node + 1]] == expected.topk(2).indices.tolist()
+    assert_tree_nodes_are_top_choices(target, drafter, Engine(target).prepare(messages(1)), reference_logits)
 
 
 def test_eagle3_without_context_decodes_plainly(zoo):

@@ -30,13 +30,10 @@ Worked example: prompt of 10 tokens, x_10 from prefill. Round 1 runs entries 0 .
 d_1 .. d_4 from entries 9, 10, 11, 12. The target accepts 2 (rows for x_10, d_1, d_2; bonus
 x_13); round 2 crops the cache to 10 entries, runs entries 10 .. 12, and drafts from entry 12.
 
-Trees (`propose_tree`, engine/tree.py): after the context entries, as EAGLE-2 drafts, depth by
-depth the `branching` best nodes of the newest depth get an entry each (its token's embedding,
-its parent's h, at the target's position of T + depth - 1; it sees the context, its ancestors'
-entries and itself), whose logits give each its `branching` most likely children; the `budget`
-nodes of highest path probability make the tree. The target's tree pass hands back its rows of
-the accepted path (`Runner.keep_path`), so `pending` and the next round are as after a chain;
-the tree's entries are cropped with the draft entries.
+Trees (`propose_tree`, engine/drafters/target_session.py's ChainedHeadSession): depth by
+depth, EAGLE-2's beam; a node at depth d embeds its token and reads its parent's h at the
+target's position of T + d - 1, seeing the context, its ancestors' entries and itself. The
+target's tree pass hands back its rows of the accepted path, so the next round is as after a chain.
 """
 
 from __future__ import annotations
@@ -45,11 +42,10 @@ import torch
 
 from engine.drafters.base import Draft, DraftBuilder
 from engine.drafters.target_head import module_dtype, require_hidden
-from engine.drafters.target_session import TargetReadingSession, tokens_from
+from engine.drafters.target_session import ChainedHeadSession, tokens_from
 from engine.prompt import Prompt
 from engine.runner import CacheState, TargetReads
 from engine.sampling import Sampler
-from engine.tree import best_nodes, subtree
 from models import eagle3 as checkpoint
 from models.drafter_heads import causal_mask
 from models.loading import LoadError
@@ -136,7 +132,7 @@ class Eagle3Drafter:
         return Eagle3Session(self, prompt, target)
 
 
-class Eagle3Session(TargetReadingSession):
+class Eagle3Session(ChainedHeadSession):
     def __init__(self, drafter: Eagle3Drafter, prompt: Prompt, target: CacheState):
         super().__init__(drafter.family, target, drafter.layers)  # pending: (m, 3H) rows of tokens context_len ..
         self.drafter, self.module = drafter, drafter.module
@@ -169,38 +165,6 @@ class Eagle3Session(TargetReadingSession):
             token = builder.sample(self.drafter.logits(h)[0])
         return builder.draft()
 
-    @torch.inference_mode()
-    def propose_tree(self, generated: list[int], depth: int, budget: int, branching: int, sampler: Sampler) -> Draft:
-        """EAGLE-2's beam on the layer's own cache: depth by depth, the `branching` best nodes of the
-        newest depth run in one pass (each at its depth's position, seeing the context and its
-        ancestors) and each gives its `branching` most likely tokens; the `budget` nodes of highest
-        path probability make the tree. Nodes are top choices, not samples (engine/sampling.accept_tree)."""
-        rows = {-1: self._context(generated)[0]}  # node -> its entry's pre-norm h; -1: the newest context entry
-        token_ids, parents, scores, run = [], [], [], []  # run: the nodes with an entry, in cache order
-        beam = [-1]
-        for level in range(depth):
-            first = len(token_ids)
-            probs = self._probs(torch.stack([rows[node] for node in beam]), sampler)
-            top = probs.topk(min(branching, probs.shape[-1]), dim=-1)
-            for parent, values, indices in zip(beam, top.values.tolist(), top.indices.tolist()):
-                for p, token in zip(values, indices):
-                    if p > 0:
-                        token_ids.append(token)
-                        parents.append(parent)
-                        scores.append(p * (scores[parent] if parent >= 0 else 1.0))
-            beam = sorted(range(first, len(token_ids)), key=lambda i: -scores[i])[:branching]
-            if level == depth - 1 or not beam:
-                break
-            out = self._run_tree(beam, token_ids, parents, run, rows, self.context_len + level)
-            rows.update(zip(beam, out))
-            run += beam
-        kept = best_nodes(parents, scores, budget)
-        token_ids, parents = subtree(token_ids, parents, kept)
-        return Draft(token_ids, parents=parents)
-
-    def tree_unsupported(self) -> str | None:
-        return None
-
     def _context(self, generated: list[int]) -> torch.Tensor:
         """Drop last round's draft entries, run the entries of the committed tokens not yet run
         (the target's rows in `pending`); (1, H) the newest one's pre-norm h, which drafts d_1."""
@@ -221,27 +185,13 @@ class Eagle3Session(TargetReadingSession):
         positions = self.positions(first, first + n)
         return self.module(embeds[None], hidden[None], positions, self.cache, mask)[0]
 
-    def _run_tree(self, beam: list[int], token_ids: list[int], parents: list[int], run: list[int],
-                  rows: dict[int, torch.Tensor], position: int) -> torch.Tensor:
-        """Entries for the nodes `beam` (one depth), after the context and the entries of `run`:
-        each embeds its token, reads its parent's h, at the target's position of token `position`,
-        and sees the context, its ancestors' entries and itself. Returns their pre-norm h (n, H)."""
-        n = len(beam)
-        seen = torch.zeros(n, self.context_len + len(run) + n, dtype=torch.bool)
-        seen[:, :self.context_len] = True
-        for i, node in enumerate(beam):
-            seen[i, self.context_len + len(run) + i] = True
-            ancestor = parents[node]
-            while ancestor >= 0:
-                seen[i, self.context_len + run.index(ancestor)] = True
-                ancestor = parents[ancestor]
-        embeds = self.embed_tokens([token_ids[node] for node in beam])
-        hidden = self.module.feedback(torch.stack([rows[parents[node]] for node in beam]))
-        positions = self.positions(position, position + 1)
-        positions = positions.expand(*positions.shape[:-1], n)
-        return self.module(embeds[None], hidden[None], positions, self.cache, seen.to(embeds.device)[None, None])[0]
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.drafter.logits(out)
 
-    def _probs(self, h: torch.Tensor, sampler: Sampler) -> torch.Tensor:
-        """(n, V) the drafter's next-token probabilities after pre-norm rows h (n, H)."""
-        logits = self.drafter.logits(h)
-        return logits.softmax(-1) if sampler.settings.greedy else sampler.probs(logits)
+    def _tree_entries(self, token_ids: list[int], parent_out: torch.Tensor, level: int, seen: torch.Tensor) -> torch.Tensor:
+        """Nodes at depth level + 1: their tokens' embeddings and their parents' h, at the target's
+        position of token T + level, each seeing `seen` (n, cached + n)."""
+        positions = self.positions(self.context_len + level, self.context_len + level + 1)
+        positions = positions.expand(*positions.shape[:-1], len(token_ids))
+        return self.module(self.embed_tokens(token_ids)[None], self.module.feedback(parent_out)[None], positions,
+                           self.cache, seen.to(parent_out.device)[None, None])[0]
