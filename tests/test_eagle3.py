@@ -378,13 +378,15 @@ def test_missing_weight_is_named(zoo, tmp_path):
 
 
 def test_train_eagle3_writes_a_specforge_folder_that_loads_and_exports(tmp_path):
-    """Two steps of `python -m models.demo.train_eagle3`: a SpecForge folder that loads for the
+    """Two steps of `python -m models.demo.train_eagle3` on the target's own answers to two
+    conversations (one batch, generated and run once, kept for step 2): a SpecForge folder that loads for the
     bundled target, and its speculators export, which loads too and drafts the same logits."""
     from models import eagle3
     from models.demo import train_eagle3
 
     out = tmp_path / "specforge"
-    train_eagle3.main(["--out", str(out), "--steps", "2", "--batch-size", "2", "--threads", "1", "--ttt-steps", "2"])
+    train_eagle3.main(["--out", str(out), "--steps", "2", "--batch-size", "2", "--threads", "1", "--ttt-steps", "2",
+                       "--conversations", "2", "--target-answers", "--max-answer-tokens", "8"])  # step 2: the kept pass
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] < config["vocab_size"]
     exported = eagle3.export_speculators(str(out), str(tmp_path / "speculators"), "assets/demo/target")
