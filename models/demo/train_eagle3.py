@@ -1,6 +1,7 @@
 """Train an EAGLE-3 drafter for the bundled target, written in SpecForge's format.
 
     python -m models.demo.train_eagle3 --out assets/demo/eagle3_drafter [--steps N] [--seed 0]
+    python -m models.demo.train_eagle3 --out DIR --target-answers --conversations 3200 --steps 4000   # the shipped recipe
     python -m models.demo.train_eagle3 --target smol --data DIR --out assets/demo_smol/eagle3_drafter
 
 `--conversations N` trains epoch after epoch on the first N world conversations (with
