@@ -55,7 +55,8 @@ class CacheState:
                prefill used them; kept for drafters that run at the target's positions.
     rope_delta: rope_pos - cache_len after the prompt (negative after an image on M-RoPE).
     reads:     what each pass also returns for a drafter that reads the target (TargetReads):
-    hidden:    {layer: (n, H)} the asked hidden states for the n positions the last pass ran;
+    hidden:    {layer: (n, H)} the asked hidden states for the n positions the last pass ran
+               (after a tree pass's `keep_path`: for the kept path's entries, in order);
     shared_kv: {layer type: (K, V)} as the model returns them (the cache's entries before the
                pass, then the pass's own).
     tree_parents: a draft tree held after the cache_len committed entries, not yet settled
@@ -76,6 +77,13 @@ class CacheState:
     def stop_reading(self) -> None:
         """After a drafter's fallback: later passes compute nothing for a drafter."""
         self.reads, self.hidden, self.shared_kv = NO_READS, None, None
+
+
+def path_rows(rows: torch.Tensor, path: list[int], num_tree: int) -> torch.Tensor:
+    """(len(path), H) the rows of tree entries `path`, from a pass's rows (num_tree, H) of the whole tree."""
+    if len(rows) != num_tree:
+        raise ValueError(f"the last pass kept {len(rows)} hidden rows, the tree has {num_tree} entries")
+    return rows[torch.tensor(path, device=rows.device)]
 
 
 class Runner:
@@ -134,10 +142,11 @@ class Runner:
         committed sequence. An entry sees the committed cache, its ancestors and itself (a 4-D
         attention mask), at rotary position rope_pos + depth (depth 0 for parent -1): on every
         M-RoPE row the position plain decoding would give it. cache_len and rope_pos stay those of
-        the committed sequence until `keep_path` settles the tree.
+        the committed sequence until `keep_path` settles the tree. With hidden layers to read
+        (state.reads), `hidden` holds the pass's rows of every entry; `keep_path` keeps the path's.
         """
-        if state.reads:
-            raise ValueError("a tree pass computes nothing for a drafter that reads the target")
+        if state.reads.shared_kv:
+            raise ValueError("a tree pass computes no shared K/V for a drafter that attends to them")
         parents = state.tree_parents + list(parents)
         depths = tree_depths(parents)
         num_tokens = len(token_ids)
@@ -154,8 +163,11 @@ class Runner:
     def keep_path(self, state: CacheState, path: list[int]) -> None:
         """Settle the draft tree: its entries `path` (a chain from a depth-0 entry, in order) become
         committed, right after the cache's committed entries; every other tree entry is dropped
-        (the K/V of the path are moved into place: a compaction, not a re-run)."""
+        (the K/V of the path are moved into place: a compaction, not a re-run). The hidden rows a
+        drafter reads become the path's, in order: what a chain pass over it would have kept."""
         start, num_tree = state.cache_len, len(state.tree_parents)
+        if state.hidden:
+            state.hidden = {layer: path_rows(rows, path, num_tree) for layer, rows in state.hidden.items()}
         if path != list(range(len(path))):  # else the path's entries are already in place
             source = torch.tensor(path, device=self.device) + start
             if isinstance(state.cache, StaticKVCache):

@@ -22,11 +22,15 @@ three rows, rope_delta included). Greedy acceptance walks from r: if the target'
 r is a it goes on to a's row, if its choice there is x (the second child) the path is [0, 2]
 and the target's choice after x is the bonus token. The cache then keeps r, a, x in order
 (`Runner.keep_path`: the K/V entries of the path are moved into place, the rest dropped), as if
-the target had decoded r, a, x plainly; the drafter's session follows the same path.
+the target had decoded r, a, x plainly; the drafter's session follows the same path. A drafter
+that reads the target's hidden states (EAGLE-3, the MTP head) gets the pass's rows of r, a, x, in that order,
+as a chain pass over them would have left them.
 
 Trees are drafted only where everything can keep one branch; otherwise the request drafts
-chains and `Stats.tree_fallback` names why (`fallback_reason` below): a drafter that reads the
-target's pass row by row (MTP, DFlash, shared-cache), a drafter that cannot branch, or a cache
+chains and `Stats.tree_fallback` names why (engine/drafters/base.py `tree_fallback_reason`): a
+drafter whose session cannot branch (the MTP layers of engine/drafters/mtp.py, DFlash and block
+drafters, shared-cache assistants: they read the target's pass row by row; EAGLE-3 and the MTP
+head branch), or a cache
 with sliding-window or linear-attention layers (Gemma 3/4, MuseGlimmer, Qwen3.5), whose state
 a tree pass would mix across branches.
 """

@@ -298,3 +298,25 @@ class ForcedDrafter:
     def accept(self, num_accepted):
         self.accepted.append(num_accepted)
         self.session.accept(num_accepted)
+
+
+def assert_tree_nodes_are_top_choices(target, drafter, prompt, reference) -> None:
+    """A tree of a fresh session (3 deep, 10 nodes, 2 children a node): the root's children and each
+    expanded node's children are the 2 best tokens of `reference(target, drafter, prompt, tokens,
+    draft)` (a from-scratch drafting after `tokens` with `draft` fed) after that node's path, best first."""
+    from engine.sampling import Sampler, SamplingSettings
+    from engine.tree import children_of, tree_depths
+
+    logits, state = target.runner.prefill(prompt.target_inputs, drafter.reads)
+    generated = [int(logits.argmax())]
+    draft = drafter.begin(prompt, state).propose_tree(generated, 3, 10, 2, Sampler(SamplingSettings()))
+    assert len(draft.token_ids) == 10 and max(tree_depths(draft.parents)) == 2
+    children = children_of(draft.parents)
+    for node in [-1] + [n for n in range(len(draft.parents)) if children[n + 1]]:
+        path, at = [], node  # the nodes from a child of the root down to `node`
+        while at >= 0:
+            path.append(at)
+            at = draft.parents[at]
+        path.reverse()
+        expected = reference(target, drafter, prompt, prompt.input_ids + generated, [draft.token_ids[n] for n in path])
+        assert [draft.token_ids[c] for c in children[node + 1]] == expected[-1].topk(2).indices.tolist()

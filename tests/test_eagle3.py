@@ -21,14 +21,14 @@ from safetensors.torch import save_file
 
 from engine.drafters.registry import load_drafter
 from engine.engine import Engine
-from engine.loop import DecodeSettings
 from models import tiny
 from engine.target import load_target
 from models.loading import LoadError
 from tests.conftest import MODEL_OPTIONS
-from tests.mocks import ForcedDrafter, assert_forced_acceptance, corrupt
+from tests.mocks import (ForcedDrafter, ForcedSampler, ScriptedTreeDrafter, assert_forced_acceptance,
+                         assert_tree_nodes_are_top_choices, corrupt)
 from tests.oracles import uncached_forward, uncached_inputs
-from tests.tiny_next import IMAGE_COUNTS, MAX_NEW, answer, assert_samples_without_falling_back, messages
+from tests.tiny_next import IMAGE_COUNTS, answer, assert_samples_without_falling_back, messages
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -182,14 +182,20 @@ CASES = [pytest.param(family, fmt, id=f"{family}-{fmt}") for family in FAMILIES 
 
 @pytest.mark.parametrize("family, fmt", CASES)
 @pytest.mark.parametrize("num_images", IMAGE_COUNTS)
-def test_eagle3_speculation_equals_plain(zoo, family, fmt, num_images):
+@pytest.mark.parametrize("draft_tree", [0, 6], ids=("chain", "tree"))
+def test_eagle3_speculation_equals_plain(zoo, family, fmt, num_images, draft_tree):
+    """Chains of 4, and trees of up to 6 nodes 4 deep (2 children a node): the plain answer. The
+    Qwen2.5-VL and SmolVLM targets verify on the fast path (the compiled stack where it builds),
+    whose tree passes keep the rows EAGLE-3 reads; Qwen3-VL's on transformers' forward."""
     target, drafter = zoo.target(family), zoo.drafter(family, fmt)
+    assert (target.runner.fast_fallback is None) == (family != "qwen3_vl")
     plain = answer(target, num_images)
-    speculative = answer(target, num_images, drafter)
+    speculative = answer(target, num_images, drafter, draft_tree=draft_tree)
     assert speculative.token_ids == plain.token_ids
-    assert speculative.stats.fallback_reason is None
+    assert speculative.stats.fallback_reason is None and speculative.stats.tree_fallback is None
     assert speculative.stats.drafter_kind == "eagle3"
-    assert max(speculative.stats.draft_lengths) == 4
+    assert speculative.stats.draft_shape == ("tree" if draft_tree else "chain")
+    assert max(speculative.stats.draft_lengths) == (draft_tree or 4)
 
 
 def reference_logits(target, drafter, prompt, tokens: list[int], draft: list[int]) -> torch.Tensor:
@@ -262,15 +268,56 @@ def test_eagle3_samples_without_falling_back(zoo):
     assert_samples_without_falling_back(zoo.target("qwen3_vl"), zoo.drafter("qwen3_vl", "specforge"))
 
 
-def test_eagle3_drafts_chains_for_a_tree_request(zoo):
-    target, drafter = zoo.target("qwen2_5_vl"), zoo.drafter("qwen2_5_vl", "speculators")
-    plain = answer(target, 1)
-    engine = Engine(target, {"drafter": drafter})
-    decode = DecodeSettings(max_new_tokens=MAX_NEW, draft_tree=6, stop_token_ids=frozenset({-1}))
-    done = list(engine.stream(messages(1), drafter="drafter", decode=decode))[-1]
-    assert done.token_ids == plain.token_ids
-    assert done.stats.draft_shape == "chain"
-    assert "eagle3 drafter drafts chains only" in done.stats.tree_fallback
+class TreesAroundTheAnswer(ScriptedTreeDrafter):
+    """Trees around the true answer (a decoy beside every true node, often as the first child, so
+    the accepted path's rows are not the pass's first rows) for the target to verify, while the
+    real EAGLE-3 session follows each accepted path (`accept(num_accepted, path)`); every round
+    the session also drafts a forced chain of the answer's next tokens, whose logits are kept."""
+
+    def __init__(self, inner, truth: list[int], placeholder_ids):
+        super().__init__(truth, placeholder_ids)
+        self.inner, self.name, self.kind, self.reads = inner, inner.name, inner.kind, inner.reads
+        self.logits: list[tuple[int, list[torch.Tensor]]] = []  # (answer length, the chain's logits)
+
+    def begin(self, prompt, target_state):
+        self.session = self.inner.begin(prompt, target_state)
+        return self
+
+    def propose_tree(self, generated, depth, budget, branching, sampler):
+        forced = ForcedSampler(sampler.settings, self.continuation, len(generated))
+        self.session.propose(generated, min(2, len(self.continuation) - len(generated)), forced)
+        self.logits.append((len(generated), forced.logits))
+        return super().propose_tree(generated, depth, budget, branching, sampler)
+
+    def accept(self, num_accepted, path=None):
+        super().accept(num_accepted, path)
+        self.session.accept(num_accepted, path)
+
+
+@pytest.mark.parametrize("family, num_images", [("qwen2_5_vl", 2), ("smolvlm", 1)])
+def test_eagle3_continues_from_the_target_rows_of_the_accepted_path(zoo, family, num_images):
+    """After each tree round the session's next logits equal the from-scratch reference's: the
+    tree pass handed back the target's rows of the accepted path (branches that are not the
+    first child included), in order."""
+    target, inner = zoo.target(family), zoo.drafter(family, "specforge")
+    truth = answer(target, num_images).token_ids
+    drafter = TreesAroundTheAnswer(inner, truth, target.placeholder_ids)
+    done = answer(target, num_images, drafter, draft_tree=1)
+    assert done.token_ids == truth and done.stats.draft_shape == "tree"
+    assert drafter.second_child_accepted >= 3 and max(map(len, drafter.paths)) >= 3
+    prompt = Engine(target).prepare(messages(num_images))
+    for answer_len, logits in [(n, rows) for n, rows in drafter.logits if rows][:8]:
+        tokens = prompt.input_ids + truth[:answer_len]
+        expected = reference_logits(target, inner, prompt, tokens, truth[answer_len:answer_len + len(logits) - 1])
+        finite = ~torch.isinf(expected)
+        scale = float(expected[finite].abs().max())
+        torch.testing.assert_close(torch.stack(logits)[finite], expected[finite], atol=2e-4 * max(1.0, scale),
+                                   rtol=1e-3)
+
+
+def test_eagle3_tree_nodes_are_the_top_choices_along_each_path(zoo):
+    target, drafter = zoo.target("qwen2_5_vl"), zoo.drafter("qwen2_5_vl", "specforge")
+    assert_tree_nodes_are_top_choices(target, drafter, Engine(target).prepare(messages(1)), reference_logits)
 
 
 def test_eagle3_without_context_decodes_plainly(zoo):
@@ -331,13 +378,15 @@ def test_missing_weight_is_named(zoo, tmp_path):
 
 
 def test_train_eagle3_writes_a_specforge_folder_that_loads_and_exports(tmp_path):
-    """Two steps of `python -m models.demo.train_eagle3`: a SpecForge folder that loads for the
+    """Two steps of `python -m models.demo.train_eagle3` on the target's own answers to two
+    conversations (one batch, generated and run once, kept for step 2): a SpecForge folder that loads for the
     bundled target, and its speculators export, which loads too and drafts the same logits."""
     from models import eagle3
     from models.demo import train_eagle3
 
     out = tmp_path / "specforge"
-    train_eagle3.main(["--out", str(out), "--steps", "2", "--batch-size", "2", "--threads", "1", "--ttt-steps", "2"])
+    train_eagle3.main(["--out", str(out), "--steps", "2", "--batch-size", "2", "--threads", "1", "--ttt-steps", "2",
+                       "--conversations", "2", "--target-answers", "--max-answer-tokens", "8"])  # step 2: the kept pass
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] < config["vocab_size"]
     exported = eagle3.export_speculators(str(out), str(tmp_path / "speculators"), "assets/demo/target")

@@ -33,7 +33,7 @@ from models import drafter_heads
 from models.loading import LoadError
 from models import tiny
 from tests.conftest import MODEL_OPTIONS as FLOAT32
-from tests.mocks import ForcedDrafter, corrupt, expected_accepts
+from tests.mocks import ForcedDrafter, assert_tree_nodes_are_top_choices, corrupt, expected_accepts
 from tests.oracles import uncached_forward
 
 MAX_NEW = 24
@@ -86,9 +86,10 @@ def drafters(zoo, heads):
     return {name: load_drafter(folder, zoo.target(FAMILY), FLOAT32) for name, folder in heads.items()}
 
 
-def answer(target, messages, drafter=None, k=4, adaptive=False) -> Done:
+def answer(target, messages, drafter=None, k=4, adaptive=False, draft_tree=0) -> Done:
     engine = Engine(target, {"drafter": drafter} if drafter else {})
-    decode = DecodeSettings(max_new_tokens=MAX_NEW, draft_tokens=k, adaptive=adaptive, stop_token_ids=frozenset({-1}))
+    decode = DecodeSettings(max_new_tokens=MAX_NEW, draft_tokens=k, adaptive=adaptive, draft_tree=draft_tree,
+                            stop_token_ids=frozenset({-1}))
     done = list(engine.stream(messages, drafter="drafter" if drafter else None, decode=decode))[-1]
     assert isinstance(done, Done)
     return done
@@ -183,15 +184,29 @@ def test_forced_acceptance_stays_exact(zoo, drafters, name, case, k, adaptive):
     assert any(a == d > 1 for d, a in rounds), rounds
 
 
-@pytest.mark.parametrize("name, longest", [("mtp", 4), ("block", 3)])
+@pytest.mark.parametrize("name, longest, draft_tree", [("mtp", 4, 0), ("block", 3, 0), ("mtp", 6, 6), ("block", 3, 6)],
+                         ids=("mtp-chain", "block-chain", "mtp-tree", "block-tree"))
 @pytest.mark.parametrize("case", CASES)
-def test_speculation_equals_plain(zoo, drafters, name, longest, case):
+def test_speculation_equals_plain(zoo, drafters, name, longest, draft_tree, case):
+    """Chains; and a tree request: trees of up to 6 nodes for the MTP head (its entries chain, so it
+    branches as EAGLE-3 does), chains with the named reason for the block drafter (a block has no
+    per-node entries to branch from)."""
     target = zoo.target(FAMILY)
     plain = answer(target, conversation(case))
-    speculative = answer(target, conversation(case), drafters[name])
+    speculative = answer(target, conversation(case), drafters[name], draft_tree=draft_tree)
     assert speculative.token_ids == plain.token_ids
     assert speculative.stats.fallback_reason is None
-    assert max(speculative.stats.draft_lengths) == longest  # MTP: k steps; block: block size - 1
+    assert max(speculative.stats.draft_lengths) == longest  # MTP: k steps or tree nodes; block: block size - 1
+    if draft_tree:
+        assert speculative.stats.draft_shape == ("tree" if name == "mtp" else "chain")
+        assert name == "mtp" or "dflash drafter drafts chains only" in speculative.stats.tree_fallback
+
+
+@pytest.mark.parametrize("case", ["0", "2"])
+def test_mtp_head_tree_nodes_are_the_top_choices_along_each_path(zoo, drafters, case):
+    target = zoo.target(FAMILY)
+    assert_tree_nodes_are_top_choices(target, drafters["mtp"], Engine(target).prepare(conversation(case)),
+                                      mtp_reference_logits)
 
 
 @pytest.mark.parametrize("name", ["mtp", "block"])

@@ -315,9 +315,10 @@ def messages(num_images: int):
     return [{"role": "user", "content": content + [{"type": "text", "text": "Describe what you see, then say more."}]}]
 
 
-def answer(target, num_images, drafter=None, k=4, adaptive=False) -> Done:
+def answer(target, num_images, drafter=None, k=4, adaptive=False, draft_tree=0) -> Done:
     engine = Engine(target, {"drafter": drafter} if drafter else {})
-    decode = DecodeSettings(max_new_tokens=MAX_NEW, draft_tokens=k, adaptive=adaptive, stop_token_ids=frozenset({-1}))
+    decode = DecodeSettings(max_new_tokens=MAX_NEW, draft_tokens=k, adaptive=adaptive, draft_tree=draft_tree,
+                            stop_token_ids=frozenset({-1}))
     done = list(engine.stream(messages(num_images), drafter="drafter" if drafter else None, decode=decode))[-1]
     assert isinstance(done, Done)
     return done

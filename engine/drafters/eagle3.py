@@ -30,8 +30,10 @@ Worked example: prompt of 10 tokens, x_10 from prefill. Round 1 runs entries 0 .
 d_1 .. d_4 from entries 9, 10, 11, 12. The target accepts 2 (rows for x_10, d_1, d_2; bonus
 x_13); round 2 crops the cache to 10 entries, runs entries 10 .. 12, and drafts from entry 12.
 
-Chains only: a tree pass keeps no hidden states for a drafter (engine/runner.py), so a tree
-request drafts chains with the reason (engine/tree.py).
+Trees (`propose_tree`, engine/drafters/target_session.py's ChainedHeadSession): depth by
+depth, EAGLE-2's beam; a node at depth d embeds its token and reads its parent's h at the
+target's position of T + d - 1, seeing the context, its ancestors' entries and itself. The
+target's tree pass hands back its rows of the accepted path, so the next round is as after a chain.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 
 from engine.drafters.base import Draft, DraftBuilder
 from engine.drafters.target_head import module_dtype, require_hidden
-from engine.drafters.target_session import TargetReadingSession, tokens_from
+from engine.drafters.target_session import ChainedHeadSession, tokens_from
 from engine.prompt import Prompt
 from engine.runner import CacheState, TargetReads
 from engine.sampling import Sampler
@@ -130,7 +132,7 @@ class Eagle3Drafter:
         return Eagle3Session(self, prompt, target)
 
 
-class Eagle3Session(TargetReadingSession):
+class Eagle3Session(ChainedHeadSession):
     def __init__(self, drafter: Eagle3Drafter, prompt: Prompt, target: CacheState):
         super().__init__(drafter.family, target, drafter.layers)  # pending: (m, 3H) rows of tokens context_len ..
         self.drafter, self.module = drafter, drafter.module
@@ -155,19 +157,25 @@ class Eagle3Session(TargetReadingSession):
     def propose(self, generated: list[int], k: int, sampler: Sampler) -> Draft:
         if k <= 0:
             return Draft([])
+        h = self._context(generated)  # (1, H) the newest context entry's
+        builder = DraftBuilder(sampler)
+        token = builder.sample(self.drafter.logits(h)[0])
+        for entry in range(self.context_len, self.context_len + k - 1):
+            h = self._run(self.embed_tokens([token]), self.module.feedback(h), entry)
+            token = builder.sample(self.drafter.logits(h)[0])
+        return builder.draft()
+
+    def _context(self, generated: list[int]) -> torch.Tensor:
+        """Drop last round's draft entries, run the entries of the committed tokens not yet run
+        (the target's rows in `pending`); (1, H) the newest one's pre-norm h, which drafts d_1."""
         newest = len(self.prompt_ids) + len(generated) - 1  # T: x_0 .. x_T are committed
-        self.cache.crop(self.context_len)  # last round's draft entries
+        self.cache.crop(self.context_len)
         first = self.context_len
         token_ids = tokens_from(self.prompt_ids, generated, first + 1)  # x_{first+1} .. x_T
         g = self.module.project(self.take_pending().to(self.drafter.dtype))  # (T - first, H)
         h = self._run(self.embeds(first + 1, token_ids), g, first)  # entries first .. T-1
         self.context_len = newest
-        builder = DraftBuilder(sampler)
-        token = builder.sample(self.drafter.logits(h[-1:])[0])
-        for entry in range(newest, newest + k - 1):
-            h = self._run(self.embed_tokens([token]), self.module.feedback(h[-1:]), entry)
-            token = builder.sample(self.drafter.logits(h)[0])
-        return builder.draft()
+        return h[-1:]
 
     def _run(self, embeds: torch.Tensor, hidden: torch.Tensor, first: int) -> torch.Tensor:
         """Entries first .. first + n - 1 (embeds, hidden (n, H)), at the target's positions of
@@ -176,3 +184,14 @@ class Eagle3Session(TargetReadingSession):
         mask = causal_mask(n, len(self.cache), embeds.device) if len(self.cache) and n > 1 else None
         positions = self.positions(first, first + n)
         return self.module(embeds[None], hidden[None], positions, self.cache, mask)[0]
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.drafter.logits(out)
+
+    def _tree_entries(self, token_ids: list[int], parent_out: torch.Tensor, level: int, seen: torch.Tensor) -> torch.Tensor:
+        """Nodes at depth level + 1: their tokens' embeddings and their parents' h, at the target's
+        position of token T + level, each seeing `seen` (n, cached + n)."""
+        positions = self.positions(self.context_len + level, self.context_len + level + 1)
+        positions = positions.expand(*positions.shape[:-1], len(token_ids))
+        return self.module(self.embed_tokens(token_ids)[None], self.module.feedback(parent_out)[None], positions,
+                           self.cache, seen.to(parent_out.device)[None, None])[0]

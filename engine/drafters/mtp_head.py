@@ -25,6 +25,10 @@ entries 9, 10, 11, 12. The target verifies [x_10, d_1 .. d_4] and accepts 2: its
 d_1, d_2 are h_10 .. h_12, and x_13 is its bonus token. Round 2 crops the cache to 10 entries
 and runs entries 10 .. 12 (embedding x_11 .. x_13), then drafts from entry 12.
 
+Trees (`propose_tree`, engine/drafters/target_session.py's ChainedHeadSession, as EAGLE-3's):
+a node at depth d embeds its token and reads its parent's output at the target's position of
+T + d, seeing the context, its ancestors' entries and itself.
+
 The head's steps run on the fast path (engine/fast_heads.py: the target's layer function over
 a StaticKVCache) where it covers the head; `fast_fallback` says why not (heads from Qwen3.5
 MTP weights).
@@ -40,7 +44,7 @@ from transformers import DynamicCache
 from engine import fast_heads
 from engine.drafters.base import Draft, DraftBuilder
 from engine.drafters.target_head import TargetHead, load_module, module_dtype, require_hidden
-from engine.drafters.target_session import TargetReadingSession, tokens_from
+from engine.drafters.target_session import ChainedHeadSession, tokens_from
 from engine.prompt import Prompt
 from engine.runner import CacheState, TargetReads
 from engine.sampling import Sampler
@@ -93,7 +97,7 @@ class MtpHeadDrafter:
         return MtpHeadSession(self, prompt, target)
 
 
-class MtpHeadSession(TargetReadingSession):
+class MtpHeadSession(ChainedHeadSession):
     def __init__(self, drafter: MtpHeadDrafter, prompt: Prompt, target: CacheState):
         # pending: (m, H) target rows h_j of entries context_len .. context_len + m - 1
         super().__init__(drafter.family, target, (-1,))
@@ -107,18 +111,36 @@ class MtpHeadSession(TargetReadingSession):
     def propose(self, generated: list[int], k: int, sampler: Sampler) -> Draft:
         if k <= 0:
             return Draft([])
+        out = self._context(generated)  # (1, H) the newest context entry's
+        builder = DraftBuilder(sampler)
+        token = builder.sample(self.head.logits(out)[0])
+        for entry in range(self.context_len, self.context_len + k - 1):
+            out = self._run(self.head.embed([token]), out, entry)
+            token = builder.sample(self.head.logits(out)[0])
+        return builder.draft()
+
+    def _context(self, generated: list[int]) -> torch.Tensor:
+        """Drop last round's draft entries, run the entries of the committed tokens not yet run
+        (the target's rows in `pending`); (1, H) the newest one's output, which drafts d_1."""
         newest = len(self.prompt_ids) + len(generated) - 1  # T: x_0 .. x_T are committed
         self.cache.crop(self.context_len - self.cache.get_seq_length())  # last round's draft entries
         first = self.context_len
         token_ids = tokens_from(self.prompt_ids, generated, first + 1)  # x_{first+1} .. x_T
         out = self._run(self.embeds(first + 1, token_ids), self.take_pending(), first)  # entries first .. T-1
         self.context_len = newest
-        builder = DraftBuilder(sampler)
-        token = builder.sample(self.head.logits(out[-1:])[0])
-        for entry in range(newest, newest + k - 1):
-            out = self._run(self.head.embed([token]), out[-1:], entry)
-            token = builder.sample(self.head.logits(out)[0])
-        return builder.draft()
+        return out[-1:]
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(out)
+
+    def _tree_entries(self, token_ids: list[int], parent_out: torch.Tensor, level: int, seen: torch.Tensor) -> torch.Tensor:
+        """Nodes at depth level + 1: their tokens' embeddings and their parents' outputs, at the
+        target's position of token T + level + 1, each seeing `seen` (n, cached + n)."""
+        positions = self.positions(self.context_len + level + 1, self.context_len + level + 2)
+        positions = positions.expand(*positions.shape[:-1], len(token_ids))
+        mask = seen.to(parent_out.device)[None, None]
+        return self.forward(self.head.embed(token_ids)[None], parent_out[None].to(self.head.dtype), positions, mask,
+                            self.cache)[0]
 
     def _run(self, embeds: torch.Tensor, hidden: torch.Tensor, first: int) -> torch.Tensor:
         """Entries first .. first + n - 1 (embeds, hidden (n, H)), appended to the cache; (n, H) outputs."""

@@ -2,8 +2,9 @@
 block drafters), as vLLM's EAGLE, MTP and DFlash proposers share one base proposer.
 
 Such a drafter declares in `reads` which hidden layers each target pass must keep; the loop
-calls `accept(num_accepted)` after each pass, and the pass's rows for the last committed token
-and the accepted drafts (its first num_accepted + 1 rows) are queued in `pending` until the
+calls `accept(num_accepted)` after each pass (`accept(num_accepted, path)` after a tree, whose
+pass's rows the runner has cut to the accepted path), and the pass's rows for the last committed
+token and the accepted drafts (its first num_accepted + 1 rows) are queued in `pending` until the
 drafter's next round consumes them (`take_pending`). Rows of rejected drafts are never queued,
 so nothing the drafter keeps has to be undone for them.
 
@@ -21,8 +22,11 @@ from __future__ import annotations
 
 import torch
 
+from engine.drafters.base import Draft
 from engine.drafters.target_positions import TargetPositions
 from engine.runner import CacheState
+from engine.sampling import Sampler
+from engine.tree import best_nodes, subtree
 
 
 class TargetReadingSession:
@@ -37,8 +41,9 @@ class TargetReadingSession:
         """(num_rows, L * H): the first rows of the target's last pass, `layers` concatenated."""
         return torch.cat([self.target.hidden[layer][:num_rows] for layer in self.layers], dim=-1)
 
-    def accept(self, num_accepted: int) -> None:
-        """The last pass's rows for the last committed token and the accepted drafts join `pending`."""
+    def accept(self, num_accepted: int, path: list[int] | None = None) -> None:
+        """The last pass's rows for the last committed token and the accepted drafts join `pending`
+        (after a tree pass the runner's `keep_path` has put the accepted `path`'s rows first)."""
         rows = self.target_rows(num_accepted + 1)
         self.pending = rows if self.pending is None else torch.cat([self.pending, rows])
 
@@ -57,6 +62,77 @@ class TargetReadingSession:
 
     def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
         """(n, H) embeddings of answer tokens in `prompt_embeds`' dtype; sessions that call `embeds` define it."""
+        raise NotImplementedError
+
+
+class ChainedHeadSession(TargetReadingSession):
+    """A session whose draft entries chain after `context_len` entries fed by the target's rows,
+    each reading the entry before it (EAGLE-3, the MTP head), so it can branch (engine/tree.py):
+    `propose_tree` is EAGLE-2's beam on its own cache. Depth by depth, the `branching` best nodes
+    of the newest depth get an entry each in one pass (its token, its parent's output, at its
+    depth's position; it sees the context, its ancestors' entries and itself), whose logits give
+    each its `branching` most likely children; the `budget` nodes of highest path probability
+    make the tree. Nodes are top choices, not samples (engine/sampling.accept_tree). The tree's
+    entries are cropped at the next round with the draft entries; the target's tree pass has cut
+    its rows to the accepted path (`Runner.keep_path`), so `pending` is as after a chain.
+
+    A subclass gives `_context(generated)` (the round's context entries run; (1, H) the newest
+    one's output, which drafts d_1), `_logits(out)` ((n, V) of outputs (n, H)) and
+    `_tree_entries(token_ids, parent_out, level, seen)` (the entries of nodes at depth level + 1,
+    seen (n, cached + n) bool; their outputs (n, H))."""
+
+    context_len: int  # entries fed by the target's rows
+
+    @torch.inference_mode()
+    def propose_tree(self, generated: list[int], depth: int, budget: int, branching: int, sampler: Sampler) -> Draft:
+        outputs = {-1: self._context(generated)[0]}  # node -> its entry's output; -1: the newest context entry
+        token_ids, parents, scores, run = [], [], [], []  # run: the nodes with an entry, in cache order
+        beam = [-1]
+        for level in range(depth):
+            first = len(token_ids)
+            logits = self._logits(torch.stack([outputs[node] for node in beam]))
+            probs = logits.softmax(-1) if sampler.settings.greedy else sampler.probs(logits)
+            top = probs.topk(min(branching, probs.shape[-1]), dim=-1)
+            for parent, values, indices in zip(beam, top.values.tolist(), top.indices.tolist()):
+                for p, token in zip(values, indices):
+                    if p > 0:
+                        token_ids.append(token)
+                        parents.append(parent)
+                        scores.append(p * (scores[parent] if parent >= 0 else 1.0))
+            beam = sorted(range(first, len(token_ids)), key=lambda i: -scores[i])[:branching]
+            if level == depth - 1 or not beam:
+                break
+            out = self._tree_entries([token_ids[node] for node in beam], torch.stack([outputs[parents[node]] for node in beam]),
+                                     level, self._seen(beam, parents, run))
+            outputs.update(zip(beam, out))
+            run += beam
+        kept = best_nodes(parents, scores, budget)
+        token_ids, parents = subtree(token_ids, parents, kept)
+        return Draft(token_ids, parents=parents)
+
+    def tree_unsupported(self) -> str | None:
+        return None
+
+    def _seen(self, beam: list[int], parents: list[int], run: list[int]) -> torch.Tensor:
+        """(n, context_len + len(run) + n) bool: each beam node sees the context, its ancestors' entries and itself."""
+        cached = self.context_len + len(run)
+        seen = torch.zeros(len(beam), cached + len(beam), dtype=torch.bool)
+        seen[:, :self.context_len] = True
+        for i, node in enumerate(beam):
+            seen[i, cached + i] = True
+            ancestor = parents[node]
+            while ancestor >= 0:
+                seen[i, self.context_len + run.index(ancestor)] = True
+                ancestor = parents[ancestor]
+        return seen
+
+    def _context(self, generated: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _tree_entries(self, token_ids: list[int], parent_out: torch.Tensor, level: int, seen: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
 

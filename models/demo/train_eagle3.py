@@ -1,7 +1,12 @@
 """Train an EAGLE-3 drafter for the bundled target, written in SpecForge's format.
 
     python -m models.demo.train_eagle3 --out assets/demo/eagle3_drafter [--steps N] [--seed 0]
+    python -m models.demo.train_eagle3 --out DIR --target-answers --conversations 3200 --steps 4000   # the shipped recipe
     python -m models.demo.train_eagle3 --target smol --data DIR --out assets/demo_smol/eagle3_drafter
+
+`--conversations N` trains epoch after epoch on the first N world conversations (with
+`--target-answers`, the target's own answers, each batch generated once), each batch's target
+pass kept: after the first epoch a step costs only the drafter's forward and backward.
 
 `--target smol` is the SmolLM2 demo (`models.demo.smol.assemble()`); `--data DIR` reads the
 target's own answers written by `python -m models.demo.distill_smol data --out DIR` (text
@@ -189,6 +194,9 @@ def main(argv=None) -> None:
     parser.add_argument("--draft-vocab", type=int, default=512, help="draft vocabulary size (d2t / t2d)")
     parser.add_argument("--target-answers", action="store_true",
                         help="replace each assistant turn by the target's greedy answer (slower: a generate per batch)")
+    parser.add_argument("--conversations", type=int, default=0,
+                        help="train epoch after epoch on the first N world conversations, each batch's answers "
+                             "and target pass made once and kept (0: fresh conversations every step)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -200,6 +208,8 @@ def main(argv=None) -> None:
     target = AutoModelForImageTextToText.from_pretrained(args.target, dtype=torch.float32).eval().requires_grad_(False)
     processor = load_processor(args.target)
     distilled = distilled_examples(args.data, processor.tokenizer) if args.data else None
+    if args.conversations and distilled is None:
+        distilled = list(world.train_examples(0, args.conversations))
     vocabulary = draft_vocabulary(processor, args.draft_vocab, distilled)
     config = specforge_config(target.config, len(vocabulary), os.path.relpath(args.target))
     module = eagle3.Eagle3(eagle3.read_config_dict(config))
@@ -219,10 +229,12 @@ def main(argv=None) -> None:
 
     def train_step(step: int) -> dict[str, float]:
         key, examples = next(stream)
-        if args.target_answers:
-            examples = target_answers(target, processor, examples, args.max_answer_tokens)
-        batch = passes.get(key) or TargetPass(target, processor, examples, tuple([0] + layers))
-        if key is not None:  # --data: the same batch comes back each epoch; its frozen target pass is kept
+        batch = passes.get(key)
+        if batch is None:
+            if args.target_answers:
+                examples = target_answers(target, processor, examples, args.max_answer_tokens)
+            batch = TargetPass(target, processor, examples, tuple([0] + layers))
+        if key is not None:  # --data / --conversations: the batch comes back each epoch; its answers and pass are kept
             passes[key] = batch
         losses, accuracy = eagle3_losses(module, batch, layers, args.ttt_steps, draft_of)
         lr = learning_rate(step, args.steps, args.lr, warmup=20)
