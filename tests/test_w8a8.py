@@ -18,7 +18,7 @@ from engine import fast_native
 from engine.engine import Engine
 from engine.linear_attention_rollback import runner_for
 from engine.loop import DecodeSettings
-from engine.quantized import W8A8Weight, int8_linear, quantize_rows
+from engine.quantized import W8A8Weight, quantize_rows, quantized_linear
 from engine.settings import spec
 from engine.target import int8_activations_slow
 from models import tiny
@@ -48,7 +48,7 @@ def w8a8_target(zoo, dtype, family="qwen2_vl"):
     target = copy.copy(zoo.target(family))
     target.model = copy.deepcopy(target.model).to(dtype)
     target.runner = runner_for(target.model, target.family)
-    target.runner.fast.quantize_int8(activations=True)
+    target.runner.fast.quantize("w8a8")
     return target
 
 
@@ -85,7 +85,7 @@ def test_the_compiled_product_is_the_reference_bitwise(int8_kernel, dtype, out, 
             y = int8_kernel.product(x, quantized.values.t(), bias, quantized.scales, quantized.sums)
             one_by_one = torch.cat([int8_kernel.product(row[None], quantized.values.t(), bias, quantized.scales,
                                                         quantized.sums) for row in x])
-            assert y.dtype == dtype and torch.equal(y, int8_linear(x, quantized, bias)) and torch.equal(y, one_by_one)
+            assert y.dtype == dtype and torch.equal(y, quantized_linear(x, quantized, bias)) and torch.equal(y, one_by_one)
             exact = x.double() @ weight.double() + bias.double()
             # the outlier row's int8 step is 20 / 127, about 0.16 of its typical value: ~4.5 % of its norm
             assert (y[:-1].double() - exact[:-1]).norm() <= 0.06 * exact[:-1].norm()
