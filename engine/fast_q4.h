@@ -1,8 +1,9 @@
 // 4-bit weights x int8 activations for engine/fast_layer.cpp (`--quantization q4_0`; engine/quantized.py's
 // Q4Weight is the readable reference, bitwise): y (n, out) of T = x (n, in) of T times a weight (out, in)
 // in llama.cpp's Q4_0 format (a float16 scale d and codes q in 0 .. 15 per 32 inputs, the weight
-// (q - 8) * d), stored as Q4Weight stores it: the input padded to a multiple of 64, byte j of each 64
-// inputs' 32 bytes holding input j in its low 4 bits and input 32 + j in its high 4 bits.
+// (q - 8) * d), stored as Q4Weight stores it: the input padded to a multiple of 64, byte j of each 128
+// inputs' 64 bytes holding input j in its low 4 bits and input 64 + j in its high 4 bits (a last 64
+// inputs: 32 bytes, inputs j and 32 + j), so that one load and two masks give two steps' codes.
 //
 // 1. Each row of x on its own as engine/fast_int8.h makes it int8 (one scale per row, so each step
 //    below needs the weight's scales only, shared by every row: one multiply fewer per row, output
@@ -56,6 +57,19 @@ static inline float halves_sum(float* lanes) {
   return lanes[0];
 }
 
+// The 64 codes of step s (inputs 64 s .. 64 s + 63) of one weight row, unsigned 0 .. 15, unpacked.
+static inline void step_codes(const uint8_t* row, int64_t stride, int64_t s, int8_t codes[64]) {
+  const int64_t pairs = stride / 128;
+  const uint8_t* bytes = row + 64 * (s / 2);
+  for (int j = 0; j < 64; ++j) {
+    if (s < 2 * pairs) {
+      codes[j] = static_cast<int8_t>(s % 2 == 0 ? bytes[j] & 15 : bytes[j] >> 4);
+    } else {  // the last 64 inputs, in 32 bytes
+      codes[j] = static_cast<int8_t>(j < 32 ? bytes[j] & 15 : bytes[j - 32] >> 4);
+    }
+  }
+}
+
 // totals[r][c]: step 2 for R rows of x from `first` and C weight rows, `stride` inputs (padded).
 template <int R, int C>
 static inline void portable_block(const Rows& x, int64_t first, const uint8_t* codes, const at::Half* scales,
@@ -63,15 +77,12 @@ static inline void portable_block(const Rows& x, int64_t first, const uint8_t* c
   const int64_t stride = x.stride, steps = stride / 64;
   float lanes[R][C][16] = {};
   for (int64_t s = 0; s < steps; ++s) {
-    int8_t w[C][64];  // the step's codes, unpacked as unsigned values 0 .. 15
+    int8_t w[C][64];
     float d[C][16];
-    for (int c = 0; c < C; ++c)
-      for (int j = 0; j < 32; ++j) {
-        const uint8_t byte = codes[c * stride / 2 + s * 32 + j];
-        w[c][j] = static_cast<int8_t>(byte & 15);
-        w[c][32 + j] = static_cast<int8_t>(byte >> 4);
-        if (j < 16) d[c][j] = static_cast<float>(scales[c * stride / 32 + 2 * s + j / 8]);
-      }
+    for (int c = 0; c < C; ++c) {
+      step_codes(codes + c * stride / 2, stride, s, w[c]);
+      for (int l = 0; l < 16; ++l) d[c][l] = static_cast<float>(scales[c * stride / 32 + 2 * s + l / 8]);
+    }
     for (int r = 0; r < R; ++r) {
       const int8_t* xs = x.values.data() + (first + r) * stride + s * 64;
       const int32_t* corrections = x.corrections.data() + (first + r) * stride / 4 + s * 16;
@@ -96,35 +107,62 @@ static inline float halves_sum(__m512 v) {  // halves_sum's order
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
 }
 
-// portable_block with AVX512-VNNI: a step's 32 bytes of codes split into 64 unsigned bytes (low
-// halves, then high halves: inputs 0 .. 63 in order), its two scales spread over lanes 0-7 and 8-15.
+// Scales k and k + 1 of four (floats) spread over lanes 0-7 and 8-15.
+static inline __m512 spread(__m128 four, int k) {
+  const __m512i lanes = _mm512_set_epi32(k + 1, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1, k, k, k, k, k, k, k, k);
+  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(four));
+}
+
+// Step 2 for R rows and C weight rows at step s: w[c] its 64 codes, d[c] its two scales spread.
+template <int R, int C>
+static inline void vnni_step(const Rows& x, int64_t first, int64_t s, const __m512i* w, const __m512* d,
+                             __m512 lanes[R][C]) {
+  for (int r = 0; r < R; ++r) {
+    const __m512i xs = _mm512_loadu_si512(x.values.data() + (first + r) * x.stride + s * 64);
+    const __m512i corrections = _mm512_loadu_si512(x.corrections.data() + (first + r) * x.stride / 4 + s * 16);
+    for (int c = 0; c < C; ++c)
+      lanes[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corrections, w[c], xs)), d[c], lanes[r][c]);
+  }
+}
+
+// portable_block with AVX512-VNNI: each 128 inputs' 64 bytes of codes masked into two steps' 64
+// unsigned bytes (low halves, then high halves), their four scales made float once and spread.
 template <int R, int C>
 static inline void vnni_block(const Rows& x, int64_t first, const uint8_t* codes, const at::Half* scales,
                               float totals[R][C]) {
-  const int64_t stride = x.stride, steps = stride / 64;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const int64_t stride = x.stride, pairs = stride / 128;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 lanes[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) lanes[r][c] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < steps; ++s) {
-    __m512i w[C];
-    __m512 d[C];
+  __m512i packed[C], w[C];
+  __m512 d[C];
+  __m128 four[C];
+  for (int64_t p = 0; p < pairs; ++p) {
     for (int c = 0; c < C; ++c) {
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * stride / 2 + s * 32));
-      w[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, low4)),
-                                _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4), 1);
-      int32_t pair;
-      std::memcpy(&pair, scales + c * stride / 32 + 2 * s, sizeof pair);
-      d[c] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(pair))));
+      packed[c] = _mm512_loadu_si512(codes + c * stride / 2 + 64 * p);
+      four[c] = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + c * stride / 32 + 4 * p)));
+      w[c] = _mm512_and_si512(packed[c], low4);
+      d[c] = spread(four[c], 0);
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512i xs = _mm512_loadu_si512(x.values.data() + (first + r) * stride + s * 64);
-      const __m512i corrections = _mm512_loadu_si512(x.corrections.data() + (first + r) * stride / 4 + s * 16);
-      for (int c = 0; c < C; ++c)
-        lanes[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corrections, w[c], xs)), d[c],
-                                      lanes[r][c]);
+    vnni_step<R, C>(x, first, 2 * p, w, d, lanes);
+    for (int c = 0; c < C; ++c) {
+      w[c] = _mm512_and_si512(_mm512_srli_epi16(packed[c], 4), low4);
+      d[c] = spread(four[c], 2);
     }
+    vnni_step<R, C>(x, first, 2 * p + 1, w, d, lanes);
+  }
+  if (stride % 128) {  // the last 64 inputs, in 32 bytes
+    for (int c = 0; c < C; ++c) {
+      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * stride / 2 + 64 * pairs));
+      const __m256i low = _mm512_castsi512_si256(low4);
+      w[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(half, low)),
+                                _mm256_and_si256(_mm256_srli_epi16(half, 4), low), 1);
+      int32_t two;
+      std::memcpy(&two, scales + c * stride / 32 + 4 * pairs, sizeof two);
+      d[c] = spread(_mm_cvtph_ps(_mm_cvtsi32_si128(two)), 0);
+    }
+    vnni_step<R, C>(x, first, 2 * pairs, w, d, lanes);
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) totals[r][c] = halves_sum(lanes[r][c]);

@@ -75,9 +75,11 @@ class W8A8Weight(Int8Weight):
 class Q4Weight:
     """A weight (out, in) in llama.cpp's Q4_0 format: for each block of 32 inputs of an output row a
     float16 scale d and codes q in 0 .. 15, the weight (q - 8) * d. Stored for engine/fast_q4.h:
-    the input padded to a multiple of 64 (padding: code 8, scale 0), and the codes of each 64 inputs
-    (two blocks) packed in 32 bytes, byte j holding input j in its low 4 bits and input 32 + j in its
-    high 4 bits (llama.cpp packs inputs j and 16 + j of one block; the same codes and scales)."""
+    the input padded to a multiple of 64 (padding: code 8, scale 0); the codes of each 128 inputs
+    packed in 64 bytes, byte j holding input j in its low 4 bits and input 64 + j in its high 4 bits,
+    and of a last 64 (a width of 64 past a multiple of 128) in 32 bytes, input j and 32 + j: one
+    load and two masks give 64 codes in order (llama.cpp packs inputs j and 16 + j of each block; the
+    same codes and scales)."""
 
     codes: torch.Tensor  # (out, padded_in / 2) uint8
     scales: torch.Tensor  # (out, padded_in / 32) float16
@@ -97,13 +99,14 @@ class Q4Weight:
             block_codes, block_scales = quantize_q4_0(rows)
             codes[start:start + len(rows), :width] = block_codes
             scales[start:start + len(rows), :width // Q4_BLOCK] = block_scales
-        steps = codes.view(out, padded // 64, 2, 32)  # the two blocks of each 64 inputs
-        return cls((steps[:, :, 0] | steps[:, :, 1] << 4).reshape(out, padded // 2), scales, width)
+        packed = [(halves[:, :, 0] | halves[:, :, 1] << 4).reshape(out, -1) for halves in packed_groups(codes)]
+        return cls(torch.cat(packed, dim=1), scales, width)
 
     def values(self) -> torch.Tensor:
         """The signed values q - 8, (out, padded_in) int8, unpacked."""
-        steps = self.codes.view(len(self.codes), -1, 32)
-        return (torch.cat([steps & 15, steps >> 4], dim=2).reshape(len(self.codes), -1).to(torch.int8) - 8)
+        out, pairs = len(self.codes), self.codes.shape[1] // 64
+        groups = [self.codes[:, :64 * pairs].view(out, pairs, 64), self.codes[:, 64 * pairs:].view(out, -1, 32)]
+        return torch.cat([torch.cat([g & 15, g >> 4], dim=2).reshape(out, -1) for g in groups], dim=1).to(torch.int8) - 8
 
     def float_product(self, x: torch.Tensor) -> torch.Tensor:
         """x (n, in) times this weight, (n, out) float32, as engine/fast_q4.h computes it (bitwise):
@@ -127,6 +130,13 @@ class Q4Weight:
 
 
 Q4_BLOCK = 32  # inputs per Q4_0 scale
+
+
+def packed_groups(codes: torch.Tensor) -> list[torch.Tensor]:
+    """codes (out, padded) in input order: each 128 inputs as (out, groups, 2, 64) halves, and the last
+    64 (if any) as (out, 1, 2, 32): what Q4Weight packs into the low and high 4 bits of a byte."""
+    out, pairs = len(codes), codes.shape[1] // 128
+    return [codes[:, :128 * pairs].reshape(out, pairs, 2, 64), codes[:, 128 * pairs:].reshape(out, -1, 2, 32)]
 
 
 def quantize_q4_0(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
