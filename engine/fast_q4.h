@@ -197,17 +197,6 @@ struct Product {
             static_cast<T>(bias ? scaled + static_cast<float>(bias[column + c]) : scaled);
       }
   }
-
-  template <int C>
-  void columns(int64_t column) const {  // every row, 4 at a time
-    int64_t r = 0;
-    for (; r + 4 <= n; r += 4) block<4, C>(r, column);
-    switch (n - r) {
-      case 3: block<3, C>(r, column); break;
-      case 2: block<2, C>(r, column); break;
-      case 1: block<1, C>(r, column); break;
-    }
-  }
 };
 
 // y (n, out) of T = x (n, in) of T times the Q4_0 weight codes (out, padded / 2) uint8 and scales
@@ -221,12 +210,7 @@ static Tensor product(const Tensor& x, const Tensor& codes, const Tensor& scales
   const Product<T> product{rows, codes.data_ptr<uint8_t>(), reinterpret_cast<const at::Half*>(scales.data_ptr()),
                            bias ? bias->data_ptr<T>() : nullptr, y.data_ptr<T>(), n, out,
                            int8_rows::in_use == "avx512-vnni"};
-  constexpr int C = 4;
-  const int64_t groups = out / C;  // groups of C outputs; a thread takes a range of them
-  at::parallel_for(0, groups, std::max<int64_t>(1, 16384 / in), [&](int64_t first, int64_t last) {
-    for (int64_t group = first; group < last; ++group) product.template columns<C>(C * group);
-  });
-  for (int64_t column = C * groups; column < out; ++column) product.template columns<1>(column);
+  int8_rows::each_block(product, n, out, std::max<int64_t>(1, 16384 / in));
   return y;
 }
 

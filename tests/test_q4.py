@@ -10,24 +10,18 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
 
 from engine import fast_native
-from engine.engine import Engine
 from engine.linear_attention_rollback import runner_for
-from engine.loop import DecodeSettings
 from engine.quantized import Q4Weight, quantize_q4_0, quantized_linear
-from engine.settings import spec
 from engine.target import quantize_fast
-from models import tiny
 from models.loading import LoadError
-from tests.mocks import corrupt
-from tests.test_fast_native import NO_COMPILER, Oracle, assert_verify_is_decode
-from tests.test_w8a8 import ROWS, int8_kernel  # noqa: F401 (int8_kernel: a fixture, both kernels)
+from tests.test_fast_native import NO_COMPILER, assert_verify_is_decode
+from tests.test_w8a8 import int8_kernel  # noqa: F401 (a fixture: both kernels)
+from tests.test_w8a8 import ROWS, SHAPES, assert_kernels_and_python_agree, assert_speculative_is_plain
 
 
 def q4_target(zoo, dtype, family="qwen2_vl"):
@@ -130,42 +124,16 @@ def test_a_verify_pass_is_bitwise_the_decode_passes(zoo, dtype, rows, int8_kerne
 def test_the_kernels_and_the_python_layer_agree(zoo, dtype, one_thread):
     """Decode, verify, tree and rollback passes: the same logits, bitwise, with each kernel; the
     Python layer (the reference, float rounding apart between the products) the same greedy tokens."""
-    from tests.test_fast_native import passes
-
-    target = q4_target(zoo, dtype)
-    native = fast_native.layer()
-    in_use, logits = native.int8_kernel(), {}
-    try:
-        for name in native.int8_kernels_built():
-            if name != "avx512-vnni" or not native.int8_fallback_reason():
-                native.use_int8_kernel(name)
-                logits[name] = passes(target.runner, target)
-    finally:
-        native.use_int8_kernel(in_use)
-    first, *others = logits.values()
-    assert all(torch.equal(a, b) for other in others for a, b in zip(first, other))
-    target.runner.fast.stack.native = None
-    python = passes(target.runner, target)
-    assert sum(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(first, python)) >= len(python) - 1
+    assert_kernels_and_python_agree(q4_target(zoo, dtype))
 
 
 @NO_COMPILER
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-@pytest.mark.parametrize("shape", [dict(draft_tokens=spec("draft_tokens").high),
-                                   dict(draft_tokens=24, draft_tree=spec("draft_tree").high, tree_branching=3)],
-                         ids=("most tokens", "most tree nodes"))
+@pytest.mark.parametrize("shape", SHAPES, ids=("most tokens", "most tree nodes"))
 def test_speculative_answers_are_the_plain_answers(zoo, one_thread, dtype, shape):
     """On Q4_0 weights, speculative greedy is plain greedy token for token, chains and trees up to
     the most the settings allow, with drafts rejected part-way."""
-    target = q4_target(zoo, dtype)
-    messages = [{"role": "user", "content": [{"type": "image", "image": image} for image in tiny.tiny_images(2, seed=5)]
-                 + [{"type": "text", "text": "Describe both."}]}]
-    decode = DecodeSettings(max_new_tokens=120, stop_token_ids=frozenset({-1}), **shape)
-    plain = list(Engine(target).stream(messages, decode=replace(decode, draft_tokens=None, draft_tree=0)))[-1]
-    speculative = list(Engine(target, {"oracle": Oracle(corrupt(plain.token_ids))}).stream(
-        messages, drafter="oracle", decode=decode))[-1]
-    assert speculative.token_ids == plain.token_ids
-    assert speculative.stats.fallback_reason is None and speculative.stats.accepted > 0
+    assert_speculative_is_plain(q4_target(zoo, dtype), shape)
 
 
 @NO_COMPILER

@@ -109,9 +109,14 @@ def test_the_kernels_and_the_python_layer_agree(zoo, dtype, one_thread):
     """Decode, verify, tree and rollback passes: the same logits, bitwise, with each int8 kernel;
     the Python layer (the reference, float rounding apart between the products) the same greedy
     tokens."""
+    assert_kernels_and_python_agree(w8a8_target(zoo, dtype))
+
+
+def assert_kernels_and_python_agree(target) -> None:
+    """The compiled passes of `target` bitwise alike with every int8-activation kernel this CPU runs,
+    and the Python layer's greedy tokens theirs (all but one pass at most)."""
     from tests.test_fast_native import passes
 
-    target = w8a8_target(zoo, dtype)
     native = fast_native.layer()
     in_use, logits = native.int8_kernel(), {}
     try:
@@ -128,15 +133,22 @@ def test_the_kernels_and_the_python_layer_agree(zoo, dtype, one_thread):
     assert sum(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(first, python)) >= len(python) - 1
 
 
+SHAPES = [dict(draft_tokens=spec("draft_tokens").high),
+          dict(draft_tokens=24, draft_tree=spec("draft_tree").high, tree_branching=3)]  # the most the settings allow
+
+
 @NO_COMPILER
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-@pytest.mark.parametrize("shape", [dict(draft_tokens=spec("draft_tokens").high),
-                                   dict(draft_tokens=24, draft_tree=spec("draft_tree").high, tree_branching=3)],
-                         ids=("most tokens", "most tree nodes"))
+@pytest.mark.parametrize("shape", SHAPES, ids=("most tokens", "most tree nodes"))
 def test_speculative_answers_are_the_plain_answers(zoo, one_thread, dtype, shape):
     """On W8A8 weights, speculative greedy is plain greedy token for token, chains and trees up to
     the most the settings allow, with drafts rejected part-way."""
-    target = w8a8_target(zoo, dtype)
+    assert_speculative_is_plain(w8a8_target(zoo, dtype), shape)
+
+
+def assert_speculative_is_plain(target, shape: dict) -> None:
+    """A two-image turn: an oracle drafter's corrupted drafts (rejected part-way) of `shape` give
+    the plain greedy answer, token for token."""
     messages = [{"role": "user", "content": [{"type": "image", "image": image} for image in tiny.tiny_images(2, seed=5)]
                  + [{"type": "text", "text": "Describe both."}]}]
     decode = DecodeSettings(max_new_tokens=120, stop_token_ids=frozenset({-1}), **shape)
