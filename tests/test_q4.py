@@ -21,7 +21,8 @@ from engine.target import quantize_fast
 from models.loading import LoadError
 from tests.test_fast_native import NO_COMPILER, assert_verify_is_decode
 from tests.test_w8a8 import int8_kernel  # noqa: F401 (a fixture: both kernels)
-from tests.test_w8a8 import ROWS, SHAPES, assert_kernels_and_python_agree, assert_speculative_is_plain
+from tests.test_w8a8 import (SHAPES, assert_kernels_and_python_agree, assert_product_rows, assert_speculative_is_plain,
+                             each_kernel_and_size)
 
 
 def q4_target(zoo, dtype, family="qwen2_vl"):
@@ -81,42 +82,23 @@ def test_a_width_that_is_not_whole_blocks_is_refused(zoo):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
 @pytest.mark.parametrize("out, width", [(1031, 2048), (37, 96)], ids=("2048 wide", "tails"))
 def test_the_compiled_product_is_the_reference_bitwise(int8_kernel, dtype, out, width):
-    """1 to 65 rows on two threads (a 2048-wide weight, and one whose width leaves a half step of 64
-    inputs and whose outputs leave a tail after the 4-output blocks), with an outlier in one row and
-    halfway cases in the last: bitwise the reference (engine/quantized.py), each row bitwise its
-    one-row product, and close to the float64 product of the weights the codes stand for."""
+    """A 2048-wide weight, and one whose width leaves a half step of 64 inputs and whose outputs leave
+    a tail after the 4-output blocks, with llama.cpp's awkward blocks: tests/test_w8a8.py's
+    assert_product_rows, against the float64 product of the weights the codes stand for."""
     generator = torch.Generator().manual_seed(out)
     weight = awkward_weight(out, width, seed=out).to(dtype).t()  # (in, out) view of (out, in)
     quantized = Q4Weight.quantize(weight)
     dequantized = (quantized.values().double() * quantized.scales.double().repeat_interleave(32, dim=1))[:, :width]
     bias = torch.randn(out, generator=generator).to(dtype)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        for n in ROWS:
-            x = torch.randn(n, width, generator=generator).to(dtype)
-            x[n // 2, 3] = 20.0
-            x[-1] = torch.arange(width) % 9 - 3.5  # halfway cases: scale 1 (127 / 127), rounded to even
-            x[-1, 0] = 127.0
-            y = int8_kernel.product(x, quantized.codes, bias, quantized.scales)
-            one_by_one = torch.cat([int8_kernel.product(row[None], quantized.codes, bias, quantized.scales)
-                                    for row in x])
-            assert y.dtype == dtype and torch.equal(y, quantized_linear(x, quantized, bias))
-            assert torch.equal(y, one_by_one)
-            exact = x.double() @ dequantized.t() + bias.double()
-            assert (y[:-1].double() - exact[:-1]).norm() <= 0.06 * exact[:-1].norm()  # the int8 rows' rounding
-    finally:
-        torch.set_num_threads(threads)
+    assert_product_rows(lambda x: int8_kernel.product(x, quantized.codes, bias, quantized.scales),
+                        lambda x: quantized_linear(x, quantized, bias),
+                        lambda x: x.double() @ dequantized.t() + bias.double(), width, dtype, generator)
 
 
-@NO_COMPILER
-@pytest.mark.parametrize("int8_kernel", ("avx512-vnni", "portable"), indirect=True)
-@pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@each_kernel_and_size
 def test_a_verify_pass_is_bitwise_the_decode_passes(zoo, dtype, rows, int8_kernel):
     """As tests/test_fast_native.py's, for both kernels."""
-    target = q4_target(zoo, dtype)
-    assert_verify_is_decode(target.runner, target, rows)
+    assert_verify_is_decode((target := q4_target(zoo, dtype)).runner, target, rows)
 
 
 @NO_COMPILER
