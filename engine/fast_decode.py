@@ -20,10 +20,11 @@ fewer operations, over a StaticKVCache (engine/static_cache.py):
   16-bit weights the scale is applied after the cast back, as transformers does);
 - a pass writes its K/V into the cache's slots; attention reads slots 0 .. length - 1; for 16-bit
   weights on a CPU the cache and attention are float32 (`attention_dtype`);
-- with `--quantization int8` (`quantize_int8`), the products and the output layer read int8
+- with `--quantization int8` (`quantize`), the products and the output layer read int8
   weights with per-row scales (engine/quantized.py, `Int8Weight`; the compiled rows kernel, or
   torch's `_weight_int8pack_mm`): half the bytes; with `w8a8` the activations become int8 too
-  before each product (`W8A8Weight`: integer sums, VNNI in the compiled kernel).
+  before each product (`W8A8Weight`: integer sums, VNNI in the compiled kernel); with `q4_0`
+  llama.cpp's Q4_0 weights (`Q4Weight`, engine/fast_q4.h) times the same int8 rows.
 
 On a CPU the whole stack runs compiled where the machine can build it (engine/fast_native.py,
 engine/fast_layer.cpp: one call a pass; ATen's matrix products with the rest as loops, the same
@@ -53,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import fast_native
-from engine.quantized import Int8Weight, W8A8Weight, int8_linear
+from engine.quantized import QUANTIZED, Int8Weight, Q4Weight, W8A8Weight, quantized_linear
 from engine.static_cache import StaticKVCache
 from models.families import fast_text_types
 
@@ -123,17 +124,21 @@ class Attention:
     eps: float  # the RMSNorms'
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Q4Weight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (n, in) times a weight (in, out) (plus bias): F.linear(x, weight.t(), bias) in the one
     matrix-product call F.linear would make (same kernel, same result), without its wrappers."""
-    if isinstance(weight, Int8Weight):
-        return int8_linear(x, weight, bias)
+    if isinstance(weight, (Int8Weight, Q4Weight)):
+        return quantized_linear(x, weight, bias)
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
-def native_weight(native, weight: torch.Tensor | Int8Weight):
+def native_weight(native, weight: torch.Tensor | Int8Weight | Q4Weight):
     """A product's weight as the compiled stack takes it (native.Weight): (in, out) values, and
-    the int8 scales of an Int8Weight (and a W8A8Weight's sums: int8 activations)."""
+    the int8 scales of an Int8Weight (and a W8A8Weight's sums: int8 activations); a Q4Weight's
+    codes and block scales."""
+    if isinstance(weight, Q4Weight):
+        return native.Weight(weight.codes, weight.scales)
     if isinstance(weight, Int8Weight):
         sums = weight.sums if isinstance(weight, W8A8Weight) else None
         return native.Weight(weight.values.t(), weight.scales, sums)
@@ -346,11 +351,12 @@ class FastDecoder:
         self.head_weight = share([self.lm_head], self.input_major)  # (H, V), or an Int8Weight
 
     @torch.no_grad()
-    def quantize_int8(self, activations: bool = False) -> None:
-        """Decode and verify passes read int8 copies of the layers' and the output layer's weights
-        (`--quantization int8`; with int8 activations too, `w8a8`: engine/quantized.py); the
-        model's own weights stay for prefill (transformers' forward)."""
-        kind = W8A8Weight if activations else Int8Weight
+    def quantize(self, quantization: str = "int8") -> None:
+        """Decode and verify passes read quantized copies of the layers' and the output layer's
+        weights (engine/quantized.py: `int8`; with int8 activations too, `w8a8`; llama.cpp's Q4_0
+        weights times int8 activations, `q4_0`); the model's own weights stay for prefill
+        (transformers' forward)."""
+        kind = QUANTIZED[quantization]
         self.stack.layers = [Layer(layer.input_norm, kind.quantize(layer.qkv_weight), layer.qkv_bias,
                                    kind.quantize(layer.o_weight), layer.o_bias, layer.post_norm,
                                    kind.quantize(layer.gate_up_weight), kind.quantize(layer.down_weight))

@@ -188,18 +188,30 @@ struct Product {
             static_cast<T>(bias ? scaled + static_cast<float>(bias[column + c]) : scaled);
       }
   }
-
-  template <int C>
-  void columns(int64_t column) const {  // every row, 4 at a time
-    int64_t r = 0;
-    for (; r + 4 <= n; r += 4) block<4, C>(r, column);
-    switch (n - r) {
-      case 3: block<3, C>(r, column); break;
-      case 2: block<2, C>(r, column); break;
-      case 1: block<1, C>(r, column); break;
-    }
-  }
 };
+
+// product.block<R, C> over every row (4 at a time) for outputs column .. column + C - 1.
+template <int C, typename P>
+static inline void columns(const P& product, int64_t n, int64_t column) {
+  int64_t r = 0;
+  for (; r + 4 <= n; r += 4) product.template block<4, C>(r, column);
+  switch (n - r) {
+    case 3: product.template block<3, C>(r, column); break;
+    case 2: product.template block<2, C>(r, column); break;
+    case 1: product.template block<1, C>(r, column); break;
+  }
+}
+
+// product.block over n rows and `out` outputs: groups of 4 outputs in parallel (a thread takes a
+// range of at least `grain` groups), the outputs left over one by one.
+template <typename P>
+static void each_block(const P& product, int64_t n, int64_t out, int64_t grain) {
+  const int64_t groups = out / 4;
+  at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
+    for (int64_t group = first; group < last; ++group) columns<4>(product, n, 4 * group);
+  });
+  for (int64_t column = 4 * groups; column < out; ++column) columns<1>(product, n, column);
+}
 
 // y (n, out) of T = x (n, in) of T times weight (out, in) int8 with scales (out,) of T and the weight
 // rows' sums (out,) int32, plus bias (out,) of T or none; any number of rows.
@@ -213,12 +225,7 @@ static Tensor product(const Tensor& x, const Tensor& weight, const Tensor& scale
   const Product<T> product{rows, weight.data_ptr<int8_t>(), sums.data_ptr<int32_t>(), scales.data_ptr<T>(),
                            bias ? bias->data_ptr<T>() : nullptr, y.data_ptr<T>(), n, in, out,
                            in_use == "avx512-vnni"};
-  constexpr int C = 4;
-  const int64_t groups = out / C;  // groups of C outputs; a thread takes a range of them
-  at::parallel_for(0, groups, std::max<int64_t>(1, 8192 / in), [&](int64_t first, int64_t last) {
-    for (int64_t group = first; group < last; ++group) product.template columns<C>(C * group);
-  });
-  for (int64_t column = C * groups; column < out; ++column) product.template columns<1>(column);
+  each_block(product, n, out, std::max<int64_t>(1, 8192 / in));
   return y;
 }
 

@@ -20,6 +20,7 @@
 #endif
 
 #include "fast_int8.h"
+#include "fast_q4.h"
 
 using at::Tensor;
 
@@ -312,6 +313,26 @@ static Tensor int8_activations_product(const Tensor& x, const Tensor& weight, co
   }
 }
 
+// x (n, in) times a Q4_0 weight: codes (out, padded / 2) uint8 and scales (out, padded / 32) float16
+// (engine/quantized.py's Q4Weight; padded: in rounded up to 64), plus bias: engine/fast_q4.h.
+static Tensor q4_product(const Tensor& x, const Tensor& codes, const c10::optional<Tensor>& bias,
+                         const c10::optional<Tensor>& scales) {
+  const auto type = x.scalar_type();
+  const int64_t in = x.size(1), padded = (in + 63) / 64 * 64;
+  TORCH_CHECK(in % 32 == 0 && codes.is_contiguous() && codes.size(1) * 2 == padded && scales.has_value() &&
+                  scales->scalar_type() == at::kHalf && scales->is_contiguous() &&
+                  scales->numel() == codes.size(0) * (padded / 32) && plain(bias, type),
+              "q4_0 takes x (n, in), in a multiple of 32, uint8 codes (out, in padded to 64 / 2), float16 scales "
+              "(out, in padded to 64 / 32) and a bias in x's dtype");
+  TORCH_CHECK(in <= 66000, "q4_0 takes rows of at most 66,000 values (int32 sums), not ", in);
+  switch (type) {
+    case at::kFloat: return q4_rows::product<float>(x, codes, *scales, bias);
+    case at::kBFloat16: return q4_rows::product<at::BFloat16>(x, codes, *scales, bias);
+    case at::kHalf: return q4_rows::product<at::Half>(x, codes, *scales, bias);
+    default: TORCH_CHECK(false, "q4_0 from float32, bfloat16 or float16 activations, not ", type);
+  }
+}
+
 // x (n, in) times weight (in, out) (float, or int8 with scales (out,): fast_decode.Int8Weight's
 // values transposed), plus bias: the rows kernel where it applies (the weight a transposed view of
 // an (out, in) buffer, fast_decode.default_input_major), else ATen's.
@@ -321,6 +342,7 @@ static Tensor product(const Tensor& x, const Tensor& weight, const c10::optional
   const int64_t in = weight.size(0);
   const auto type = x.scalar_type();
   if (sums.has_value()) return int8_activations_product(x, weight, bias, scales, *sums);
+  if (weight.scalar_type() == at::kByte) return q4_product(x, weight, bias, scales);
   if (x.size(0) <= ROWS_KERNEL_MAX && in % 16 == 0 && weight.stride(0) == 1 && weight.stride(1) == in &&
       plain(bias, type) && plain(scales, type) && scales.has_value() == (weight.scalar_type() == at::kChar) &&
       (weight.scalar_type() == type || weight.scalar_type() == at::kChar)) {
@@ -358,10 +380,10 @@ void use_rows_kernel(const std::string& name) {
 
 // A product's weight as fast_decode.linear takes it, (in, out): float values, or int8 values
 // (engine/quantized.py's Int8Weight transposed) with their per-output scales (out,), and for int8
-// activations (W8A8Weight) the values' row sums.
+// activations (W8A8Weight) the values' row sums; or Q4Weight's codes and block scales.
 struct Weight {
-  Tensor values;  // (in, out), a transposed view of an (out, in) buffer for the rows kernel
-  c10::optional<Tensor> scales;  // (out,) for int8 values, else none
+  Tensor values;  // (in, out), a transposed view of an (out, in) buffer for the rows kernel; q4_0: codes
+  c10::optional<Tensor> scales;  // (out,) for int8 values; q4_0: (out, blocks) float16; else none
   c10::optional<Tensor> sums;  // (out,) int32 for int8 activations, else none
 };
 
@@ -595,7 +617,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_kernels_built", &rows_kernels_built);
   m.def("product", &product, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
         pybind11::arg("scales") = c10::nullopt, pybind11::arg("sums") = c10::nullopt);
-  // int8 activations' kernel (engine/fast_int8.h): the one in use, the built ones, choosing one
+  // int8 activations' kernel (engine/fast_int8.h; w8a8 and q4_0): the one in use, the built ones, choosing one
   // (tests), and why the VNNI one is not in use ("" when it is)
   m.def("int8_kernel", [] { return int8_rows::in_use; });
   m.def("int8_kernels_built", [] { return int8_rows::built; });

@@ -15,7 +15,8 @@ Where it cannot be built (no compiler, a read-only home) or with `VLM_NATIVE_LAY
 nothing is built), the Python layer runs on its own weight layout and `unavailable()` says why.
 int8 weights (`--quantization int8`) run compiled too (the rows kernel reads their int8 values
 and scales), and with int8 activations (`w8a8`) engine/fast_int8.h's integer products (AVX512-VNNI
-where the CPU has it; `int8_fallback_reason()` says why not, and a portable loop gives the same bits).
+where the CPU has it; `int8_fallback_reason()` says why not, and a portable loop gives the same bits);
+llama.cpp's Q4_0 weights (`q4_0`) engine/fast_q4.h's, on the same int8 rows and the same choice of kernel.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from pathlib import Path
 from engine.tree import MAX_VERIFY_ROWS
 
 SOURCE = Path(__file__).with_name("fast_layer.cpp")
-HEADERS = [Path(__file__).with_name("fast_int8.h")]  # included by SOURCE: int8 activations' products
+HEADERS = [Path(__file__).with_name(name) for name in ("fast_int8.h", "fast_q4.h")]  # included by SOURCE:
+# int8 activations' products (w8a8, q4_0)
 NAME = "vlm_fast_layer"  # and torch's version, the CPU's features and the source: another build is never loaded
 # -march=native: the vector width of this CPU (AVX-512 where it has it); -fopenmp: at::parallel_for
 # on torch's OpenMP threads and `omp simd` sums; no FMA contraction, so that the rotary loop rounds

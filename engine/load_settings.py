@@ -49,7 +49,8 @@ class LoadSettings:
     quantization: str | None = setting(None, "4bit / 8bit: load the target in 4 or 8 bits (bitsandbytes); int8: "
                                        "the fast decode path reads int8 copies of the target's text weights; "
                                        "w8a8: and makes the activations int8 too, row by row (AVX512-VNNI; "
-                                       "docs/performance.md)", choices=QUANTIZATIONS,
+                                       "docs/performance.md); q4_0: llama.cpp's Q4_0 4-bit weights times "
+                                       "int8 activations", choices=QUANTIZATIONS,
                                        env="VLM_QUANTIZATION")
     max_image_tokens: int | None = setting(None, "the default of the setting max_image_tokens: at most about this "
                                            "many tokens per image (0: the model's processor's own limit; default: "

@@ -44,24 +44,25 @@ def load_target(name: str, options: LoadOptions = LoadOptions()) -> Target:
     vlm = load_vlm(name, options, config)
     runner = runner_for(vlm.model, vlm.family)
     if options.quantization in FAST_QUANTIZATIONS:
-        quantize_int8(runner, name, activations=options.quantization == "w8a8")
+        quantize_fast(runner, name, options.quantization)
     return Target(name, vlm.model, vlm.processor, vlm.family, runner, vlm.placeholder_ids)
 
 
-def quantize_int8(runner: Runner, name: str, activations: bool = False) -> None:
+def quantize_fast(runner: Runner, name: str, quantization: str = "int8") -> None:
     """`--quantization int8`: the fast path's decode and verify passes read int8 weights
-    (engine/quantized.py, Int8Weight); `w8a8` (activations): int8 activations too (W8A8Weight);
-    prefill keeps the model's own. Refused where the fast path does not cover the model; where the
-    int8 activations' fast kernel cannot run, said on the log, with the reason."""
-    flag = "--quantization " + ("w8a8" if activations else "int8")
+    (engine/quantized.py, Int8Weight); `w8a8`: int8 activations too (W8A8Weight); `q4_0`:
+    llama.cpp's Q4_0 weights times int8 activations (Q4Weight); prefill keeps the model's own.
+    Refused where the fast path does not cover the model; where the int8 activations' fast kernel
+    cannot run, said on the log, with the reason."""
+    flag = f"--quantization {quantization}"
     if runner.fast is None:
         raise LoadError(f"{flag} needs the fast decode path, which does not cover {name!r} "
-                        f"({runner.fast_fallback}); use --quantization 8bit (bitsandbytes) or none")
+                        f"({runner.fast_fallback}); use --quantization 8bit or 4bit (bitsandbytes) or none")
     try:
-        runner.fast.quantize_int8(activations)
+        runner.fast.quantize(quantization)
     except ValueError as error:
         raise LoadError(f"{flag} on {name!r}: {error}; use --dtype float32 or none") from None
-    slow = activations and int8_activations_slow(runner.fast.stack.native)
+    slow = quantization != "int8" and int8_activations_slow(runner.fast.stack.native)
     if slow:
         log.warning("%s: %s", flag, slow)
 

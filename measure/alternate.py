@@ -1,13 +1,15 @@
 """Plain decoding of this engine and of llama.cpp on the same weights, in alternating processes.
 
-    python -m measure.alternate [--preset smolvlm-256m] [--int8 | --quantization w8a8] [--rounds 3]
+    python -m measure.alternate [--preset smolvlm-256m] [--int8 | --quantization w8a8|q4_0] [--rounds 3]
                                 [--repeats 5] [--max-new-tokens 32] [--threads 2]
 
 One request's text turn (measure/realscale.py's request without its image: llama.cpp refuses the
 random SmolVLM shape's images), greedy, `--max-new-tokens` tokens that never stop early. Each
 round runs this engine in a fresh process, then llama.cpp in another (the GGUF that
 measure/realscale.py converts: bf16 for a bfloat16 target, Q8_0 with `--int8` or `--quantization
-int8|w8a8`; llama.cpp built for this CPU where it has been built: engine/backends/llamacpp_native.py), so neither
+int8|w8a8`; with `--quantization q4_0` Q4_0 of the same weights, and a third process per round on
+llama.cpp's Q4_K_M mix, both made by llama-quantize: engine/backends/llamacpp_native.py; llama.cpp
+built for this CPU where it has been built), so neither
 shares an OpenMP runtime or memory with the other, and a machine that slows down or speeds up
 during the run moves both sides of a round alike. Each process warms up (pages its weights in),
 decodes the turn once untimed (warm-up), then `--repeats` times and reports the median decode tokens/s. Printed: every
@@ -29,8 +31,21 @@ import torch
 from measure.bench_rows import interleaved
 
 
+# --quantization: llama.cpp's GGUF beside each of this engine's (and the sides after "this")
+GGUFS = {None: ("bf16",), "int8": ("q8_0",), "w8a8": ("q8_0",), "q4_0": ("q4_0", "q4_k_m")}
+
+
+def sides(quantization: str | None) -> list[str]:
+    """"this", then "llama.cpp" (the GGUF of the same weights), then "llama.cpp <type>" for the others
+    that can be made here (Q4_K_M: where llama-quantize is built)."""
+    from engine.backends.llamacpp_native import QUANTIZE, binary
+
+    first, *others = GGUFS[quantization]
+    return ["this", "llama.cpp"] + [f"llama.cpp {other}" for other in others if binary(QUANTIZE)]
+
+
 def decode_speeds(side: str, preset: str, quantization: str | None, repeats: int, max_new_tokens: int) -> list[float]:
-    """Decode tokens/s of `repeats` runs of the text turn on `side` ("this" or "llama.cpp")."""
+    """Decode tokens/s of `repeats` runs of the text turn on `side` (one of `sides`)."""
     from engine.loop import DecodeSettings
     from measure.llamacpp_rows import text_only
     from measure.realscale import photo
@@ -42,19 +57,23 @@ def decode_speeds(side: str, preset: str, quantization: str | None, repeats: int
     decode = DecodeSettings(max_new_tokens=max_new_tokens, stop_token_ids=frozenset({-1}))  # never stops early
     if side == "this":
         from engine.engine import Engine
-        from engine.target import load_target, quantize_int8
+        from engine.target import load_target, quantize_fast
         from measure.bench_rows import run_this
         from models.loading import LoadOptions
 
         target = load_target(str(target_dir), LoadOptions(dtype="bfloat16", device="cpu"))
         if quantization:
-            quantize_int8(target.runner, str(target_dir), activations=quantization == "w8a8")
+            quantize_fast(target.runner, str(target_dir), quantization)
+            native = target.runner.fast.stack.native
+            print(f"this engine: int8 activations' kernel {native.int8_kernel() if native else 'none (Python)'}",
+                  file=sys.stderr)
         engine = Engine(target, {})
         run_this(engine, None, messages, decode, 0)  # warm-up: one whole untimed answer
         return [run_this(engine, None, messages, decode, i).decode_tok_s for i in range(repeats)]
     from measure.llamacpp_rows import answer, start
 
-    backend = start(str(target_dir), None, "q8_0" if quantization else "bf16")
+    outtype = side.split()[1] if " " in side else GGUFS[quantization][0]
+    backend = start(str(target_dir), None, outtype)
     print(f"llama.cpp: {backend.server.kind}", file=sys.stderr)
     answer(backend, messages, None, decode)  # warm-up: one whole untimed answer
     return [answer(backend, messages, None, decode).stats.decode_tok_s for _ in range(repeats)]
@@ -70,13 +89,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m measure.alternate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="smolvlm-256m")
     parser.add_argument("--int8", action="store_true", help="this engine with --quantization int8, llama.cpp Q8_0")
-    parser.add_argument("--quantization", choices=("int8", "w8a8"), help="this engine with --quantization "
-                        "int8 or w8a8, llama.cpp Q8_0")
+    parser.add_argument("--quantization", choices=("int8", "w8a8", "q4_0"), help="this engine with "
+                        "--quantization int8 or w8a8, llama.cpp Q8_0; q4_0: llama.cpp Q4_0, and Q4_K_M beside it")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--side", choices=("this", "llama.cpp"), help=argparse.SUPPRESS)  # one process's part
+    parser.add_argument("--side", help=argparse.SUPPRESS)  # one process's part: one of sides()
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     quantization = args.quantization or ("int8" if args.int8 else None)
@@ -84,23 +103,29 @@ def main(argv=None) -> int:
         print(json.dumps(decode_speeds(args.side, args.preset, quantization, args.repeats, args.max_new_tokens)))
         return 0
     print(bandwidths(), flush=True)
+    if len(sides(quantization)) < len(GGUFS[quantization]) + 1:
+        print(f"not measured: {', '.join(GGUFS[quantization][1:])} (llama-quantize is not built: "
+              "python -m engine.backends.llamacpp_native --quantize)", flush=True)
 
     def median_speed(round_index: int, side: str) -> float:
-        command = [sys.executable, "-m", "measure.alternate", "--side", side, "--preset", args.preset,
+        command = [sys.executable, "-m", "measure.alternate", f"--side={side}", "--preset", args.preset,
                    "--repeats", str(args.repeats), "--max-new-tokens", str(args.max_new_tokens),
                    "--threads", str(args.threads)] + (["--quantization", quantization] if quantization else [])
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         speeds = json.loads(done.stdout.strip().splitlines()[-1])
+        if round_index == 0:  # which build and kernel each side ran
+            print("\n".join(line for line in done.stderr.splitlines() if line.startswith(("llama.cpp:", "this engine:"))))
         print(f"round {round_index + 1}, {side}: {' '.join(f'{s:.2f}' for s in speeds)} tok/s "
               f"(median {statistics.median(speeds):.2f})", flush=True)
         return statistics.median(speeds)
 
-    medians = interleaved(args.rounds, ("this", "llama.cpp"), median_speed)
-    ratios = [this / other for this, other in zip(medians["this"], medians["llama.cpp"])]
+    medians = interleaved(args.rounds, sides(quantization), median_speed)
     print(bandwidths(), flush=True)
-    print(f"{args.preset}, {quantization + ' / Q8_0' if quantization else 'bfloat16 / bf16'}, {args.threads} threads, "
-          f"{args.max_new_tokens} tokens: this engine / llama.cpp, median of rounds {statistics.median(ratios):.2f}x "
-          f"(rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
+    for other, gguf in zip(sides(quantization)[1:], GGUFS[quantization]):
+        ratios = [this / speed for this, speed in zip(medians["this"], medians[other])]
+        print(f"{args.preset}, {quantization or 'bfloat16'} / {gguf.upper()}, {args.threads} threads, "
+              f"{args.max_new_tokens} tokens: this engine / llama.cpp, median of rounds "
+              f"{statistics.median(ratios):.2f}x (rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
     return 0
 
 

@@ -234,7 +234,7 @@ def compare(model, family, rounds: int, steps: int, num_tokens: int, input_major
     fast = fast_runner()
     if int8:
         runners = {"fast": fast, "int8": fast_runner()}
-        runners["int8"].fast.quantize_int8()
+        runners["int8"].fast.quantize()
     elif compile_mode:
         runners = {"fast": fast, "compiled": fast_runner()}
         compiled(runners["compiled"].fast, compile_mode)

@@ -1,8 +1,8 @@
-"""The quality cost of the fast path's int8 weights: a quantized target's greedy choices against
-the same target unquantized, on the same tokens.
+"""The quality cost of the fast path's quantized weights (int8, w8a8, q4_0): a quantized target's
+greedy choices against the same target unquantized, on the same tokens.
 
     python -m measure.quant_quality [--preset demo | --preset smolvlm-256m] [--dtype bfloat16]
-                                    [--quantization int8,w8a8] [--prompts 20] [--tokens 64]
+                                    [--quantization int8,w8a8,q4_0] [--prompts 20] [--tokens 64]
 
 For each prompt (the demo's eval questions with their images, models.demo.world.eval_questions;
 for a random-weight shape, measure/shapes.py, text turns), the unquantized target decodes its
@@ -26,11 +26,10 @@ import torch
 def prompts(preset: str, count: int) -> tuple[str, list[list[dict]]]:
     """The target's folder and `count` conversations."""
     if preset == "demo":
-        from measure.eval import messages_of
         from models.demo.world import eval_questions
         from models.presets import ASSETS
 
-        return os.path.join(ASSETS, "target"), [messages_of(q) for q in eval_questions(0, count)]
+        return os.path.join(ASSETS, "target"), [q.messages() for q in eval_questions(0, count)]
     from measure.shapes import build_preset
 
     target_dir, _ = build_preset(preset, False)
@@ -62,7 +61,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m measure.quant_quality", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="demo", help="demo (the bundled model) or a measure/shapes.py preset")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", default="int8,w8a8")
+    parser.add_argument("--quantization", default="int8,w8a8,q4_0")
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)

@@ -67,7 +67,7 @@ def measure(preset: str, quick: bool, dtype: str, device: str, max_new_tokens: i
     from engine.drafters.registry import load_drafter
     from engine.engine import Engine
     from engine.loop import DecodeSettings
-    from engine.target import load_target, quantize_int8
+    from engine.target import load_target, quantize_fast
     from measure.bench_rows import run_transformers
     from measure.shapes import build_preset
     from models.loading import LoadOptions, dtype_name
@@ -91,7 +91,7 @@ def measure(preset: str, quick: bool, dtype: str, device: str, max_new_tokens: i
     out["generate_tok_s"], out["plain_equals_generate"] = generate.decode_tok_s, out["answer"] == generate.token_ids
     out["peak_memory_gb"] = _peak_memory_gb()
     if int8:
-        quantize_int8(target.runner, str(target_dir))  # decode and verify passes read int8 copies from here on
+        quantize_fast(target.runner, str(target_dir))  # decode and verify passes read int8 copies from here on
         out["int8"] = our_rows(engine, messages, decode, acceptances, text_turn=bool(llamacpp))
         out["int8"]["peak_memory_gb"] = _peak_memory_gb()
         out["int8"]["tokens_as_unquantized"] = next(

@@ -1,6 +1,6 @@
 """Convert a checkpoint folder to GGUF, for the llama.cpp backend (engine/backends/llamacpp.py).
 
-    python -m models.gguf SRC_DIR OUT_DIR [--outtype f32|bf16|q8_0] [--mmproj]
+    python -m models.gguf SRC_DIR OUT_DIR [--outtype f32|bf16|q8_0|q4_0] [--mmproj]
 
 writes OUT_DIR/model-{outtype}.gguf (the language model) or, with --mmproj, OUT_DIR/mmproj-{outtype}.gguf
 (the vision tower and its projector). `converted(src, outtype, mmproj)` does the same once per
@@ -29,6 +29,11 @@ Four adaptations (nothing of the converter is edited; 1-3 are overrides in `_ada
    here) gets the family's `gguf_text_architectures` (`["VLlama3ForCausalLM"]`, what the published
    SmolVLM configs say).
 The families declare both (models/families/: `Family.gguf_*`); this file names no family.
+
+`q4_0`: every 2-D weight of the language model (the embedding and the output layer too: llama-quantize's
+`--pure`) in Q4_0, quantized by the converter's gguf-py (its numpy copy of llama.cpp's
+quantize_row_q4_0_ref, the same bits: tests/test_q4.py), the rest as bf16 would be; the weights
+`--quantization q4_0` quantizes (engine/quantized.py), for measure/alternate.py.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".gguf"
-OUTTYPES = ("f32", "bf16", "q8_0")
+OUTTYPES = ("f32", "bf16", "q8_0", "q4_0")
 
 
 class ConversionError(RuntimeError):
@@ -130,12 +135,17 @@ def gpt2_pre_tokenizer(tokenizer_json: dict) -> bool:
             and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"))
 
 
-def _adapted(model_class, gguf, merger_blocks: int = 0):
+def _adapted(model_class, gguf, merger_blocks: int = 0, q4_0: bool = False):
     """`model_class` (the converter's class for this architecture) with the three adaptations;
-    `merger_blocks`: the family's (0: none to cover)."""
+    `merger_blocks`: the family's (0: none to cover); q4_0: every 2-D weight in Q4_0 (module doc)."""
 
     class Adapted(model_class):
         model_arch = model_class.model_arch  # the converter asks every subclass to name it
+
+        def tensor_force_quant(self, name, new_name, bid, n_dims):
+            if q4_0 and n_dims == 2 and new_name.endswith(".weight"):
+                return gguf.GGMLQuantizationType.Q4_0  # norms stay float32: the converter decides after
+            return super().tensor_force_quant(name, new_name, bid, n_dims)
 
         def _create_vocab_sentencepiece(self):  # 1. no_sentencepiece
             if not (self.dir_model / "tokenizer.model").is_file():
@@ -171,7 +181,7 @@ def convert(src: Path, out_dir: Path, outtype: str, mmproj: bool) -> Path:
     from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
 
     file_types = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_BF16}  # q4_0: forced
     hparams = ModelBase.load_hparams(src, False)
     family = family_of_type(hparams.get("model_type")) or Family("unregistered", ())
     text_config = hparams.get("text_config") or {}
@@ -179,7 +189,8 @@ def convert(src: Path, out_dir: Path, outtype: str, mmproj: bool) -> Path:
         hparams["text_config"] = {**text_config, "architectures": list(family.gguf_text_architectures)}
     architecture = get_model_architecture(hparams, ModelType.MMPROJ if mmproj else ModelType.TEXT)
     model_class = _adapted(get_model_class(architecture, mmproj=mmproj), gguf,
-                           family.gguf_merger_blocks if mmproj else 0)  # 3. the projector's name map only
+                           family.gguf_merger_blocks if mmproj else 0,  # 3. the projector's name map only
+                           q4_0=outtype == "q4_0" and not mmproj)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / output_name(outtype, mmproj)
     partial = path.with_name(path.name + ".partial")

@@ -24,8 +24,8 @@ class LoadError(ValueError):
 DTYPES = ("fit", "float32", "bfloat16", "float16", "auto")
 DRAFTER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("4bit", "8bit", "int8", "w8a8")  # int8, w8a8: the fast decode path's (engine/target.py)
-FAST_QUANTIZATIONS = ("int8", "w8a8")
+QUANTIZATIONS = ("4bit", "8bit", "int8", "w8a8", "q4_0")  # int8, w8a8, q4_0: the fast decode path's (engine/target.py)
+FAST_QUANTIZATIONS = ("int8", "w8a8", "q4_0")
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class LoadOptions:
 
     dtype: str = "float32"  # float32 (plain and speculative greedy answers identical) | bfloat16 | float16 | auto
     device: str = "auto"  # cpu | cuda | auto
-    quantization: str | None = None  # None | "4bit" | "8bit" (bitsandbytes) | "int8" | "w8a8" (the fast path's, target only)
+    quantization: str | None = None  # None | "4bit" | "8bit" (bitsandbytes) | "int8" | "w8a8" | "q4_0" (the fast path's, target only)
     trust_remote_code: bool = False
     # Dtype of a drafter that is its own language model (text LM or VLM). "auto": float32 on a
     # CPU for drafters under SMALL_DRAFTER_PARAMETERS (a CPU's bfloat16 matmul has a fixed cost

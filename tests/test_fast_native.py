@@ -156,7 +156,7 @@ def test_a_verify_pass_is_bitwise_the_decode_passes(zoo, dtype, int8, rows, rows
     target = bitwise_target(zoo, dtype)
     runner = Runner(target.model, target.family)
     if int8:
-        runner.fast.quantize_int8()
+        runner.fast.quantize()
     assert_verify_is_decode(runner, target, rows)
 
 

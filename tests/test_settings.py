@@ -165,7 +165,7 @@ def test_the_apps_help_lists_every_variable_the_code_reads(capsys):
     ({"VLM_MAX_IMAGE_TOKENS": "many"}, "VLM_MAX_IMAGE_TOKENS: 'many' is not a whole number"),
     ({"VLM_MAX_IMAGE_TOKENS": "-1"}, "VLM_MAX_IMAGE_TOKENS: -1 is under 0"),
     ({"VLM_DTYPE": "float64"}, "VLM_DTYPE: 'float64' is not one of fit, float32, bfloat16, float16, auto"),
-    ({"VLM_QUANTIZATION": "3bit"}, "VLM_QUANTIZATION: '3bit' is not one of 4bit, 8bit, int8, w8a8"),
+    ({"VLM_QUANTIZATION": "3bit"}, "VLM_QUANTIZATION: '3bit' is not one of 4bit, 8bit, int8, w8a8, q4_0"),
 ])
 def test_a_bad_variable_is_one_line_naming_it_and_a_flag_wins_over_a_bad_choice(environ, error):
     with pytest.raises(setup.SetupError) as refused:

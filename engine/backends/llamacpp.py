@@ -101,11 +101,17 @@ class LlamaCpp:
     @classmethod
     def from_checkpoint(cls, target: str | Path, draft: str | Path | None = None, outtype: str = "f32",
                         **options) -> LlamaCpp:
-        """Convert (once, cached: models/gguf.py) a checkpoint folder and its draft model, and start."""
+        """Convert (once, cached: models/gguf.py) a checkpoint folder and its draft model, and start.
+        outtype q4_0 / q4_k_m (llama-quantize's, llamacpp_native.py): the vision projector in q8_0."""
+        from engine.backends.llamacpp_native import QUANTIZED, quantized_gguf
         from models.gguf import converted
 
-        mmproj = converted(target, outtype, mmproj=True) if _has_vision(target) else None
-        return cls(converted(target, outtype), mmproj, converted(draft, outtype) if draft else None,
+        def language_model(src):
+            return quantized_gguf(src, outtype) if outtype in QUANTIZED else converted(src, outtype)
+
+        mmproj_type = "q8_0" if outtype in ("q4_0", *QUANTIZED) else outtype
+        mmproj = converted(target, mmproj_type, mmproj=True) if _has_vision(target) else None
+        return cls(language_model(target), mmproj, language_model(draft) if draft else None,
                    checkpoint=target, **options)
 
     @classmethod

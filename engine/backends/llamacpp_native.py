@@ -1,7 +1,9 @@
-"""llama.cpp built for this CPU from the pinned xllamacpp sdist: `llama-server` and `llama-bench`.
+"""llama.cpp built for this CPU from the pinned xllamacpp sdist: `llama-server` and `llama-bench`
+(and `llama-quantize`, for the Q4_K_M GGUFs measure/alternate.py puts beside Q4_0: `--quantize`).
 
     python -m engine.backends.llamacpp_native            # build once (about 20 min on 2 cores), cached
     python -m engine.backends.llamacpp_native --where    # the folder of the binaries, or exit 1
+    python -m engine.backends.llamacpp_native --quantize # llama-quantize too (another 15 min or so)
 
 The prebuilt `xllamacpp` wheel is an AVX2-only build; the fair CPU anchor is the same llama.cpp
 (the sdist of the installed xllamacpp, `thirdparty/llama.cpp`, the converter's source too:
@@ -31,9 +33,10 @@ import tarfile
 import time
 from pathlib import Path
 
-from models.gguf import CACHE, xllamacpp_sdist, xllamacpp_version
+from models.gguf import CACHE, converted, xllamacpp_sdist, xllamacpp_version
 
 TARGETS = ("llama-server", "llama-bench")
+QUANTIZE = "llama-quantize"
 # /proc/cpuinfo flag -> ggml's CMake option (ggml/CMakeLists.txt), each ON where the CPU has it.
 FEATURES = {"sse4_2": "GGML_SSE42", "avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C", "bmi2": "GGML_BMI2",
             "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI",
@@ -80,26 +83,51 @@ def binary(name: str = "llama-server", cache: Path = CACHE) -> Path | None:
     return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
-def build(cache: Path = CACHE, jobs: int = 2, log=print) -> Path:
-    """Build llama-server and llama-bench for this CPU once; the folder of the binaries."""
+def build(cache: Path = CACHE, jobs: int = 2, log=print, targets: tuple[str, ...] = TARGETS) -> Path:
+    """Build the `targets` this CPU's folder lacks, once; the folder of the binaries. Binaries already
+    there are kept as they are (another process may be running them); new ones are moved in whole."""
     out = build_dir(cache=cache)
-    if all((out / "bin" / name).is_file() for name in TARGETS):
+    missing = [name for name in targets if not (out / "bin" / name).is_file()]
+    if not missing:
         return out / "bin"
     if shutil.which("cmake") is None:
         raise BuildError("cmake is not installed (Debian: apt-get install cmake)")
     source = _source_tree(cache, log)
     work = out.with_name(out.name + ".partial")
     started = time.monotonic()
-    log(f"Building llama.cpp {xllamacpp_version()} for this CPU in {work} (about 20 min on 2 cores) ...")
+    log(f"Building {', '.join(missing)} of llama.cpp {xllamacpp_version()} for this CPU in {work} "
+        "(about 20 min on 2 cores for all) ...")
     _run(["cmake", "-S", str(source), "-B", str(work), *cmake_options(cpu_flags())], "configure")
-    _run(["cmake", "--build", str(work), f"-j{jobs}", "--target", *TARGETS], "build")
-    shutil.rmtree(out, ignore_errors=True)
-    (out / "bin").mkdir(parents=True)
-    for name in TARGETS:
-        shutil.copy2(work / "bin" / name, out / "bin" / name)
+    _run(["cmake", "--build", str(work), f"-j{jobs}", "--target", *missing], "build")
+    (out / "bin").mkdir(parents=True, exist_ok=True)
+    for name in missing:
+        shutil.copy2(work / "bin" / name, out / "bin" / f"{name}.partial")
+        os.replace(out / "bin" / f"{name}.partial", out / "bin" / name)
     shutil.rmtree(work, ignore_errors=True)
-    log(f"Built {', '.join(TARGETS)} in {time.monotonic() - started:.0f} s: {out / 'bin'}")
+    log(f"Built {', '.join(missing)} in {time.monotonic() - started:.0f} s: {out / 'bin'}")
     return out / "bin"
+
+
+# The GGUFs llama-quantize makes from the bf16 one: its type and options. q4_k_m: llama.cpp's default
+# mix, as its users run it (Q4_0 of the same weights as `--quantization q4_0`: models/gguf.py).
+QUANTIZED = {"q4_k_m": ("Q4_K_M",)}
+
+
+def quantized_gguf(src: str | os.PathLike, kind: str, cache: Path = CACHE) -> Path:
+    """The language model of the checkpoint `src` as a GGUF of `kind` (QUANTIZED), made once by this
+    CPU's llama-quantize from its bf16 GGUF (models/gguf.py) and cached beside it."""
+    bf16 = converted(src, "bf16", cache=cache)
+    path = bf16.with_name(f"model-{kind}.gguf")
+    if not path.is_file():
+        tool = binary(QUANTIZE, cache)
+        if tool is None:
+            raise BuildError(f"{QUANTIZE} is not built for this CPU: python -m engine.backends.llamacpp_native --quantize")
+        file_type, *options = QUANTIZED[kind]
+        partial = path.with_name(path.name + ".partial")
+        print(f"Quantizing {bf16} to {file_type} for llama.cpp (once) ...", file=sys.stderr)
+        _run([str(tool), *options, str(bf16), str(partial), file_type, str(os.cpu_count() or 1)], "quantize")
+        partial.rename(path)
+    return path
 
 
 def _source_tree(cache: Path, log) -> Path:
@@ -129,16 +157,17 @@ def _run(command: list[str], step: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Build llama.cpp for this CPU (llama-server, llama-bench).")
+    parser = argparse.ArgumentParser(description="Build llama.cpp for this CPU (llama-server, llama-bench; llama-quantize with --quantize).")
     parser.add_argument("--where", action="store_true", help="print the binaries' folder if built; exit 1 if not")
     parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default 2)")
+    parser.add_argument("--quantize", action="store_true", help=f"build {QUANTIZE} too")
     args = parser.parse_args(argv)
     if args.where:
         found = binary()
         print(found.parent if found else f"not built for this CPU ({build_dir()})")
         return 0 if found else 1
     try:
-        build(jobs=args.jobs)
+        build(jobs=args.jobs, targets=TARGETS + ((QUANTIZE,) if args.quantize else ()))
     except BuildError as error:
         raise SystemExit(f"error: {error}") from None  # exit status 1, the message on stderr
     return 0
