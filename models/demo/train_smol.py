@@ -5,7 +5,8 @@
 The model is `models.demo.smol`'s assembly (SmolLM2-135M-Instruct as the language model of a
 Qwen2-VL model), started from the bundled 3.6 M demo's vision tower with a fresh connector
 layer to 576. Only `model.visual` (vision tower + connector, 1.0 M parameters) is trained; the
-language model's weights never change, so text-only turns answer as SmolLM2 does.
+language model's weights never change, so text-only turns answer as SmolLM2 does; with
+`--adapters-rank R` low-rank adapters on the language model learn too (`picture_adapters.py`).
 
 Data: the world's training conversations (`world.train_examples`), batch b of pool p drawn
 from a fixed range of examples, so a resumed run sees exactly the batches it would have seen.
