@@ -6,12 +6,13 @@ The build itself (20 minutes) is not run here; the tests that start a server use
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from engine.backends import llamacpp_native
+from engine.backends import llamacpp_native, llamacpp_process
 from engine.backends.llamacpp_native import binary, build_dir, cmake_options
 from engine.backends.llamacpp_process import NATIVE_VARIABLE, build_name, uses_native
 from measure import bench, llamacpp_rows
@@ -88,14 +89,19 @@ def engine_with_text_drafter():
                            target=SimpleNamespace(model=torch.nn.Linear(2, 2).to(torch.bfloat16)))
 
 
-def test_bench_llamacpp_native_makes_rows_from_both_builds_each_named():
+def test_bench_llamacpp_native_makes_rows_from_both_builds_each_named(monkeypatch):
+    """The rows are only named here (no server starts), so a native build is assumed present,
+    as on a machine where it was built: CI's fresh machine has none."""
+    built = lambda name="llama-server", cache=None: Path("/built") / name  # noqa: E731
+    monkeypatch.setattr(llamacpp_native, "binary", built)
+    monkeypatch.setattr(llamacpp_process, "binary", built)
     engine = engine_with_text_drafter()
     phases = bench.llamacpp_phases(["q8_0", "native"], engine, DEMO_TARGET)
     assert [[label for _, label, _ in phase.specs] for phase in phases] == [
         ["q8_0, native", "text turns, q8_0, native"], ["q8_0, prebuilt", "text turns, q8_0, prebuilt"],
         ["text_drafter, text turns, q8_0, native"], ["text_drafter, text turns, q8_0, prebuilt"]]
     default = bench.llamacpp_phases([], engine, DEMO_TARGET)  # bf16 as the target; the native build where built
-    build = "native" if NATIVE is not None else "prebuilt"
+    build = "native"
     assert [[label for _, label, _ in phase.specs] for phase in default] == [
         [build, f"text turns, {build}"], [f"text_drafter, text turns, {build}"]]
     assert [[label for _, label, _ in phase.specs] for phase in bench.llamacpp_phases(["q8_0"], engine, DEMO_TARGET)
