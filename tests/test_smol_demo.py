@@ -227,7 +227,7 @@ def test_trained_parts_round_trip_into_a_new_assembly(tiny, tmp_path):
 
 def test_the_app_offers_the_smol_demo_its_own_examples_and_note(tiny):
     """Served as the app serves it: the SmolLM2 demo (its assembled folder's name) gets text
-    examples and the one picture example it reads right, with its limits said in the chat."""
+    examples and the picture examples it reads right, with its limits said in the chat."""
     import os
 
     from app_ui import components
