@@ -15,6 +15,9 @@ off) on its own answers to text prompts (`models.demo.distill_smol`), and
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import torch
 import torch.nn.functional as F
 
@@ -97,9 +100,6 @@ def text_batches(records: list[dict], tokenizer, render, batch_size: int, seed: 
     """Endless batches of text turns with the frozen target's answers (answers.jsonl records of
     kind "text"), shuffled per epoch with (seed, epoch): right-padded input ids, the mask, and
     labels at the answer tokens. `render(prompt)` is the prompt's text with the generation prompt."""
-    import itertools
-    import random
-
     pad = tokenizer.pad_token_id
     for epoch in itertools.count():
         order = list(range(len(records)))

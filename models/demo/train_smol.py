@@ -105,7 +105,7 @@ def text_data(args, processor):
     """Endless text batches of the frozen target's own answers (None without --text-data)."""
     if args.text_data is None or args.text_batch == 0:
         return None
-    records = [r for r in map(json.loads, open(args.text_data)) if r["kind"] == "text"]
+    records = [r for r in map(json.loads, args.text_data.read_text().splitlines()) if r["kind"] == "text"]
     render = lambda prompt: processor.apply_chat_template(  # noqa: E731
         [{"role": "user", "content": [{"type": "text", "text": prompt}]}], add_generation_prompt=True)
     return text_batches(records, processor.tokenizer, render, args.text_batch, args.seed)
@@ -141,6 +141,8 @@ def main() -> None:
     parser.add_argument("--init-from", type=Path, help="a vision-only checkpoint (latest.pt) to start the "
                         "vision tower, connector and probe from, when --ckpt has none yet")
     args = parser.parse_args()
+    if args.text_data and not args.adapters_rank:
+        parser.error("--text-data keeps the adapters' text turns close to SmolLM2: it needs --adapters-rank")
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
