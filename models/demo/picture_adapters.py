@@ -4,13 +4,14 @@ A frozen SmolLM2-135M reads the pictures only through its input embeddings, and 
 way (vision tower + connector alone) it stopped at 27 % on the world's held-out questions. These
 adapters let the language model itself learn to read the vision tokens: each projection of each
 decoder layer becomes W + B @ A (rank r, B zero at the start, so training starts from SmolLM2
-exactly). They are merged into the weights when the demo is assembled (`models.demo.smol`),
-so the shipped model is a plain Qwen2-VL model every engine runs.
+exactly). The assembled demo carries them as its picture weights (models/picture_weights.py):
+the engine adds them to the weights only for conversations that hold a picture, so text turns
+are SmolLM2's by construction (`python -m measure.smol_text` checks it).
 
-Text turns are then no longer SmolLM2's by construction: training keeps them close by a
-distillation term, the KL divergence from the frozen SmolLM2 (the same model with the adapters
-off) on its own answers to text prompts (`models.demo.distill_smol`), and
-`python -m measure.smol_text` measures how many text answers stay token-identical.
+Training also keeps the adapted model close to SmolLM2 on text, by a distillation term (the KL
+divergence from the same model with the adapters off, on its own answers to text prompts,
+`models.demo.distill_smol`): a text question asked after a picture, in the same conversation,
+is answered by the adapted weights.
 """
 
 from __future__ import annotations
@@ -63,20 +64,6 @@ class PictureAdapters(torch.nn.Module):
             deltas[f"{PREFIX}{path}.lora_A"] = self.down[key].detach().float().contiguous()
             deltas[f"{PREFIX}{path}.lora_B"] = (self.scale * self.up[key].detach().float()).contiguous()
         return deltas
-
-
-def merge(state: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` (a Qwen2-VL state dict) with each adapter's update added to its weight, in
-    float32; the adapter entries themselves are left out."""
-    merged = dict(state)
-    for key in deltas:
-        if not key.endswith(".lora_A"):
-            continue
-        base = key.removesuffix(".lora_A")
-        weight = merged[f"{base}.weight"]
-        update = deltas[f"{base}.lora_B"].float() @ deltas[key].float()
-        merged[f"{base}.weight"] = (weight.float() + update).to(weight.dtype)
-    return merged
 
 
 def text_distillation(model, adapters: PictureAdapters, batch: dict, bf16: bool) -> torch.Tensor:

