@@ -153,6 +153,9 @@ def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
     by_title = {r["engine"] + " " + r["mode"] + (f" ({r['drafter']})" if r["drafter"] else ""): r for r in table}
     bandwidth = measured_bandwidth()
     lines = [f"this plain: {bound(weight_bytes(engine.target), bandwidth)}"]
+    if engine.target.picture_runner is not None:  # models/picture_weights.py: the GGUF holds the folder's weights
+        lines.append("llama.cpp has the text weights only (the folder's; its picture weights are not converted): "
+                     "on turns with a picture its answers are the un-adapted model's, so they differ")
     for row in rows:
         summary, runs = by_title[row.title], [m for m in row.runs if m.error is None]
         if not row.text_turns:
