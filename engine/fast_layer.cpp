@@ -167,6 +167,13 @@ struct Avx512Lanes {
 };
 #endif
 
+// A block of several rows (a verify pass) asks for its weight rows this many bytes ahead: with
+// R x C multiply-adds a load, the hardware prefetcher alone leaves the core waiting on memory
+// (docs/performance.md, "Verify passes": a 5-row pass of the SmolLM2 demo went from about 1.55x
+// a 1-row pass to about 1.3x). One-row blocks (decode) stream fast without it. It changes no
+// arithmetic: the sums, and so the bits, are the same.
+constexpr int64_t PREFETCH_BYTES = 1024;
+
 // out[r][c] = x row r (in floats) . weight row c (in of W), for R rows and C weight rows.
 template <typename L, int R, int C, typename W>
 static inline void dot_block_lanes(const float* x, const W* weight, int64_t in, float out[R][C]) {
@@ -175,6 +182,9 @@ static inline void dot_block_lanes(const float* x, const W* weight, int64_t in, 
     for (int c = 0; c < C; ++c) sums[r][c] = L::zero();
   for (int64_t k = 0; k < in; k += LANES) {
     typename L::V w[C];
+    if constexpr (R > 1)
+      for (int c = 0; c < C; ++c)
+        __builtin_prefetch(reinterpret_cast<const char*>(weight + c * in + k) + PREFETCH_BYTES, 0, 3);
     for (int c = 0; c < C; ++c) w[c] = L::load(weight + c * in + k);
     for (int r = 0; r < R; ++r) {
       const typename L::V xs = L::load(x + r * in + k);
