@@ -85,3 +85,11 @@ def picture_model(model: torch.nn.Module, deltas: dict[str, torch.Tensor]) -> to
         for key, value in merged.items():
             pictures.get_parameter(key).copy_(value)
     return pictures.eval()
+
+
+def for_pictures(folder: str | Path, model: torch.nn.Module) -> torch.nn.Module:
+    """The model a conversation with a picture runs: `model` (loaded from `folder`) with the
+    folder's picture weights added, or `model` itself when the folder has none. For scripts that
+    load a target with transformers (the demo's distillation and drafter training)."""
+    deltas = load(folder)
+    return model if deltas is None else picture_model(model, deltas)

@@ -4,6 +4,7 @@ template), so that no 93 MB download is needed. The real file's agreement is mea
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import zipfile
@@ -304,6 +305,25 @@ def test_picture_adapters_become_picture_weights_that_only_picture_conversations
         assert answers[0].token_ids[0] == first  # each conversation's first token is its weights' own
     assert not torch.equal(target.model.model.language_model.layers[0].mlp.up_proj.weight,
                            target.model_for(1).model.language_model.layers[0].mlp.up_proj.weight)
+
+    # the drafters' training data: picture turns answered by the picture weights, text turns by the text ones
+    from models.demo import distill_smol, train_eagle3
+
+    distill_smol.main(["data", "--out", str(tmp_path / "data"), "--target", str(assembled), "--text", "1",
+                       "--pictures", "1", "--max-new-tokens", "4"])
+    processor = load_processor(str(assembled))
+    for record in map(json.loads, open(tmp_path / "data" / "answers.jsonl")):
+        messages, shown = distill_smol.conversation(record)
+        model = target.model_for(len(shown))
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        inputs = processor(text=[text], images=shown or None, return_tensors="pt")
+        with torch.no_grad():
+            want = model.generate(**inputs, max_new_tokens=4, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+        assert record["answer_ids"] == want[: len(record["answer_ids"])], record["kind"]
+    examples = train_eagle3.distilled_examples(str(tmp_path / "data"), processor.tokenizer) * 3
+    mixed = [e for _, batch in itertools.islice(train_eagle3.batches(examples, 4, 0, split_pictures=True), 4)
+             for e in batch if bool(e.images) != bool(batch[0].images)]
+    assert not mixed  # a batch runs one set of weights
 
 
 def test_picture_weights_that_do_not_fit_are_refused_at_load_naming_the_key(tiny, tmp_path):

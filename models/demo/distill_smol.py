@@ -75,14 +75,20 @@ def generate_data(target_folder: str, out: Path, n_text: int, n_pictures: int, m
     prompts = text_prompts()[:n_text]
     records = [{"kind": "text", "prompt": p} for p in prompts] + [{"kind": "picture", "example": i} for i in range(n_pictures)]
     records = [r for r in records if key(r) not in done]  # a second run adds only what is missing
-    model = AutoModelForImageTextToText.from_pretrained(target_folder, dtype=torch.float32).eval()
+    from models.picture_weights import for_pictures
+
+    text_model = AutoModelForImageTextToText.from_pretrained(target_folder, dtype=torch.float32).eval()
+    picture_model = for_pictures(target_folder, text_model)  # the weights the engine answers pictures with
     processor = load_processor(target_folder)
     tokenizer = processor.tokenizer
     tokenizer.padding_side = "left"  # batched greedy generation: every answer starts at the same column
     ends = {tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
     started = time.time()
-    for first in range(0, len(records), batch_size):
-        batch = records[first: first + batch_size]
+    batches = [[r for r in records if r["kind"] == kind][first: first + batch_size]  # one kind a batch
+               for kind in ("text", "picture") for first in range(0, len(records), batch_size)]
+    answered = 0
+    for batch in (b for b in batches if b):
+        model = picture_model if batch[0]["kind"] == "picture" else text_model
         conversations = [conversation(r) for r in batch]
         texts = [processor.apply_chat_template(m, add_generation_prompt=True) for m, _ in conversations]
         images = [image for _, shown in conversations for image in shown]
@@ -95,7 +101,8 @@ def generate_data(target_folder: str, out: Path, n_text: int, n_pictures: int, m
                 stop = next((i for i, t in enumerate(row) if t in ends), len(row))
                 record["answer_ids"] = row[: stop + 1] if stop < len(row) else row  # the stop token kept
                 f.write(json.dumps(record) + "\n")
-        print(f"{first + len(batch)}/{len(records)} answers, {time.time() - started:.0f} s", flush=True)
+        answered += len(batch)
+        print(f"{answered}/{len(records)} answers, {time.time() - started:.0f} s", flush=True)
 
 
 def text_view(processor, record: dict) -> tuple[list[int], list[int]]:

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForImageTextToText
 
-from models import eagle3
+from models import eagle3, picture_weights
 from models.demo import world
 from models.processors import load_processor
 from models.demo.train import learning_rate
@@ -157,15 +157,21 @@ def distilled_examples(folder: str, tokenizer) -> list[world.Example]:
     return examples
 
 
-def batches(examples: list[world.Example] | None, batch_size: int, seed: int):
+def batches(examples: list[world.Example] | None, batch_size: int, seed: int, split_pictures: bool = False):
     """Step by step (batch key, examples): fresh world conversations (key None), or `examples`
     cut once into batches of similar length (less padding), their order shuffled each epoch
-    (seed, epoch); a batch's key is the same every epoch, so its target pass can be kept."""
+    (seed, epoch); a batch's key is the same every epoch, so its target pass can be kept.
+    `split_pictures`: no batch mixes text-only conversations with picture ones (a target with
+    picture weights runs them on other weights, models/picture_weights.py)."""
     if examples is None:
         yield from ((None, list(world.train_examples(step * batch_size, batch_size))) for step in itertools.count())
         return
-    order = sorted(range(len(examples)), key=lambda i: (len(examples[i].images), len(str(examples[i].messages))))
-    groups = [order[first: first + batch_size] for first in range(0, len(order), batch_size)]  # the last may be short
+    kinds = (False, True) if split_pictures else (None,)
+    groups = []
+    for pictures in kinds:
+        order = sorted((i for i in range(len(examples)) if pictures is None or bool(examples[i].images) == pictures),
+                       key=lambda i: (len(examples[i].images), len(str(examples[i].messages))))
+        groups += [order[first: first + batch_size] for first in range(0, len(order), batch_size)]  # the last may be short
     for epoch in itertools.count():
         keys = list(range(len(groups)))
         random.Random(f"{seed}:{epoch}").shuffle(keys)
@@ -206,6 +212,7 @@ def main(argv=None) -> None:
 
         args.target = str(smol.assemble())
     target = AutoModelForImageTextToText.from_pretrained(args.target, dtype=torch.float32).eval().requires_grad_(False)
+    pictures = picture_weights.for_pictures(args.target, target)  # what the engine runs conversations with a picture on
     processor = load_processor(args.target)
     distilled = distilled_examples(args.data, processor.tokenizer) if args.data else None
     if args.conversations and distilled is None:
@@ -225,15 +232,16 @@ def main(argv=None) -> None:
     layers = [i + 1 for i in layers_as_outputs(target.config.get_text_config().num_hidden_layers)]  # hidden_states indices
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr,
                                   betas=(0.9, 0.98), weight_decay=0.01)
-    stream, passes = batches(distilled, args.batch_size, args.seed), {}
+    stream, passes = batches(distilled, args.batch_size, args.seed, split_pictures=pictures is not target), {}
 
     def train_step(step: int) -> dict[str, float]:
         key, examples = next(stream)
         batch = passes.get(key)
         if batch is None:
+            model = pictures if any(e.images for e in examples) else target
             if args.target_answers:
-                examples = target_answers(target, processor, examples, args.max_answer_tokens)
-            batch = TargetPass(target, processor, examples, tuple([0] + layers))
+                examples = target_answers(model, processor, examples, args.max_answer_tokens)
+            batch = TargetPass(model, processor, examples, tuple([0] + layers))
         if key is not None:  # --data / --conversations: the batch comes back each epoch; its answers and pass are kept
             passes[key] = batch
         losses, accuracy = eagle3_losses(module, batch, layers, args.ttt_steps, draft_of)
