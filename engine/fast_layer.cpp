@@ -169,9 +169,9 @@ struct Avx512Lanes {
 
 // A block of several rows (a verify pass) asks for its weight rows this many bytes ahead: with
 // R x C multiply-adds a load, the hardware prefetcher alone leaves the core waiting on memory
-// (docs/performance.md, "Verify passes": a 5-row pass of the SmolLM2 demo went from about 1.55x
-// a 1-row pass to about 1.3x). One-row blocks (decode) stream fast without it. It changes no
-// arithmetic: the sums, and so the bits, are the same.
+// (docs/performance.md, "Verify passes: prefetch": 5 rows of the SmolVLM-256M shape's products
+// went from 1.35-1.46x one row to 1.23-1.29x). One-row blocks (decode) stream fast without it.
+// It changes no arithmetic: the sums, and so the bits, are the same.
 constexpr int64_t PREFETCH_BYTES = 1024;
 
 // out[r][c] = x row r (in floats) . weight row c (in of W), for R rows and C weight rows.

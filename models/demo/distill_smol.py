@@ -42,7 +42,14 @@ TOPICS = ("the moon", "volcanoes", "bicycles", "coffee", "the ocean", "electrici
           "bread", "trains", "snow", "the brain", "football", "honey", "libraries", "bridges", "clocks", "birds",
           "the alphabet", "magnets", "paper", "glass", "rivers", "the wind", "robots", "stars", "soap", "maps",
           "pizza", "the piano", "dinosaurs", "recycling", "the telephone", "mountains", "vaccines", "money",
-          "the seasons", "forests", "cooking", "painting")
+          "the seasons", "forests", "cooking", "painting",
+          # 50 more (the data of the second round: 1,600 prompts)
+          "the sun", "earthquakes", "cars", "tea", "lakes", "batteries", "kindness", "dancing", "flowers",
+          "ancient Egypt", "the internet", "horses", "rabbits", "thunderstorms", "geometry", "puzzles", "farming",
+          "the jungle", "cheese", "airplanes", "ice", "the heart", "basketball", "sugar", "museums", "tunnels",
+          "calendars", "insects", "languages", "kites", "ink", "plastic", "waterfalls", "clouds", "satellites",
+          "planets", "shampoo", "compasses", "soup", "the guitar", "whales", "composting", "radio", "islands",
+          "antibiotics", "banks", "holidays", "deserts at night", "baking", "sculpture")
 
 
 def text_prompts() -> list[str]:
