@@ -120,6 +120,22 @@ def test_text_turns_are_the_language_models_own(tiny):
     assert vlm.lm_head.weight.data_ptr() == vlm.model.language_model.embed_tokens.weight.data_ptr()
 
 
+def test_smol_text_compares_with_the_language_model_and_measures_drafters(tiny, tmp_path, monkeypatch):
+    """measure/smol_text.py on the tiny SmolLM2-shaped GGUF: the assembled model's text answers are
+    the Llama's token for token, and a drafter's speculative answers are the plain ones."""
+    from measure import smol_text
+
+    cache, folder = tiny
+    monkeypatch.setenv("VLM_SPECULATIVE_CHAT_CACHE", str(cache))
+    out = tmp_path / "text.json"
+    assert smol_text.main(["--model", str(folder), "--limit", "2", "--max-new-tokens", "5", "--threads", "1",
+                           "--drafter", "ngram", "--draft-tokens", "2", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["identical"] == summary["prompts"] == 2
+    assert summary["ngram"]["identical_to_plain"] == 2 and summary["ngram"]["draft_tokens"] == 2
+    assert 0 <= summary["ngram"]["acceptance"] <= 1 and summary["ngram"]["tokens_per_target_pass"] >= 1
+
+
 def test_a_picture_turn_gets_nine_vision_tokens(tiny):
     _, folder = tiny
     vlm = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
