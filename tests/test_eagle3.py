@@ -400,3 +400,28 @@ def test_train_eagle3_writes_a_specforge_folder_that_loads_and_exports(tmp_path)
         torch.testing.assert_close(drafters[0].logits(h), drafters[1].logits(h))
     done = answer(target, 1, drafters[1])
     assert done.token_ids == answer(target, 1).token_ids and done.stats.fallback_reason is None
+
+
+def test_train_eagle3_mixed_batches_mix_lengths_and_keep_each_batch_every_epoch():
+    """`--mixed-batches`: the same conversations cut into seeded random batches instead of batches
+    of similar length; either way every epoch shows each conversation once and a batch's key
+    names the same conversations every epoch (its kept target pass stays its own)."""
+    import itertools
+
+    from models.demo import world
+    from models.demo.train_eagle3 import batches
+
+    examples = [world.Example([], [world.assistant_turn("x" * (10 * i + 1))], "test") for i in range(12)]
+    length = {id(e): i for i, e in enumerate(examples)}  # examples are numbered by length
+    for mixed in (False, True):
+        stream = batches(examples, 3, seed=0, mixed=mixed)
+        epochs = [list(itertools.islice(stream, 4)) for _ in range(3)]
+        groups = [{key: sorted(length[id(e)] for e in batch) for key, batch in epoch} for epoch in epochs]
+        assert groups[0] == groups[1] == groups[2]
+        assert sorted(i for group in groups[0].values() for i in group) == list(range(12))
+        assert [key for key, _ in epochs[0]] != [key for key, _ in epochs[1]]  # batches reshuffled each epoch
+        spans = [group[-1] - group[0] for group in groups[0].values()]
+        assert (spans == [2, 2, 2, 2]) == (not mixed)  # by length: neighbours together; mixed: not
+    again = batches(examples, 3, seed=0, mixed=True)
+    assert [[length[id(e)] for e in b] for _, b in itertools.islice(again, 4)] == \
+        [[length[id(e)] for e in b] for _, b in itertools.islice(batches(examples, 3, seed=0, mixed=True), 4)]

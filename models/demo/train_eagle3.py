@@ -157,14 +157,17 @@ def distilled_examples(folder: str, tokenizer) -> list[world.Example]:
     return examples
 
 
-def batches(examples: list[world.Example] | None, batch_size: int, seed: int):
+def batches(examples: list[world.Example] | None, batch_size: int, seed: int, mixed: bool = False):
     """Step by step (batch key, examples): fresh world conversations (key None), or `examples`
-    cut once into batches of similar length (less padding), their order shuffled each epoch
-    (seed, epoch); a batch's key is the same every epoch, so its target pass can be kept."""
+    cut once into batches, of similar length (less padding) or, `mixed`, in a seeded random order
+    (each batch mixes kinds of question and answer lengths), the batches' order shuffled each
+    epoch (seed, epoch); a batch's key is the same every epoch, so its target pass can be kept."""
     if examples is None:
         yield from ((None, list(world.train_examples(step * batch_size, batch_size))) for step in itertools.count())
         return
     order = sorted(range(len(examples)), key=lambda i: (len(examples[i].images), len(str(examples[i].messages))))
+    if mixed:
+        random.Random(f"{seed}:batches").shuffle(order)
     groups = [order[first: first + batch_size] for first in range(0, len(order), batch_size)]  # the last may be short
     for epoch in itertools.count():
         keys = list(range(len(groups)))
@@ -197,6 +200,9 @@ def main(argv=None) -> None:
     parser.add_argument("--conversations", type=int, default=0,
                         help="train epoch after epoch on the first N world conversations, each batch's answers "
                              "and target pass made once and kept (0: fresh conversations every step)")
+    parser.add_argument("--mixed-batches", action="store_true",
+                        help="with --conversations / --data: batches in a seeded random order (kinds mixed; "
+                             "more padding, about 2x slower a step) rather than of similar length")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -225,7 +231,7 @@ def main(argv=None) -> None:
     layers = [i + 1 for i in layers_as_outputs(target.config.get_text_config().num_hidden_layers)]  # hidden_states indices
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr,
                                   betas=(0.9, 0.98), weight_decay=0.01)
-    stream, passes = batches(distilled, args.batch_size, args.seed), {}
+    stream, passes = batches(distilled, args.batch_size, args.seed, args.mixed_batches), {}
 
     def train_step(step: int) -> dict[str, float]:
         key, examples = next(stream)
