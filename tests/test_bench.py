@@ -68,3 +68,20 @@ def test_bench_covers_drafters_that_read_the_target(tmp_path, family, drafter, l
     assert ("this", "plain", None) in rows
     (key, cost), = result["costs"]["draft_step_s"].items()
     assert cost > 0
+
+
+def test_acceptance_gives_the_bench_fixed_k_rows_figures(zoo, tmp_path):
+    """measure.acceptance (no timing) reports what the bench's k = 2 rows report on the same
+    requests: acceptance, tokens per target forward, exactness, acceptance by position."""
+    from measure import acceptance
+
+    model = ["--model", str(zoo.dir("qwen2_vl")), "--drafter", str(zoo.dir("qwen2_vl", "vlm_drafter")),
+             "--drafter", "ngram", "--fixed-k", "2"]
+    fixed = [r for r in bench(tmp_path, model + ["--no-transformers"])["rows"] if str(r["drafter"]).endswith("k=2")]
+    out = tmp_path / "acceptance.json"
+    assert acceptance.main(model + ["--requests", "2", "--requests-from", "demo", "--max-new-tokens", "8", "--dtype",
+                                    "float32", "--device", "cpu", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    keys = ("drafter", "acceptance", "tokens_per_forward", "identical_to_plain", "accepted_by_position")
+    assert len(fixed) == 2 and [{k: r[k] for k in keys} for r in rows] == [{k: r[k] for k in keys} for r in fixed]
+    assert all(r["identical_to_plain"] == 2 and r["acceptance"] is not None for r in rows)

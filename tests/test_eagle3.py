@@ -400,3 +400,69 @@ def test_train_eagle3_writes_a_specforge_folder_that_loads_and_exports(tmp_path)
         torch.testing.assert_close(drafters[0].logits(h), drafters[1].logits(h))
     done = answer(target, 1, drafters[1])
     assert done.token_ids == answer(target, 1).token_ids and done.stats.fallback_reason is None
+
+
+def test_train_eagle3_mixed_batches_mix_lengths_and_keep_each_batch_every_epoch():
+    """`--mixed-batches`: the same conversations cut into seeded random batches instead of batches
+    of similar length; either way every epoch shows each conversation once and a batch's key
+    names the same conversations every epoch (its kept target pass stays its own)."""
+    import itertools
+
+    from models.demo import world
+    from models.demo.train_eagle3 import batches
+
+    examples = [world.Example([], [world.assistant_turn("x" * (10 * i + 1))], "test") for i in range(12)]
+    length = {id(e): i for i, e in enumerate(examples)}  # examples are numbered by length
+    for mixed in (False, True):
+        stream = batches(examples, 3, seed=0, mixed=mixed)
+        epochs = [list(itertools.islice(stream, 4)) for _ in range(3)]
+        groups = [{key: sorted(length[id(e)] for e in batch) for key, batch in epoch} for epoch in epochs]
+        assert groups[0] == groups[1] == groups[2]
+        assert sorted(i for group in groups[0].values() for i in group) == list(range(12))
+        assert [key for key, _ in epochs[0]] != [key for key, _ in epochs[1]]  # batches reshuffled each epoch
+        spans = [group[-1] - group[0] for group in groups[0].values()]
+        assert (spans == [2, 2, 2, 2]) == (not mixed)  # by length: neighbours together; mixed: not
+    again = batches(examples, 3, seed=0, mixed=True)
+    assert [[length[id(e)] for e in b] for _, b in itertools.islice(again, 4)] == \
+        [[length[id(e)] for e in b] for _, b in itertools.islice(batches(examples, 3, seed=0, mixed=True), 4)]
+
+
+def test_train_eagle3_feature_loss_is_the_fed_back_rows_distance_from_g():
+    """`--feature-weight`: step s's row of chain c, which step s + 1 reads where step 1 reads g,
+    is scored against g of token c + s. With the layer's attention and MLP outputs zeroed every
+    row is its residual, g_c, so the loss of step s is |g_c - g_{c+s}|^2 / |g_{c+s}|^2 summed over
+    the chains whose token c + s is an answer token."""
+    from models import eagle3
+    from models.demo import world
+    from models.demo.train_drafters import TargetPass
+    from models.demo.train_eagle3 import DEFAULT_TARGET, draft_vocabulary, eagle3_losses, specforge_config
+    from models.processors import load_processor
+    from transformers import AutoModelForImageTextToText
+
+    target = AutoModelForImageTextToText.from_pretrained(DEFAULT_TARGET, dtype=torch.float32).eval()
+    processor = load_processor(DEFAULT_TARGET)
+    examples = list(world.train_examples(0, 2))
+    vocabulary = draft_vocabulary(processor, 512, examples)
+    module = eagle3.Eagle3(eagle3.read_config_dict(specforge_config(target.config, len(vocabulary), "t")))
+    with torch.no_grad():
+        module.midlayer.self_attn.o_proj.weight.zero_()
+        module.midlayer.mlp.down_proj.weight.zero_()
+    layers = [2, 4, 5]
+    batch = TargetPass(target, processor, examples, (0, *layers))
+    draft_of = torch.full((module.config.vocab_size,), -1, dtype=torch.long)
+    draft_of[vocabulary] = torch.arange(len(vocabulary))
+    aligned = []
+    with torch.no_grad():
+        losses, _ = eagle3_losses(module, batch, layers, 3, draft_of, aligned)
+        g = module.project(torch.cat([batch.hidden[layer] for layer in layers], dim=-1))  # (B, S, H)
+    assert len(losses) == 3 and len(aligned) == 2
+    n = g.shape[1] - 1
+    for s, got in enumerate(aligned, start=1):
+        num = den = 0.0
+        for row in range(len(examples)):
+            for c in range(n - s):
+                if batch.answer[row, c + 1] and batch.answer[row, c + s]:  # a chain, and its token c + s answers
+                    num += float((g[row, c] - g[row, c + s]).pow(2).sum())
+                    den += float(g[row, c + s].pow(2).sum())
+        assert den > 0
+        torch.testing.assert_close(float(got), num / den, rtol=1e-4, atol=1e-6)

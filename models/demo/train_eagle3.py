@@ -34,6 +34,12 @@ over the draft vocabulary (the `--draft-vocab` most frequent tokens of the refer
 end-of-turn included; a token outside it is not a label). The embedding table is the
 target's, frozen, as SpecForge freezes it; lm_head starts from the target's rows of the draft
 vocabulary.
+
+`--feature-weight W` adds a loss that SpecForge does not have (the weights and format are
+unchanged): step s's pre-norm h, which step s + 1 reads where step 1 reads g, is pulled towards
+g of the token it stands for (EAGLE-1's feature regression, here only on the fed-back rows), so
+the later steps read what the first was trained on. `--mixed-batches` cuts `--conversations` into
+seeded random batches rather than batches of similar length (one kind of question each).
 """
 
 from __future__ import annotations
@@ -111,8 +117,12 @@ def draft_vocabulary(processor, size: int, examples: list[world.Example] | None 
 
 
 def eagle3_losses(module: eagle3.Eagle3, batch: TargetPass, layers: list[int], steps: int,
-                  draft_of: torch.Tensor) -> tuple[list[torch.Tensor], list[float]]:
-    """Cross-entropy and accuracy of each unrolled step (see the module docstring)."""
+                  draft_of: torch.Tensor, aligned: list[torch.Tensor] | None = None
+                  ) -> tuple[list[torch.Tensor], list[float]]:
+    """Cross-entropy and accuracy of each unrolled step (see the module docstring). Given a list
+    `aligned`, also appends the feature loss of each step that feeds a next one: how far its
+    pre-norm h, which step s + 1 reads where step 1 reads g, is from g of the token it stands for
+    (chain c, step s: g_{c+s}, held fixed; squared error over g's mean square)."""
     embeds = batch.hidden[0]  # (B, S, H) merged input embeddings
     g = module.project(torch.cat([batch.hidden[layer] for layer in layers], dim=-1))
     bsz, seq, _ = embeds.shape
@@ -136,6 +146,10 @@ def eagle3_losses(module: eagle3.Eagle3, batch: TargetPass, layers: list[int], s
         labels = draft_of[torch.gather(batch.greedy, 1, at)]
         valid = used & (chains + step + 1 < seq) & (labels >= 0) & \
             torch.gather(batch.answer, 1, (chains + step + 1).clamp(max=seq - 1))
+        if aligned is not None and step < steps:
+            wanted = torch.gather(g, 1, at.clamp(max=n - 1)[..., None].expand(-1, -1, g.shape[-1])).detach()
+            near = used & (at < n) & torch.gather(batch.answer, 1, at)
+            aligned.append(((rows[near] - wanted[near]) ** 2).sum() / wanted[near].pow(2).sum().clamp(min=1e-6))
         logits = module.draft_logits(rows[valid])  # a batch without a label in the draft vocabulary adds 0
         losses.append(F.cross_entropy(logits, labels[valid], reduction="sum") / max(1, int(valid.sum())))
         accuracy.append((logits.argmax(-1) == labels[valid]).float().mean().item() if valid.any() else 0.0)
@@ -157,20 +171,23 @@ def distilled_examples(folder: str, tokenizer) -> list[world.Example]:
     return examples
 
 
-def batches(examples: list[world.Example] | None, batch_size: int, seed: int, split_pictures: bool = False):
+def batches(examples: list[world.Example] | None, batch_size: int, seed: int, mixed: bool = False,
+            split_pictures: bool = False):
     """Step by step (batch key, examples): fresh world conversations (key None), or `examples`
-    cut once into batches of similar length (less padding), their order shuffled each epoch
-    (seed, epoch); a batch's key is the same every epoch, so its target pass can be kept.
+    cut once into batches, of similar length (less padding) or, `mixed`, in a seeded random order
+    (each batch mixes kinds of question and answer lengths), the batches' order shuffled each
+    epoch (seed, epoch); a batch's key is the same every epoch, so its target pass can be kept.
     `split_pictures`: no batch mixes text-only conversations with picture ones (a target with
     picture weights runs them on other weights, models/picture_weights.py)."""
     if examples is None:
         yield from ((None, list(world.train_examples(step * batch_size, batch_size))) for step in itertools.count())
         return
-    kinds = (False, True) if split_pictures else (None,)
     groups = []
-    for pictures in kinds:
+    for pictures in ((False, True) if split_pictures else (None,)):
         order = sorted((i for i in range(len(examples)) if pictures is None or bool(examples[i].images) == pictures),
                        key=lambda i: (len(examples[i].images), len(str(examples[i].messages))))
+        if mixed:
+            random.Random(f"{seed}:batches" + ("" if pictures is None else f":{pictures}")).shuffle(order)
         groups += [order[first: first + batch_size] for first in range(0, len(order), batch_size)]  # the last may be short
     for epoch in itertools.count():
         keys = list(range(len(groups)))
@@ -203,6 +220,12 @@ def main(argv=None) -> None:
     parser.add_argument("--conversations", type=int, default=0,
                         help="train epoch after epoch on the first N world conversations, each batch's answers "
                              "and target pass made once and kept (0: fresh conversations every step)")
+    parser.add_argument("--feature-weight", type=float, default=0.0,
+                        help="weight of the feature loss: each unrolled step's h, which the next step reads, "
+                             "near g of the token it stands for (0: off, SpecForge's loss alone)")
+    parser.add_argument("--mixed-batches", action="store_true",
+                        help="with --conversations / --data: batches in a seeded random order (kinds mixed; "
+                             "more padding, about 2x slower a step) rather than of similar length")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -232,7 +255,8 @@ def main(argv=None) -> None:
     layers = [i + 1 for i in layers_as_outputs(target.config.get_text_config().num_hidden_layers)]  # hidden_states indices
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr,
                                   betas=(0.9, 0.98), weight_decay=0.01)
-    stream, passes = batches(distilled, args.batch_size, args.seed, split_pictures=pictures is not target), {}
+    stream, passes = batches(distilled, args.batch_size, args.seed, args.mixed_batches,
+                             split_pictures=pictures is not target), {}
 
     def train_step(step: int) -> dict[str, float]:
         key, examples = next(stream)
@@ -244,11 +268,14 @@ def main(argv=None) -> None:
             batch = TargetPass(model, processor, examples, tuple([0] + layers))
         if key is not None:  # --data / --conversations: the batch comes back each epoch; its answers and pass are kept
             passes[key] = batch
-        losses, accuracy = eagle3_losses(module, batch, layers, args.ttt_steps, draft_of)
+        aligned = [] if args.feature_weight else None
+        losses, accuracy = eagle3_losses(module, batch, layers, args.ttt_steps, draft_of, aligned)
+        loss = sum(losses) / len(losses) + (args.feature_weight * sum(aligned) / len(aligned) if aligned else 0.0)
         lr = learning_rate(step, args.steps, args.lr, warmup=20)
-        optimizer_step(optimizer, module, sum(losses) / len(losses), lr)
+        optimizer_step(optimizer, module, loss, lr)
         return {f"loss{i + 1}": loss.item() for i, loss in enumerate(losses)} | \
-            {f"acc{i + 1}": a for i, a in enumerate(accuracy)}
+            {f"acc{i + 1}": a for i, a in enumerate(accuracy)} | \
+            {f"feature{i + 1}": f.item() for i, f in enumerate(aligned or [])}
 
     seconds = run_training(args.steps, args.save_every, train_step,
                            lambda entries, seconds: save(args, argv, module, config, entries, seconds))
