@@ -134,13 +134,13 @@ def main(argv=None) -> int:
                "answer": tokenizer.decode(want)}
         for key in drafters:
             answer = [e for e in engine.stream(messages, drafter=key, decode=speculative) if isinstance(e, Done)][0]
-            s, total = answer.stats, totals[key]
-            total["identical"] += answer.token_ids == done.token_ids
-            for field in ("drafted", "accepted", "target_forwards"):
-                total[field] += getattr(s, field)
+            stats, total, same_answer = answer.stats, totals[key], answer.token_ids == done.token_ids
+            counts = {field: getattr(stats, field) for field in ("drafted", "accepted", "target_forwards")}
+            for field, count in counts.items():
+                total[field] += count
+            total["identical"] += same_answer
             total["tokens"] += len(answer.token_ids)
-            row[key] = {"identical_to_plain": answer.token_ids == done.token_ids, "drafted": s.drafted,
-                        "accepted": s.accepted, "target_forwards": s.target_forwards}
+            row[key] = {"identical_to_plain": same_answer, **counts}
         rows.append(row)
         print(f"{number + 1:2d} {'same' if same else f'DIFFERS at {first}'} ({len(want)} tokens): "
               f"{tokenizer.decode(want)[:70]!r}", flush=True)

@@ -45,7 +45,7 @@ def merge(state: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor]) -> di
     merged = dict(state)
     for base in bases(deltas):
         weight = merged[f"{base}.weight"]
-        update = deltas[f"{base}.lora_B"].float() @ deltas[f"{base}.lora_A"].float()
+        update = (deltas[f"{base}.lora_B"].float() @ deltas[f"{base}.lora_A"].float()).to(weight.device)
         merged[f"{base}.weight"] = (weight.float() + update).to(weight.dtype)
     return merged
 
@@ -70,7 +70,8 @@ def picture_model(model: torch.nn.Module, deltas: dict[str, torch.Tensor]) -> to
     """A copy of `model` with the updates added to its projections (the model is untouched);
     PictureWeightsError naming the first update that does not fit (an unknown weight, a shape)."""
     state = model.state_dict()
-    for base in bases(deltas):
+    changed = bases(deltas)
+    for base in changed:
         weight, down, up = state.get(f"{base}.weight"), deltas[f"{base}.lora_A"], deltas[f"{base}.lora_B"]
         if weight is None:
             raise PictureWeightsError(f"{base}.weight: no such weight in the model")
@@ -79,11 +80,10 @@ def picture_model(model: torch.nn.Module, deltas: dict[str, torch.Tensor]) -> to
             raise PictureWeightsError(f"{base}: update {tuple(up.shape)} @ {tuple(down.shape)} does not fit the "
                                       f"weight {tuple(weight.shape)}")
     pictures = copy.deepcopy(model)
-    merged = merge({f"{base}.weight": state[f"{base}.weight"] for base in bases(deltas)},
-                   {k: v.to(state[f"{k.rpartition('.')[0]}.weight"].device) for k, v in deltas.items()})
+    merged = merge({f"{base}.weight": state[f"{base}.weight"] for base in changed}, deltas)
     with torch.no_grad():
         for key, value in merged.items():
-            pictures.get_parameter(key).copy_(value)
+            pictures.get_parameter(key).copy_(value)  # copy_ moves the float32 sum to the weight's device
     return pictures.eval()
 
 

@@ -91,10 +91,10 @@ def generate_data(target_folder: str, out: Path, n_text: int, n_pictures: int, m
     tokenizer.padding_side = "left"  # batched greedy generation: every answer starts at the same column
     ends = {tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
     started = time.time()
-    batches = [[r for r in records if r["kind"] == kind][first: first + batch_size]  # one kind a batch
-               for kind in ("text", "picture") for first in range(0, len(records), batch_size)]
+    kinds = [[r for r in records if r["kind"] == kind] for kind in ("text", "picture")]
+    batches = [same[first: first + batch_size] for same in kinds for first in range(0, len(same), batch_size)]
     answered = 0
-    for batch in (b for b in batches if b):
+    for batch in batches:  # one kind a batch: the kinds run on different weights
         model = picture_model if batch[0]["kind"] == "picture" else text_model
         conversations = [conversation(r) for r in batch]
         texts = [processor.apply_chat_template(m, add_generation_prompt=True) for m, _ in conversations]
