@@ -29,10 +29,12 @@ import sys
 import torch
 
 from measure.bench_rows import interleaved
+from measure.realscale import QUANTIZED_GGUF
 
 
-# --quantization: llama.cpp's GGUF beside each of this engine's (and the sides after "this")
-GGUFS = {None: ("bf16",), "int8": ("q8_0",), "w8a8": ("q8_0",), "q4_0": ("q4_0", "q4_k_m")}
+# --quantization: llama.cpp's GGUF beside each of this engine's (and the sides after "this"): Q4_K_M,
+# llama.cpp's common 4-bit default, beside Q4_0
+GGUFS = {None: ("bf16",)} | {q: (gguf,) + (("q4_k_m",) if q == "q4_0" else ()) for q, gguf in QUANTIZED_GGUF.items()}
 
 
 def sides(quantization: str | None) -> list[str]:

@@ -213,20 +213,25 @@ def realscale_figures(target_dir, drafter_dir, outtype: str, messages, decode: D
 
 def weight_bytes(target) -> int:
     """Bytes of weights a decode step of this engine reads: the language model's parameters (the
-    vision tower runs at prefill only), each product that the fast path reads as int8
-    (`--quantization int8`: engine/quantized.py, Int8Weight) counted at its int8 size with its
-    scales. Like gguf_weight_bytes, the whole embedding counts (a step reads one row of it)."""
-    from engine.quantized import Int8Weight
+    vision tower runs at prefill only), each product that the fast path reads quantized
+    (`--quantization int8|w8a8|q4_0`: engine/quantized.py, Int8Weight, W8A8Weight, Q4Weight) counted
+    at its stored size (values or codes, scales, sums). Like gguf_weight_bytes, the whole embedding
+    counts (a step reads one row of it)."""
+    from engine.quantized import Int8Weight, Q4Weight
 
     total = sum(p.numel() * p.element_size() for name, p in target.model.named_parameters()
                 if "visual" not in name and "vision" not in name)
     fast = target.runner.fast
     if fast is None:
         return total
+    size = target.model.get_input_embeddings().weight.element_size()  # the unquantized weights' bytes a value
     products = [w for layer in fast.stack.layers for w in vars(layer).values()] + [fast.head_weight]
-    saved = sum(w.values.numel() * (w.scales.element_size() - 1) - w.scales.numel() * w.scales.element_size()
-                for w in products if isinstance(w, Int8Weight))  # each weight read as int8 and scales
-    return total - saved
+    quantized = [w for w in products if isinstance(w, (Int8Weight, Q4Weight))]
+    unquantized = sum(len(w.values) * w.values.shape[1] if isinstance(w, Int8Weight) else len(w.codes) * w.width
+                      for w in quantized) * size
+    stored = sum(t.numel() * t.element_size() for w in quantized for t in vars(w).values()
+                 if isinstance(t, torch.Tensor))
+    return total - unquantized + stored
 
 
 def bound(weights: int, bandwidth: float) -> str:

@@ -3,7 +3,8 @@ built once and cached under ~/.cache/vlm-spec-bench), one image request, greedy.
 
     python -m measure.realscale [--preset qwen2.5-vl-3b] [--preset smolvlm-256m] [--dtype bfloat16]
                                 [--device cpu|cuda] [--max-new-tokens 32] [--image-size 224]
-                                [--llamacpp [f32|bf16|q8_0]] [--int8] [--quick] [--json FILE]
+                                [--llamacpp [f32|bf16|q8_0]] [--int8 | --quantization int8|w8a8|q4_0]
+                                [--quick] [--json FILE]
 
 Per preset (each measured in a process of its own, so its peak memory is its own):
 - t(n): a target pass over n = 1..9 tokens after the prompt (median), and t(n) / t(1);
@@ -21,12 +22,12 @@ Per preset (each measured in a process of its own, so its peak memory is its own
 With random weights in bfloat16 a verify pass can flip a near-tie argmax, so the replayed
 answer is the one the engine itself gives with the replay drafter (a fixed point, measure/replay.py).
 
-`--int8` then quantizes the target in place as `--quantization int8` does at load (the fast
-path's decode and verify passes read int8 copies; prefill keeps the loaded weights) and measures
-the rows again from t(n) on, on an engine whose pass costs were forgotten: k from cost is chosen
-from int8 passes. `--llamacpp` runs llama.cpp last, after this engine is freed, one server at a
-time: beside the unquantized rows on the target's dtype (or the GGUF type asked), beside the
-int8 rows on Q8_0.
+`--int8` (or `--quantization int8|w8a8|q4_0`) then quantizes the target in place as that
+`--quantization` does at load (the fast path's decode and verify passes read the quantized copies;
+prefill keeps the loaded weights) and measures the rows again from t(n) on, on an engine whose pass
+costs were forgotten: k from cost is chosen from the quantized passes. `--llamacpp` runs llama.cpp
+last, after this engine is freed, one server at a time: beside the unquantized rows on the target's
+dtype (or the GGUF type asked), beside the quantized rows on Q8_0 (int8, w8a8) or Q4_0 (q4_0).
 `--quick` uses the shrunken shapes (seconds; CI runs it).
 """
 
@@ -46,6 +47,7 @@ import torch
 
 ACCEPTANCES = (1.0, 0.8, 0.6, 0.2)
 FIXED_K = 4
+QUANTIZED_GGUF = {"int8": "q8_0", "w8a8": "q8_0", "q4_0": "q4_0"}  # --quantization: llama.cpp's GGUF beside it
 REPEATS = 3  # timings of t(n), the draft step and the prefill: medians of this many
 
 
@@ -58,12 +60,14 @@ def photo(size: int):
 
 
 def measure(preset: str, quick: bool, dtype: str, device: str, max_new_tokens: int, image_size: int,
-            acceptances: tuple[float, ...] = ACCEPTANCES, llamacpp: str | None = None, int8: bool = False) -> dict:
+            acceptances: tuple[float, ...] = ACCEPTANCES, llamacpp: str | None = None,
+            quantization: str | None = None) -> dict:
     """One preset's figures: this engine's rows on the target as loaded (`our_rows`), its prefill
-    and transformers' generate(); with int8, the rows again after the target is quantized in place
-    as `--quantization int8` does at load (`out["int8"]`); then, this engine freed, llama.cpp's
+    and transformers' generate(); with `quantization` (int8, w8a8, q4_0), the rows again after the
+    target is quantized in place as that `--quantization` does at load (`out["int8"]`, the key kept
+    for every kind, its kind in `out["int8"]["quantization"]`); then, this engine freed, llama.cpp's
     figures (`llamacpp`: beside the first rows in the target's dtype or the one asked, beside the
-    int8 rows in Q8_0), one server at a time."""
+    quantized rows in QUANTIZED_GGUF's type), one server at a time."""
     from engine.drafters.registry import load_drafter
     from engine.engine import Engine
     from engine.loop import DecodeSettings
@@ -90,9 +94,10 @@ def measure(preset: str, quick: bool, dtype: str, device: str, max_new_tokens: i
     generate = run_transformers(engine, None, messages, decode, 1)
     out["generate_tok_s"], out["plain_equals_generate"] = generate.decode_tok_s, out["answer"] == generate.token_ids
     out["peak_memory_gb"] = _peak_memory_gb()
-    if int8:
-        quantize_fast(target.runner, str(target_dir))  # decode and verify passes read int8 copies from here on
+    if quantization:
+        quantize_fast(target.runner, str(target_dir), quantization)  # decode and verify passes read these from here on
         out["int8"] = our_rows(engine, messages, decode, acceptances, text_turn=bool(llamacpp))
+        out["int8"]["quantization"] = quantization
         out["int8"]["peak_memory_gb"] = _peak_memory_gb()
         out["int8"]["tokens_as_unquantized"] = next(
             (i for i, (a, b) in enumerate(zip(out["answer"], out["int8"]["answer"])) if a != b), len(out["answer"]))
@@ -105,9 +110,10 @@ def measure(preset: str, quick: bool, dtype: str, device: str, max_new_tokens: i
 
         outtype = {"bfloat16": "bf16", "float32": "f32"}[dtype] if llamacpp == "same" else llamacpp
         out["llamacpp"] = realscale_figures(target_dir, drafter_dir, outtype, messages, decode)
-        if int8:
-            out["int8"]["llamacpp"] = out["llamacpp"] if outtype == "q8_0" else \
-                realscale_figures(target_dir, drafter_dir, "q8_0", messages, decode)
+        if quantization:
+            theirs = QUANTIZED_GGUF[quantization]
+            out["int8"]["llamacpp"] = out["llamacpp"] if outtype == theirs else \
+                realscale_figures(target_dir, drafter_dir, theirs, messages, decode)
         out["process_peak_memory_gb"] = _peak_memory_gb()
     return out
 
@@ -216,8 +222,10 @@ def table_rows(results: list[dict]) -> list[dict]:
     for r in results:
         rows.append(r)
         if "int8" in r:
+            kind = r["int8"].get("quantization", "int8")
+            label = "int8 weights" if kind == "int8" else f"{kind} weights"
             rows.append({k: v for k, v in r.items() if k not in ("int8", "llamacpp")} | r["int8"]
-                        | {"dtype": f"{r['dtype']} + int8 weights", "generate_tok_s": None})
+                        | {"dtype": f"{r['dtype']} + {label}", "generate_tok_s": None})
     return rows
 
 
@@ -295,9 +303,13 @@ def main(argv=None) -> int:
                              "target's dtype (default), or f32, bf16, q8_0; int8 rows beside Q8_0")
     parser.add_argument("--int8", action="store_true",
                         help="also the rows with int8 weights (--quantization int8), after the others")
+    parser.add_argument("--quantization", choices=sorted(QUANTIZED_GGUF),
+                        help="also the rows with these weights (as --quantization at load), after the others; "
+                             "llama.cpp beside them on Q8_0 (int8, w8a8) or Q4_0 (q4_0)")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child process: one preset
     args = parser.parse_args(argv)
+    args.quantization = args.quantization or ("int8" if args.int8 else None)
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
@@ -306,7 +318,7 @@ def main(argv=None) -> int:
     for preset in presets:
         if args.quick or args.one:
             results.append(measure(preset, args.quick, args.dtype, args.device, args.max_new_tokens, args.image_size,
-                                   tuple(float(a) for a in args.acceptances.split(",")), args.llamacpp, args.int8))
+                                   tuple(float(a) for a in args.acceptances.split(",")), args.llamacpp, args.quantization))
         else:
             results.append(_in_child(preset, args))
         print(f"{preset} measured", file=sys.stderr)
@@ -332,7 +344,8 @@ def _in_child(preset: str, args) -> dict:
     command = [sys.executable, "-m", "measure.realscale", "--one", "--preset", preset, "--dtype", args.dtype,
                "--device", args.device, "--max-new-tokens", str(args.max_new_tokens),
                "--image-size", str(args.image_size), "--acceptances", args.acceptances] + (
-                   ["--llamacpp", args.llamacpp] if args.llamacpp else []) + (["--int8"] if args.int8 else [])
+                   ["--llamacpp", args.llamacpp] if args.llamacpp else []) + (
+                   ["--quantization", args.quantization] if args.quantization else [])
     with tempfile.TemporaryFile("w+") as out:
         subprocess.run(command, check=True, stdout=out)
         out.seek(0)

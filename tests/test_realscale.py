@@ -1,10 +1,10 @@
-"""`python -m measure.realscale --int8 --llamacpp` at the shrunken Qwen2.5-VL-3B shape, end to end
+"""`python -m measure.realscale --int8 --llamacpp` (and `--quantization q4_0`) at the shrunken Qwen2.5-VL-3B shape, end to end
 (figures not asserted: the machine is noisy). The int8 rows run on int8 weights, and their
 greedy answers with the replay drafter equal plain decoding's on the same int8 weights: in
 float32, where a verify pass over k+1 tokens picks the tokens a one-token pass picks (in
 bfloat16, random weights' near-ties can part them: measure/replay.py). llama.cpp runs last, once
 this engine is freed, beside the unquantized rows in their dtype and beside the int8 rows in
-Q8_0; here a recorder stands in for it (converting to GGUF and llama-server are
+Q8_0 (Q4_0 beside q4_0); here a recorder stands in for it (converting to GGUF and llama-server are
 tests/test_gguf.py's and tests/test_llamacpp.py's)."""
 
 from __future__ import annotations
@@ -20,9 +20,13 @@ from engine.target import Target
 from measure import llamacpp_rows, realscale, shapes
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, one_thread):
-    """(the preset's figures, llama.cpp's calls, what was printed) of one quick run."""
+QUANTIZED = {"int8": (["--int8"], "int8 weights", "q8_0"), "q4_0": (["--quantization", "q4_0"], "q4_0 weights", "q4_0")}
+
+
+@pytest.fixture(scope="module", params=sorted(QUANTIZED))
+def run(request, tmp_path_factory, one_thread):
+    """(the preset's figures, llama.cpp's calls, what was printed, the kind) of one quick run."""
+    flags, _, _ = QUANTIZED[request.param]
     folder = tmp_path_factory.mktemp("realscale")
     calls = []
 
@@ -37,17 +41,19 @@ def run(tmp_path_factory, one_thread):
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
         patch.setattr(shapes, "CACHE", folder / "cache")
         patch.setattr(llamacpp_rows, "realscale_figures", recorder)
-        assert realscale.main(["--quick", "--preset", "qwen2.5-vl-3b", "--dtype", "float32", "--int8", "--llamacpp",
+        assert realscale.main(["--quick", "--preset", "qwen2.5-vl-3b", "--dtype", "float32", *flags, "--llamacpp",
                                "--max-new-tokens", "12", "--image-size", "56", "--acceptances", "1.0,0.8",
                                "--json", str(folder / "realscale.json")]) == 0
     (result,) = json.loads((folder / "realscale.json").read_text(), object_hook=realscale._int_keys)["results"]
-    return result, calls, printed.getvalue()
+    return result, calls, printed.getvalue(), request.param
 
 
-def test_int8_rows_read_int8_weights_and_replay_their_own_plain_answer(run):
-    result, _, _ = run
+def test_quantized_rows_read_quantized_weights_and_replay_their_own_plain_answer(run):
+    result, _, _, kind = run
     int8 = result["int8"]
-    assert int8["weights_bytes"] < result["weights_bytes"] / 3  # float32 products read as int8 (and scales)
+    assert int8["quantization"] == kind
+    # float32 products read as int8 (and scales), or as 4-bit codes (and scales)
+    assert int8["weights_bytes"] < result["weights_bytes"] / (3 if kind == "int8" else 5)
     assert set(int8["t_s"]) == set(range(1, 10)) and int8["draft_step_s"] > 0
     assert len(int8["answer"]) == 12
     assert int8["replay_answer_is_plain"]  # the fixed point is the int8 plain answer itself
@@ -60,9 +66,10 @@ def test_int8_rows_read_int8_weights_and_replay_their_own_plain_answer(run):
 
 
 def test_llamacpp_runs_last_once_this_engine_is_freed_beside_each_kind_of_weights(run):
-    result, calls, printed = run
-    assert calls == [{"outtype": "f32", "targets_alive": 0}, {"outtype": "q8_0", "targets_alive": 0}]
-    assert result["llamacpp"]["outtype"] == "f32" and result["int8"]["llamacpp"]["outtype"] == "q8_0"
-    assert "| float32 + int8 weights (drafter" in printed  # the int8 row of the first table
-    assert "qwen2.5-vl-3b: float32 + int8 weights / q8_0" in printed  # beside llama.cpp Q8_0
+    result, calls, printed, kind = run
+    _, label, gguf = QUANTIZED[kind]
+    assert calls == [{"outtype": "f32", "targets_alive": 0}, {"outtype": gguf, "targets_alive": 0}]
+    assert result["llamacpp"]["outtype"] == "f32" and result["int8"]["llamacpp"]["outtype"] == gguf
+    assert f"| float32 + {label} (drafter" in printed  # the quantized row of the first table
+    assert f"qwen2.5-vl-3b: float32 + {label} / {gguf}" in printed  # beside llama.cpp's GGUF of that kind
     assert "qwen2.5-vl-3b: float32 / f32" in printed
