@@ -1,12 +1,14 @@
 """Plain decoding of this engine and of llama.cpp on the same weights, in alternating processes.
 
-    python -m measure.alternate [--preset smolvlm-256m] [--int8 | --quantization w8a8|q4_0] [--rounds 3]
+    python -m measure.alternate [--preset smolvlm-256m|qwen2.5-vl-3b|demo] [--dtype bfloat16|float32]
+                                [--int8 | --quantization w8a8|q4_0] [--rounds 3]
                                 [--repeats 5] [--max-new-tokens 32] [--threads 2]
 
 One request's text turn (measure/realscale.py's request without its image: llama.cpp refuses the
-random SmolVLM shape's images), greedy, `--max-new-tokens` tokens that never stop early. Each
+random SmolVLM shape's images), greedy, `--max-new-tokens` tokens that never stop early, on a
+preset's random-weight shape (measure/shapes.py) or on `demo`, the bundled model. Each
 round runs this engine in a fresh process, then llama.cpp in another (the GGUF that
-measure/realscale.py converts: bf16 for a bfloat16 target, Q8_0 with `--int8` or `--quantization
+measure/realscale.py converts: bf16 for a bfloat16 target, f32 with `--dtype float32`, Q8_0 with `--int8` or `--quantization
 int8|w8a8`; with `--quantization q4_0` Q4_0 of the same weights, and a third process per round on
 llama.cpp's Q4_K_M mix, both made by llama-quantize: engine/backends/llamacpp_native.py; llama.cpp
 built for this CPU where it has been built), so neither
@@ -34,7 +36,7 @@ from measure.realscale import QUANTIZED_GGUF
 
 # --quantization: llama.cpp's GGUF beside each of this engine's (and the sides after "this"): Q4_K_M,
 # llama.cpp's common 4-bit default, beside Q4_0
-GGUFS = {None: ("bf16",)} | {q: (gguf,) + (("q4_k_m",) if q == "q4_0" else ()) for q, gguf in QUANTIZED_GGUF.items()}
+GGUFS = {q: (gguf,) + (("q4_k_m",) if q == "q4_0" else ()) for q, gguf in QUANTIZED_GGUF.items()}
 
 
 def sides(quantization: str | None) -> list[str]:
@@ -42,18 +44,32 @@ def sides(quantization: str | None) -> list[str]:
     that can be made here (Q4_K_M: where llama-quantize is built)."""
     from engine.backends.llamacpp_native import QUANTIZE, binary
 
-    first, *others = GGUFS[quantization]
+    first, *others = GGUFS.get(quantization, ("unquantized",))
     return ["this", "llama.cpp"] + [f"llama.cpp {other}" for other in others if binary(QUANTIZE)]
 
 
-def decode_speeds(side: str, preset: str, quantization: str | None, repeats: int, max_new_tokens: int) -> list[float]:
+UNQUANTIZED_GGUF = {"bfloat16": "bf16", "float32": "f32"}
+
+
+def target_folder(preset: str) -> str:
+    """The bundled model for `demo`, else the preset's random-weight shape (built once)."""
+    if preset == "demo":
+        from models.presets import DEFAULT_MODEL
+
+        return DEFAULT_MODEL
+    from measure.shapes import build_preset
+
+    return str(build_preset(preset, False)[0])
+
+
+def decode_speeds(side: str, preset: str, dtype: str, quantization: str | None, repeats: int,
+                  max_new_tokens: int) -> list[float]:
     """Decode tokens/s of `repeats` runs of the text turn on `side` (one of `sides`)."""
     from engine.loop import DecodeSettings
     from measure.llamacpp_rows import text_only
     from measure.realscale import photo
-    from measure.shapes import build_preset
 
-    target_dir, _ = build_preset(preset, False)
+    target_dir = target_folder(preset)
     messages = text_only([{"role": "user", "content": [{"type": "image", "image": photo(112)},
                                                        {"type": "text", "text": "Describe this image in detail."}]}])
     decode = DecodeSettings(max_new_tokens=max_new_tokens, stop_token_ids=frozenset({-1}))  # never stops early
@@ -63,7 +79,7 @@ def decode_speeds(side: str, preset: str, quantization: str | None, repeats: int
         from measure.bench_rows import run_this
         from models.loading import LoadOptions
 
-        target = load_target(str(target_dir), LoadOptions(dtype="bfloat16", device="cpu"))
+        target = load_target(str(target_dir), LoadOptions(dtype=dtype, device="cpu"))
         if quantization:
             quantize_fast(target.runner, str(target_dir), quantization)
             native = target.runner.fast.stack.native
@@ -74,7 +90,7 @@ def decode_speeds(side: str, preset: str, quantization: str | None, repeats: int
         return [run_this(engine, None, messages, decode, i).decode_tok_s for i in range(repeats)]
     from measure.llamacpp_rows import answer, start
 
-    outtype = side.split()[1] if " " in side else GGUFS[quantization][0]
+    outtype = side.split()[1] if " " in side else (GGUFS[quantization][0] if quantization else UNQUANTIZED_GGUF[dtype])
     backend = start(str(target_dir), None, outtype)
     print(f"llama.cpp: {backend.server.kind}", file=sys.stderr)
     answer(backend, messages, None, decode)  # warm-up: one whole untimed answer
@@ -89,7 +105,9 @@ def bandwidths() -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m measure.alternate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="smolvlm-256m")
+    parser.add_argument("--preset", default="smolvlm-256m", help="a measure/shapes.py preset, or demo (the bundled model)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(UNQUANTIZED_GGUF),
+                        help="this engine's dtype; llama.cpp's GGUF of the same (unquantized)")
     parser.add_argument("--int8", action="store_true", help="this engine with --quantization int8, llama.cpp Q8_0")
     parser.add_argument("--quantization", choices=("int8", "w8a8", "q4_0"), help="this engine with "
                         "--quantization int8 or w8a8, llama.cpp Q8_0; q4_0: llama.cpp Q4_0, and Q4_K_M beside it")
@@ -102,17 +120,19 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     quantization = args.quantization or ("int8" if args.int8 else None)
     if args.side:
-        print(json.dumps(decode_speeds(args.side, args.preset, quantization, args.repeats, args.max_new_tokens)))
+        print(json.dumps(decode_speeds(args.side, args.preset, args.dtype, quantization, args.repeats,
+                                       args.max_new_tokens)))
         return 0
     print(bandwidths(), flush=True)
-    if len(sides(quantization)) < len(GGUFS[quantization]) + 1:
+    if quantization and len(sides(quantization)) < len(GGUFS[quantization]) + 1:
         print(f"not measured: {', '.join(GGUFS[quantization][1:])} (llama-quantize is not built: "
               "python -m engine.backends.llamacpp_native --quantize)", flush=True)
 
     def median_speed(round_index: int, side: str) -> float:
         command = [sys.executable, "-m", "measure.alternate", f"--side={side}", "--preset", args.preset,
                    "--repeats", str(args.repeats), "--max-new-tokens", str(args.max_new_tokens),
-                   "--threads", str(args.threads)] + (["--quantization", quantization] if quantization else [])
+                   "--threads", str(args.threads), "--dtype", args.dtype] + (
+                       ["--quantization", quantization] if quantization else [])
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         speeds = json.loads(done.stdout.strip().splitlines()[-1])
         if round_index == 0:  # which build and kernel each side ran
@@ -123,9 +143,10 @@ def main(argv=None) -> int:
 
     medians = interleaved(args.rounds, sides(quantization), median_speed)
     print(bandwidths(), flush=True)
-    for other, gguf in zip(sides(quantization)[1:], GGUFS[quantization]):
+    ggufs = GGUFS[quantization] if quantization else (UNQUANTIZED_GGUF[args.dtype],)
+    for other, gguf in zip(sides(quantization)[1:], ggufs):
         ratios = [this / speed for this, speed in zip(medians["this"], medians[other])]
-        print(f"{args.preset}, {quantization or 'bfloat16'} / {gguf.upper()}, {args.threads} threads, "
+        print(f"{args.preset}, {quantization or args.dtype} / {gguf.upper()}, {args.threads} threads, "
               f"{args.max_new_tokens} tokens: this engine / llama.cpp, median of rounds "
               f"{statistics.median(ratios):.2f}x (rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
     return 0
