@@ -167,12 +167,15 @@ struct Avx512Lanes {
 };
 #endif
 
-// A block of several rows (a verify pass) asks for its weight rows this many bytes ahead: with
-// R x C multiply-adds a load, the hardware prefetcher alone leaves the core waiting on memory
-// (docs/performance.md, "Verify passes: prefetch": 5 rows of the SmolVLM-256M shape's products
-// went from 1.35-1.46x one row to 1.23-1.29x). One-row blocks (decode) stream fast without it.
+// Each block asks for its weight rows this many bytes ahead (docs/performance.md, "Prefetch"). A
+// block of several rows (a verify pass) does R x C multiply-adds a load, and the hardware
+// prefetcher alone leaves the core waiting on memory: 5 rows of the SmolVLM-256M shape's products
+// went from 1.35-1.46x one row to 1.23-1.29x with 1 KB. A one-row block (decode) of a narrow
+// weight (576 inputs: 1,152 bytes a row) restarts its streams every few rows; 8 KB ahead took the
+// SmolVLM-256M shape's one-row products from about 7.5 to 10 GB/s on one thread.
 // It changes no arithmetic: the sums, and so the bits, are the same.
-constexpr int64_t PREFETCH_BYTES = 1024;
+constexpr int64_t PREFETCH_BYTES_ROWS = 1024;
+constexpr int64_t PREFETCH_BYTES_ONE_ROW = 8192;
 
 // out[r][c] = x row r (in floats) . weight row c (in of W), for R rows and C weight rows.
 template <typename L, int R, int C, typename W>
@@ -182,9 +185,8 @@ static inline void dot_block_lanes(const float* x, const W* weight, int64_t in, 
     for (int c = 0; c < C; ++c) sums[r][c] = L::zero();
   for (int64_t k = 0; k < in; k += LANES) {
     typename L::V w[C];
-    if constexpr (R > 1)
-      for (int c = 0; c < C; ++c)
-        __builtin_prefetch(reinterpret_cast<const char*>(weight + c * in + k) + PREFETCH_BYTES, 0, 3);
+    constexpr int64_t ahead = R > 1 ? PREFETCH_BYTES_ROWS : PREFETCH_BYTES_ONE_ROW;
+    for (int c = 0; c < C; ++c) __builtin_prefetch(reinterpret_cast<const char*>(weight + c * in + k) + ahead, 0, 3);
     for (int c = 0; c < C; ++c) w[c] = L::load(weight + c * in + k);
     for (int r = 0; r < R; ++r) {
       const typename L::V xs = L::load(x + r * in + k);
