@@ -188,7 +188,7 @@ def realscale_figures(target_dir, drafter_dir, outtype: str, messages, decode: D
     release_thread_pool()  # this engine's idle OpenMP pool would slow llama.cpp's (measure/bench.py says why)
     text_turn = text_only(messages)
     backend = start(str(target_dir), None, outtype)
-    model_path = backend.paths["model"]
+    model_path, build = backend.paths["model"], backend.server.kind
     answer(backend, text_turn, None, replace(decode, max_new_tokens=2))  # warm-up: pages the weights in
     text_plain = answer(backend, text_turn, None, decode)
     try:
@@ -204,7 +204,7 @@ def realscale_figures(target_dir, drafter_dir, outtype: str, messages, decode: D
     gc.collect()
     bandwidth = measured_bandwidth()
     theirs = gguf_weight_bytes(model_path)
-    return {"outtype": outtype, "bandwidth_gb_s": bandwidth, "threads": threads,
+    return {"outtype": outtype, "build": build, "bandwidth_gb_s": bandwidth, "threads": threads,
             "plain_tok_s": plain and plain.stats.decode_tok_s, "image_error": image_error,
             "text_plain_tok_s": text_plain.stats.decode_tok_s, "text_draft_tok_s": text_draft.stats.decode_tok_s,
             "text_drafted": text_draft.stats.drafted, "text_accepted": text_draft.stats.accepted,
