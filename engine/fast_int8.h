@@ -29,6 +29,12 @@ namespace int8_rows {
 
 using at::Tensor;
 
+// The VNNI kernels (here and in fast_q4.h) ask for weight bytes this far ahead of the ones they
+// load, as the rows kernel does for one-row blocks (fast_layer.cpp, PREFETCH_BYTES_ONE_ROW): narrow
+// weights (SmolVLM-256M's 576-byte int8 rows) restart the hardware prefetcher's streams often. No
+// arithmetic changes.
+constexpr int64_t PREFETCH_AHEAD = 8192;
+
 // The kernels this build has (the first runs unless use() says otherwise), and why the VNNI one
 // does not run where it is missing: a named reason, which engine/fast_native.py prints.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -143,6 +149,8 @@ static inline void vnni_block(const uint8_t* x, int64_t stride, const int8_t* we
   for (int64_t k = 0; k < in; k += 64) {
     const __mmask64 mask = in - k >= 64 ? ~0ULL : (1ULL << (in - k)) - 1;
     __m512i w[C];
+    for (int c = 0; c < C; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(weight + c * in + k) + PREFETCH_AHEAD, _MM_HINT_T0);
     for (int c = 0; c < C; ++c) w[c] = _mm512_maskz_loadu_epi8(mask, weight + c * in + k);
     for (int r = 0; r < R; ++r) {
       const __m512i xs = _mm512_loadu_si512(x + r * stride + k);
