@@ -16,7 +16,9 @@ shares an OpenMP runtime or memory with the other, and a machine that slows down
 during the run moves both sides of a round alike. Each process warms up (pages its weights in),
 decodes the turn once untimed (warm-up), then `--repeats` times and reports the median decode tokens/s. Printed: every
 process's figure and the median of the rounds' ratios, and beside them the machine's streaming-read
-bandwidth for 1 and 2 threads (measure/bandwidth.py) before and after the rounds. A measurement, not a test: on a shared
+bandwidth for 1 and `--threads` threads (measure/bandwidth.py) before and after the rounds, and this engine's
+speed as a fraction of its bound: the bytes of weights it reads a token (llamacpp_rows.bytes_read:
+an untied input embedding counts one row) at the higher of the two streaming reads. A measurement, not a test: on a shared
 machine read the rounds' spread before the median.
 """
 
@@ -77,6 +79,7 @@ def decode_speeds(side: str, preset: str, dtype: str, quantization: str | None, 
         from engine.engine import Engine
         from engine.target import load_target, quantize_fast
         from measure.bench_rows import run_this
+        from measure.llamacpp_rows import bytes_read
         from models.loading import LoadOptions
 
         target = load_target(str(target_dir), LoadOptions(dtype=dtype, device="cpu"))
@@ -85,6 +88,7 @@ def decode_speeds(side: str, preset: str, dtype: str, quantization: str | None, 
             native = target.runner.fast.stack.native
             print(f"this engine: int8 activations' kernel {native.int8_kernel() if native else 'none (Python)'}",
                   file=sys.stderr)
+        print(f"this engine: weights read a token: {bytes_read(target)} bytes", file=sys.stderr)
         engine = Engine(target, {})
         run_this(engine, None, messages, decode, 0)  # warm-up: one whole untimed answer
         return [run_this(engine, None, messages, decode, i).decode_tok_s for i in range(repeats)]
@@ -97,10 +101,13 @@ def decode_speeds(side: str, preset: str, dtype: str, quantization: str | None, 
     return [answer(backend, messages, None, decode).stats.decode_tok_s for _ in range(repeats)]
 
 
-def bandwidths() -> str:
+def bandwidths(threads: int) -> dict[int, float]:
+    """Streaming-read GB/s on 1 and on `threads` threads (measure/bandwidth.py), printed."""
     from measure.bandwidth import streaming_read
 
-    return "streaming read: " + ", ".join(f"{streaming_read(threads):.1f} GB/s on {threads}" for threads in (1, 2))
+    measured = {n: streaming_read(n) for n in sorted({1, threads})}
+    print("streaming read: " + ", ".join(f"{gb:.1f} GB/s on {n}" for n, gb in measured.items()), flush=True)
+    return measured
 
 
 def main(argv=None) -> int:
@@ -123,7 +130,7 @@ def main(argv=None) -> int:
         print(json.dumps(decode_speeds(args.side, args.preset, args.dtype, quantization, args.repeats,
                                        args.max_new_tokens)))
         return 0
-    print(bandwidths(), flush=True)
+    before = bandwidths(args.threads)
     if quantization and len(sides(quantization)) < len(GGUFS[quantization]) + 1:
         print(f"not measured: {', '.join(GGUFS[quantization][1:])} (llama-quantize is not built: "
               "python -m engine.backends.llamacpp_native --quantize)", flush=True)
@@ -135,20 +142,29 @@ def main(argv=None) -> int:
                        ["--quantization", quantization] if quantization else [])
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         speeds = json.loads(done.stdout.strip().splitlines()[-1])
-        if round_index == 0:  # which build and kernel each side ran
-            print("\n".join(line for line in done.stderr.splitlines() if line.startswith(("llama.cpp:", "this engine:"))))
+        if round_index == 0:  # which build and kernel each side ran, and what this engine reads a token
+            told = [line for line in done.stderr.splitlines() if line.startswith(("llama.cpp:", "this engine:"))]
+            print("\n".join(told))
+            read.extend(int(line.split()[-2]) for line in told if "weights read a token" in line)
         print(f"round {round_index + 1}, {side}: {' '.join(f'{s:.2f}' for s in speeds)} tok/s "
               f"(median {statistics.median(speeds):.2f})", flush=True)
         return statistics.median(speeds)
 
+    read: list[int] = []
     medians = interleaved(args.rounds, sides(quantization), median_speed)
-    print(bandwidths(), flush=True)
+    after = bandwidths(args.threads)
     ggufs = GGUFS[quantization] if quantization else (UNQUANTIZED_GGUF[args.dtype],)
     for other, gguf in zip(sides(quantization)[1:], ggufs):
         ratios = [this / speed for this, speed in zip(medians["this"], medians[other])]
         print(f"{args.preset}, {quantization or args.dtype} / {gguf.upper()}, {args.threads} threads, "
               f"{args.max_new_tokens} tokens: this engine / llama.cpp, median of rounds "
               f"{statistics.median(ratios):.2f}x (rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
+    if read:  # the bound: the higher streaming read of before and after, over the bytes read a token
+        bandwidth = max(before[args.threads], after[args.threads])
+        fractions = [speed * read[0] / (bandwidth * 1e9) for speed in medians["this"]]
+        print(f"{args.preset}, {quantization or args.dtype}: this engine / streaming-read bound ({read[0] / 1e6:.1f} MB "
+              f"read a token at {bandwidth:.1f} GB/s on {args.threads} threads: {bandwidth * 1e9 / read[0]:.1f} tok/s), "
+              f"median of rounds {statistics.median(fractions):.2f}x (rounds: {' '.join(f'{f:.2f}' for f in fractions)})")
     return 0
 
 

@@ -234,6 +234,17 @@ def weight_bytes(target) -> int:
     return total - unquantized + stored
 
 
+def bytes_read(target) -> int:
+    """Bytes of weights a decode step of this engine reads: weight_bytes without the input
+    embedding's other rows when the output layer is a matrix of its own (a step looks up one row)."""
+    embedding = target.model.get_input_embeddings().weight
+    output = target.model.get_output_embeddings().weight
+    total = weight_bytes(target)
+    if embedding.data_ptr() == output.data_ptr():  # tied: the output layer reads the whole table
+        return total
+    return total - (len(embedding) - 1) * embedding[0].numel() * embedding.element_size()
+
+
 def bound(weights: int, bandwidth: float) -> str:
     """Bytes of weights read per token over the memory bandwidth (GB/s): the most tokens/s plain
     decoding can reach (weights that fit in the caches can beat it)."""

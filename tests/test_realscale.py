@@ -73,3 +73,23 @@ def test_llamacpp_runs_last_once_this_engine_is_freed_beside_each_kind_of_weight
     assert f"| float32 + {label} (drafter" in printed  # the quantized row of the first table
     assert f"qwen2.5-vl-3b: float32 + {label} / {gguf}" in printed  # beside llama.cpp's GGUF of that kind
     assert "qwen2.5-vl-3b: float32 / f32" in printed
+
+
+def test_bytes_read_counts_one_row_of_an_input_embedding_the_output_layer_does_not_share():
+    """measure.alternate's bound: a decode step looks up one row of the input embedding; when the
+    output layer is that table (tied), it reads all of it."""
+    import torch
+
+    from engine.target import load_target
+    from models.loading import LoadOptions
+    from tests.helpers import DEMO_TARGET
+
+    target = load_target(DEMO_TARGET, LoadOptions(dtype="float32", device="cpu"))
+    model = target.model
+    embedding = model.get_input_embeddings().weight
+    row = embedding[0].numel() * embedding.element_size()
+    if embedding.data_ptr() == model.get_output_embeddings().weight.data_ptr():
+        assert llamacpp_rows.bytes_read(target) == llamacpp_rows.weight_bytes(target)
+        model.get_output_embeddings().weight = torch.nn.Parameter(embedding.detach().clone())  # untied from here on
+    before = llamacpp_rows.weight_bytes(target)
+    assert llamacpp_rows.bytes_read(target) == before - (len(embedding) - 1) * row
