@@ -212,15 +212,17 @@ def realscale_figures(target_dir, drafter_dir, outtype: str, messages, decode: D
 
 
 def weight_bytes(target) -> int:
-    """Bytes of weights a decode step of this engine reads: the language model's parameters (the
-    vision tower runs at prefill only), each product that the fast path reads quantized
-    (`--quantization int8|w8a8|q4_0`: engine/quantized.py, Int8Weight, W8A8Weight, Q4Weight) counted
-    at its stored size (values or codes, scales, sums). Like gguf_weight_bytes, the whole embedding
-    counts (a step reads one row of it)."""
+    """Bytes of the weights a decode step of this engine uses: the language model's parameters and
+    its output layer (not the vision tower and connector: they run at prefill only), each product
+    that the fast path reads quantized (`--quantization int8|w8a8|q4_0`: engine/quantized.py,
+    Int8Weight, W8A8Weight, Q4Weight) counted at its stored size (values or codes, scales, sums).
+    Like gguf_weight_bytes, the whole embedding counts (a step reads one row of it: bytes_read)."""
     from engine.quantized import Int8Weight, Q4Weight
 
-    total = sum(p.numel() * p.element_size() for name, p in target.model.named_parameters()
-                if "visual" not in name and "vision" not in name)
+    decoder = list(target.model.get_decoder().parameters())  # the vision tower and connector run at prefill only
+    output = target.model.get_output_embeddings().weight
+    tied = any(p.data_ptr() == output.data_ptr() for p in decoder)
+    total = sum(p.numel() * p.element_size() for p in decoder + ([] if tied else [output]))
     fast = target.runner.fast
     if fast is None:
         return total
