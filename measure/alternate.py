@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(UNQUANTIZED_GGUF),
                         help="this engine's dtype; llama.cpp's GGUF of the same (unquantized)")
     parser.add_argument("--int8", action="store_true", help="this engine with --quantization int8, llama.cpp Q8_0")
-    parser.add_argument("--quantization", choices=("int8", "w8a8", "q4_0"), help="this engine with "
+    parser.add_argument("--quantization", choices=sorted(QUANTIZED_GGUF), help="this engine with "
                         "--quantization int8 or w8a8, llama.cpp Q8_0; q4_0: llama.cpp Q4_0, and Q4_K_M beside it")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
