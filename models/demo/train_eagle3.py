@@ -74,15 +74,17 @@ def layers_as_outputs(num_layers: int) -> list[int]:
     return [min(max(i, 0), num_layers - 2) for i in picks]
 
 
-def specforge_config(target_config, draft_vocab_size: int, target_name: str) -> dict:
-    """The SpecForge config.json of a drafter for `target_config` (its text sizes and M-RoPE)."""
+def specforge_config(target_config, draft_vocab_size: int, target_name: str,
+                     intermediate_size: int | None = None) -> dict:
+    """The SpecForge config.json of a drafter for `target_config` (its text sizes and M-RoPE; the
+    MLP's width the target's unless `intermediate_size`)."""
     text = target_config.get_text_config()
     rope = text.rope_parameters
     return {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
         "target_model_type": target_config.model_type, "target_name_or_path": target_name,
         "target_architectures": list(target_config.architectures or []),
-        "hidden_size": text.hidden_size, "intermediate_size": text.intermediate_size,
+        "hidden_size": text.hidden_size, "intermediate_size": intermediate_size or text.intermediate_size,
         "num_attention_heads": text.num_attention_heads, "num_key_value_heads": text.num_key_value_heads,
         "head_dim": text.hidden_size // text.num_attention_heads, "num_hidden_layers": 1, "hidden_act": "silu",
         "rms_norm_eps": text.rms_norm_eps, "max_position_embeddings": text.max_position_embeddings,
@@ -223,6 +225,7 @@ def main(argv=None) -> None:
     parser.add_argument("--feature-weight", type=float, default=0.0,
                         help="weight of the feature loss: each unrolled step's h, which the next step reads, "
                              "near g of the token it stands for (0: off, SpecForge's loss alone)")
+    parser.add_argument("--intermediate-size", type=int, help="the drafter layer's MLP width (default: the target's)")
     parser.add_argument("--mixed-batches", action="store_true",
                         help="with --conversations / --data: batches in a seeded random order (kinds mixed; "
                              "more padding, about 2x slower a step) rather than of similar length")
@@ -241,7 +244,7 @@ def main(argv=None) -> None:
     if args.conversations and distilled is None:
         distilled = list(world.train_examples(0, args.conversations))
     vocabulary = draft_vocabulary(processor, args.draft_vocab, distilled)
-    config = specforge_config(target.config, len(vocabulary), os.path.relpath(args.target))
+    config = specforge_config(target.config, len(vocabulary), os.path.relpath(args.target), args.intermediate_size)
     module = eagle3.Eagle3(eagle3.read_config_dict(config))
     with torch.no_grad():
         module.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
