@@ -184,9 +184,9 @@ static inline void dot_block_lanes(const float* x, const W* weight, int64_t in, 
   typename L::V sums[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) sums[r][c] = L::zero();
+  constexpr int64_t ahead = R > 1 ? PREFETCH_BYTES_ROWS : PREFETCH_BYTES_ONE_ROW;
   for (int64_t k = 0; k < in; k += LANES) {
     typename L::V w[C];
-    constexpr int64_t ahead = R > 1 ? PREFETCH_BYTES_ROWS : PREFETCH_BYTES_ONE_ROW;
     for (int c = 0; c < C; ++c) __builtin_prefetch(reinterpret_cast<const char*>(weight + c * in + k) + ahead, 0, 3);
     for (int c = 0; c < C; ++c) w[c] = L::load(weight + c * in + k);
     for (int r = 0; r < R; ++r) {

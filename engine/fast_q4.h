@@ -140,12 +140,13 @@ static inline void vnni_block(const Rows& x, int64_t first, const uint8_t* codes
   __m128 four[C];
   for (int64_t p = 0; p < pairs; ++p) {
     for (int c = 0; c < C; ++c) {
-      const char* next_codes = reinterpret_cast<const char*>(codes + c * stride / 2 + 64 * p);
-      const char* next_scales = reinterpret_cast<const char*>(scales + c * stride / 32 + 4 * p);
-      _mm_prefetch(next_codes + int8_rows::PREFETCH_AHEAD, _MM_HINT_T0);  // the codes' 8 KB ahead, and their scales
-      _mm_prefetch(next_scales + int8_rows::PREFETCH_AHEAD / 8, _MM_HINT_T0);
-      packed[c] = _mm512_loadu_si512(codes + c * stride / 2 + 64 * p);
-      four[c] = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + c * stride / 32 + 4 * p)));
+      const uint8_t* step_codes = codes + c * stride / 2 + 64 * p;
+      const at::Half* step_scales = scales + c * stride / 32 + 4 * p;
+      // 8 KB of codes ahead, and their scales (an eighth of the codes' bytes)
+      _mm_prefetch(reinterpret_cast<const char*>(step_codes) + int8_rows::PREFETCH_AHEAD, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(step_scales) + int8_rows::PREFETCH_AHEAD / 8, _MM_HINT_T0);
+      packed[c] = _mm512_loadu_si512(step_codes);
+      four[c] = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(step_scales)));
       w[c] = _mm512_and_si512(packed[c], low4);
       d[c] = spread(four[c], 0);
     }

@@ -33,7 +33,7 @@ import sys
 import torch
 
 from measure.bench_rows import interleaved
-from measure.realscale import QUANTIZED_GGUF
+from measure.realscale import QUANTIZED_GGUF, UNQUANTIZED_GGUF
 
 
 # --quantization: llama.cpp's GGUF beside each of this engine's (and the sides after "this"): Q4_K_M,
@@ -46,11 +46,8 @@ def sides(quantization: str | None) -> list[str]:
     that can be made here (Q4_K_M: where llama-quantize is built)."""
     from engine.backends.llamacpp_native import QUANTIZE, binary
 
-    first, *others = GGUFS.get(quantization, ("unquantized",))
+    others = GGUFS.get(quantization, ())[1:]
     return ["this", "llama.cpp"] + [f"llama.cpp {other}" for other in others if binary(QUANTIZE)]
-
-
-UNQUANTIZED_GGUF = {"bfloat16": "bf16", "float32": "f32"}
 
 
 def target_folder(preset: str) -> str:
@@ -65,8 +62,9 @@ def target_folder(preset: str) -> str:
 
 
 def decode_speeds(side: str, preset: str, dtype: str, quantization: str | None, repeats: int,
-                  max_new_tokens: int) -> list[float]:
-    """Decode tokens/s of `repeats` runs of the text turn on `side` (one of `sides`)."""
+                  max_new_tokens: int) -> dict:
+    """{"speeds": decode tokens/s of `repeats` runs of the text turn on `side` (one of `sides`),
+    "bytes_read": the bytes of weights this engine reads a token (None for llama.cpp)}."""
     from engine.loop import DecodeSettings
     from measure.llamacpp_rows import text_only
     from measure.realscale import photo
@@ -88,17 +86,18 @@ def decode_speeds(side: str, preset: str, dtype: str, quantization: str | None, 
             native = target.runner.fast.stack.native
             print(f"this engine: int8 activations' kernel {native.int8_kernel() if native else 'none (Python)'}",
                   file=sys.stderr)
-        print(f"this engine: weights read a token: {bytes_read(target)} bytes", file=sys.stderr)
         engine = Engine(target, {})
         run_this(engine, None, messages, decode, 0)  # warm-up: one whole untimed answer
-        return [run_this(engine, None, messages, decode, i).decode_tok_s for i in range(repeats)]
+        return {"speeds": [run_this(engine, None, messages, decode, i).decode_tok_s for i in range(repeats)],
+                "bytes_read": bytes_read(target)}
     from measure.llamacpp_rows import answer, start
 
     outtype = side.split()[1] if " " in side else (GGUFS[quantization][0] if quantization else UNQUANTIZED_GGUF[dtype])
     backend = start(str(target_dir), None, outtype)
     print(f"llama.cpp: {backend.server.kind}", file=sys.stderr)
     answer(backend, messages, None, decode)  # warm-up: one whole untimed answer
-    return [answer(backend, messages, None, decode).stats.decode_tok_s for _ in range(repeats)]
+    return {"speeds": [answer(backend, messages, None, decode).stats.decode_tok_s for _ in range(repeats)],
+            "bytes_read": None}
 
 
 def bandwidths(threads: int) -> dict[int, float]:
@@ -141,16 +140,15 @@ def main(argv=None) -> int:
                    "--threads", str(args.threads), "--dtype", args.dtype] + (
                        ["--quantization", quantization] if quantization else [])
         done = subprocess.run(command, capture_output=True, text=True, check=True)
-        speeds = json.loads(done.stdout.strip().splitlines()[-1])
-        if round_index == 0:  # which build and kernel each side ran, and what this engine reads a token
-            told = [line for line in done.stderr.splitlines() if line.startswith(("llama.cpp:", "this engine:"))]
-            print("\n".join(told))
-            read.extend(int(line.split()[-2]) for line in told if "weights read a token" in line)
+        figures = json.loads(done.stdout.strip().splitlines()[-1])
+        speeds, read[side] = figures["speeds"], figures["bytes_read"]
+        if round_index == 0:  # which build and kernel each side ran
+            print("\n".join(line for line in done.stderr.splitlines() if line.startswith(("llama.cpp:", "this engine:"))))
         print(f"round {round_index + 1}, {side}: {' '.join(f'{s:.2f}' for s in speeds)} tok/s "
               f"(median {statistics.median(speeds):.2f})", flush=True)
         return statistics.median(speeds)
 
-    read: list[int] = []
+    read: dict[str, int | None] = {}  # each side's bytes of weights read a token (this engine's only)
     medians = interleaved(args.rounds, sides(quantization), median_speed)
     after = bandwidths(args.threads)
     ggufs = GGUFS[quantization] if quantization else (UNQUANTIZED_GGUF[args.dtype],)
@@ -159,12 +157,12 @@ def main(argv=None) -> int:
         print(f"{args.preset}, {quantization or args.dtype} / {gguf.upper()}, {args.threads} threads, "
               f"{args.max_new_tokens} tokens: this engine / llama.cpp, median of rounds "
               f"{statistics.median(ratios):.2f}x (rounds: {' '.join(f'{r:.2f}' for r in ratios)})")
-    if read:  # the bound: the higher streaming read of before and after, over the bytes read a token
-        bandwidth = max(before[args.threads], after[args.threads])
-        fractions = [speed * read[0] / (bandwidth * 1e9) for speed in medians["this"]]
-        print(f"{args.preset}, {quantization or args.dtype}: this engine / streaming-read bound ({read[0] / 1e6:.1f} MB "
-              f"read a token at {bandwidth:.1f} GB/s on {args.threads} threads: {bandwidth * 1e9 / read[0]:.1f} tok/s), "
-              f"median of rounds {statistics.median(fractions):.2f}x (rounds: {' '.join(f'{f:.2f}' for f in fractions)})")
+    # the bound: the bytes this engine reads a token at the higher streaming read of before and after
+    bandwidth, weights = max(before[args.threads], after[args.threads]), read["this"]
+    fractions = [speed * weights / (bandwidth * 1e9) for speed in medians["this"]]
+    print(f"{args.preset}, {quantization or args.dtype}: this engine / streaming-read bound ({weights / 1e6:.1f} MB "
+          f"read a token at {bandwidth:.1f} GB/s on {args.threads} threads: {bandwidth * 1e9 / weights:.1f} tok/s), "
+          f"median of rounds {statistics.median(fractions):.2f}x (rounds: {' '.join(f'{f:.2f}' for f in fractions)})")
     return 0
 
 

@@ -48,6 +48,7 @@ import torch
 ACCEPTANCES = (1.0, 0.8, 0.6, 0.2)
 FIXED_K = 4
 QUANTIZED_GGUF = {"int8": "q8_0", "w8a8": "q8_0", "q4_0": "q4_0"}  # --quantization: llama.cpp's GGUF beside it
+UNQUANTIZED_GGUF = {"bfloat16": "bf16", "float32": "f32"}  # --dtype: llama.cpp's GGUF of the same
 REPEATS = 3  # timings of t(n), the draft step and the prefill: medians of this many
 
 
@@ -108,7 +109,7 @@ def measure(preset: str, quick: bool, dtype: str, device: str, max_new_tokens: i
     if llamacpp:
         from measure.llamacpp_rows import realscale_figures
 
-        outtype = {"bfloat16": "bf16", "float32": "f32"}[dtype] if llamacpp == "same" else llamacpp
+        outtype = UNQUANTIZED_GGUF[dtype] if llamacpp == "same" else llamacpp
         out["llamacpp"] = realscale_figures(target_dir, drafter_dir, outtype, messages, decode)
         if quantization:
             theirs = QUANTIZED_GGUF[quantization]
@@ -222,10 +223,9 @@ def table_rows(results: list[dict]) -> list[dict]:
     for r in results:
         rows.append(r)
         if "int8" in r:
-            kind = r["int8"].get("quantization", "int8")
-            label = "int8 weights" if kind == "int8" else f"{kind} weights"
+            kind = r["int8"].get("quantization", "int8")  # runs before --quantization had int8 only
             rows.append({k: v for k, v in r.items() if k not in ("int8", "llamacpp")} | r["int8"]
-                        | {"dtype": f"{r['dtype']} + {label}", "generate_tok_s": None})
+                        | {"dtype": f"{r['dtype']} + {kind} weights", "generate_tok_s": None})
     return rows
 
 

@@ -258,19 +258,16 @@ def adapter_deltas(parts: tuple[dict, dict[str, torch.Tensor]]) -> dict[str, tor
     return {k: v for k, v in parts[1].items() if k.endswith((".lora_A", ".lora_B"))}
 
 
-def build_model(llama, parts: tuple[dict, dict[str, torch.Tensor]], merged: bool = False):
-    """The Qwen2-VL model: SmolLM2's weights as its language model, `parts` as its vision tower;
-    `merged`: with the picture adapters added to the language model (what picture turns run)."""
+def build_model(llama, parts: tuple[dict, dict[str, torch.Tensor]]):
+    """The Qwen2-VL model: SmolLM2's weights, unchanged, as its language model, `parts` as its
+    vision tower (the parts' picture adapters are not merged: `assemble` writes them beside)."""
     from transformers import Qwen2VLForConditionalGeneration
-
-    from models.picture_weights import merge
 
     vision, weights = parts
     config = vlm_config(llama.config, vision)
     model = Qwen2VLForConditionalGeneration(config)
     deltas = adapter_deltas(parts)
-    language = merge(language_state(llama), deltas) if merged else language_state(llama)
-    state = language | {"model." + k: v for k, v in weights.items() if k not in deltas}
+    state = language_state(llama) | {"model." + k: v for k, v in weights.items() if k not in deltas}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
