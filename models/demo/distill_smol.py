@@ -36,7 +36,11 @@ FORMS = ("What is {}?", "Explain {} in two sentences.", "Give me three facts abo
          "Why is {} important?", "Describe {} to a child.", "What are the main uses of {}?", "Tell me a story about {}.",
          "What is the history of {}?", "List some interesting questions about {}.", "How does {} work?",
          "Write a short paragraph about {}.", "What are the pros and cons of {}?", "Hi! Can you tell me about {}?",
-         "What should a beginner know about {}?", "Compare {} with something similar.")
+         "What should a beginner know about {}?", "Compare {} with something similar.",
+         # 8 more (the third round: 24 forms x 150 topics)
+         "Write a haiku about {}.", "Give me a one-sentence summary of {}.", "What are three tips about {}?",
+         "Can you explain {} in simple words?", "Write a short thank-you note that mentions {}.",
+         "What is a fun fact about {}?", "How would you teach someone about {}?", "Answer in one sentence: what is {}?")
 TOPICS = ("the moon", "volcanoes", "bicycles", "coffee", "the ocean", "electricity", "friendship", "music", "trees",
           "the Roman Empire", "computers", "dogs", "cats", "rain", "mathematics", "chess", "gardening", "the desert",
           "bread", "trains", "snow", "the brain", "football", "honey", "libraries", "bridges", "clocks", "birds",
@@ -49,7 +53,15 @@ TOPICS = ("the moon", "volcanoes", "bicycles", "coffee", "the ocean", "electrici
           "the jungle", "cheese", "airplanes", "ice", "the heart", "basketball", "sugar", "museums", "tunnels",
           "calendars", "insects", "languages", "kites", "ink", "plastic", "waterfalls", "clouds", "satellites",
           "planets", "shampoo", "compasses", "soup", "the guitar", "whales", "composting", "radio", "islands",
-          "antibiotics", "banks", "holidays", "deserts at night", "baking", "sculpture")
+          "antibiotics", "banks", "holidays", "deserts at night", "baking", "sculpture",
+          # 50 more (the third round)
+          "owls", "the printing press", "photography", "fire", "salt", "umbrellas", "submarines", "glaciers",
+          "the camera", "lighthouses", "penguins", "origami", "the violin", "tomatoes", "skiing", "swimming",
+          "the microscope", "spiders", "deserts in winter", "rice", "the calendar year", "windmills", "pottery",
+          "sharks", "the eye", "running", "wool", "candles", "the Olympic Games", "coral reefs", "apples",
+          "the metro", "tigers", "theatre", "yoga", "wheat", "the Great Wall of China", "oxygen", "bees",
+          "thermometers", "elephants", "podcasts", "castles", "frogs", "hiking", "chocolate", "the keyboard",
+          "camping", "the solar system", "video games")
 
 
 def text_prompts() -> list[str]:
@@ -70,7 +82,7 @@ def conversation(record: dict) -> tuple[list[dict], list]:
 
 
 def generate_data(target_folder: str, out: Path, n_text: int, n_pictures: int, max_new_tokens: int,
-                  batch_size: int = 16) -> None:
+                  batch_size: int = 16, device: str = "cpu") -> None:
     from transformers import AutoModelForImageTextToText
 
     from models.processors import load_processor
@@ -86,6 +98,7 @@ def generate_data(target_folder: str, out: Path, n_text: int, n_pictures: int, m
 
     text_model = AutoModelForImageTextToText.from_pretrained(target_folder, dtype=torch.float32).eval()
     picture_model = for_pictures(target_folder, text_model)  # the weights the engine answers pictures with
+    text_model.to(device), picture_model.to(device)
     processor = load_processor(target_folder)
     tokenizer = processor.tokenizer
     tokenizer.padding_side = "left"  # batched greedy generation: every answer starts at the same column
@@ -99,7 +112,7 @@ def generate_data(target_folder: str, out: Path, n_text: int, n_pictures: int, m
         conversations = [conversation(r) for r in batch]
         texts = [processor.apply_chat_template(m, add_generation_prompt=True) for m, _ in conversations]
         images = [image for _, shown in conversations for image in shown]
-        inputs = processor(text=texts, images=images or None, padding=True, return_tensors="pt")
+        inputs = processor(text=texts, images=images or None, padding=True, return_tensors="pt").to(device)
         with torch.inference_mode():
             output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                     pad_token_id=tokenizer.pad_token_id)
@@ -214,6 +227,7 @@ def main(argv=None) -> None:
     drafter.add_argument("--batch-size", type=int, default=8)
     drafter.add_argument("--lr", type=float, default=3e-4)
     drafter.add_argument("--seed", type=int, default=0)
+    data.add_argument("--device", default="cpu", help="cpu, or cuda")
     for sub in (data, drafter):
         sub.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
@@ -223,7 +237,7 @@ def main(argv=None) -> None:
 
         args.target = str(smol.assemble())
     if args.command == "data":
-        generate_data(args.target, args.out, args.text, args.pictures, args.max_new_tokens, args.batch_size)
+        generate_data(args.target, args.out, args.text, args.pictures, args.max_new_tokens, args.batch_size, args.device)
     else:
         train_text_drafter(args.data, args.target, args.out, args.layers, args.steps, args.batch_size, args.lr, args.seed)
 

@@ -68,9 +68,10 @@ class PictureAdapters(torch.nn.Module):
 
 def text_distillation(model, adapters: PictureAdapters, batch: dict, bf16: bool) -> torch.Tensor:
     """KL(frozen SmolLM2 || adapted model) at the answer positions of a text batch
-    ({input_ids, attention_mask, labels}: labels -100 outside the answers), per answer token."""
+    ({input_ids, attention_mask, labels}: labels -100 outside the answers, on the model's
+    device), per answer token."""
     rows = batch["labels"][:, 1:] != -100
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16, enabled=bf16):
         with torch.no_grad():
             adapters.enabled = False
             try:

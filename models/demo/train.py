@@ -28,7 +28,7 @@ import argparse
 import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -282,6 +282,9 @@ class Batch:
     cell_targets: torch.Tensor  # (num_images * 9, vocab), see `cell_targets`
     picture_targets: torch.Tensor  # (num_images * 9, vocab), see `picture_targets`
     probe_targets: torch.Tensor  # (num_images * 9, len(PROBE_GROUPS)), see `probe_targets`
+
+    def to(self, device) -> "Batch":
+        return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
     def vlm_inputs(self) -> dict:
         return dict(

@@ -1,6 +1,7 @@
 """Train the SmolLM2 demo's vision tower and connector, the language model frozen, on a CPU.
 
     python -m models.demo.train_smol --ckpt /work/ckpt/smol      # resumes from its latest checkpoint
+    python -m models.demo.train_smol --ckpt DIR --device cuda --batch-size 32 --workers 12 --minutes 5 ...
 
 The model is `models.demo.smol`'s assembly (SmolLM2-135M-Instruct as the language model of a
 Qwen2-VL model), started from the bundled 3.6 M demo's vision tower with a fresh connector
@@ -21,6 +22,10 @@ every --eval-every steps plain greedy `generate` scores --eval-questions held-ou
 (eval seed 0); every --checkpoint-minutes the trained parts, the optimizer and the step go to
 `<ckpt>/latest.pt` (and `<ckpt>/parts/`, the folder `models.demo.smol` reads; copy it to
 assets/demo_smol to ship it).
+
+On a GPU (`--device cuda`) the batches are built by `--workers` processes (the pictures and
+the processor run on the CPU), and `--minutes M` sets the schedule's length from the measured
+speed of the first `--warmup` steps, so that the run ends after about M minutes.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from pathlib import Path
 import torch
 
 from models.demo import smol, world
-from models.demo.picture_adapters import PictureAdapters, text_batches, text_distillation
+from models.demo.picture_adapters import PREFIX, PictureAdapters, text_batches, text_distillation
 from models.demo.train import (PROBE_CLASSES, PROBE_GROUPS, accuracy, cell_loss, encode, learning_rate,
                                picture_loss, probe_loss)
 
@@ -64,11 +69,24 @@ def batch_examples(step: int, batch_size: int, seed: int, pool: int = 8) -> list
     return chunks[index]
 
 
+class StepBatches(torch.utils.data.Dataset):
+    """The encoded batches of steps `first` .. `end` - 1 (`batch_examples`), for a DataLoader's workers."""
+
+    def __init__(self, processor, first: int, end: int, batch_size: int, seed: int):
+        self.processor, self.first, self.end, self.batch_size, self.seed = processor, first, end, batch_size, seed
+
+    def __len__(self) -> int:
+        return self.end - self.first
+
+    def __getitem__(self, index: int):
+        return encode(self.processor, batch_examples(self.first + index, self.batch_size, self.seed))
+
+
 def losses(model, probe, batch, weights: dict, bf16: bool) -> dict[str, torch.Tensor]:
     captured = []
     hook = model.model.visual.register_forward_hook(lambda m, i, out: captured.append(out.pooler_output))
     image_token_id = model.config.image_token_id
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         out = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                           mm_token_type_ids=batch.mm_token_type_ids, pixel_values=batch.pixel_values,
                           image_grid_thw=batch.image_grid_thw, output_hidden_states=weights["probe"] > 0)
@@ -91,6 +109,34 @@ def losses(model, probe, batch, weights: dict, bf16: bool) -> dict[str, torch.Te
     return result
 
 
+@torch.no_grad()
+def batched_accuracy(model, processor, questions: list[world.Question], batch_size: int = 50,
+                     max_new_tokens: int = 120) -> tuple[float, dict]:
+    """`accuracy` with batched greedy `generate` (left padding) on the model's device: an
+    estimate for a GPU run (padding can move a float here and there), not the engine's figure."""
+    tokenizer, device = processor.tokenizer, next(model.parameters()).device
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    per_kind: dict[str, list[int]] = {}
+    model.eval()
+    try:
+        for first in range(0, len(questions), batch_size):
+            chunk = questions[first: first + batch_size]
+            texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"} for _ in q.images]
+                                                     + [{"type": "text", "text": q.prompt}]}], add_generation_prompt=True)
+                     for q in chunk]
+            inputs = processor(text=texts, images=[i for q in chunk for i in q.images], padding=True,
+                               return_tensors="pt").to(device)
+            output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                    pad_token_id=tokenizer.pad_token_id)
+            answers = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            for question, answer in zip(chunk, answers):
+                per_kind.setdefault(question.kind, []).append(int(world.answer_matches(answer, question.answer)))
+    finally:
+        tokenizer.padding_side = side
+    total = sum(sum(v) for v in per_kind.values()) / len(questions)
+    return total, {kind: sum(v) / len(v) for kind, v in sorted(per_kind.items())}
+
+
 def save_checkpoint(path: Path, model, probe, adapters, optimizer, step: int, info: dict) -> None:
     state = {"visual": {k: v.detach().clone() for k, v in model.model.visual.state_dict().items()},
              "probe": probe.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "info": info,
@@ -108,7 +154,28 @@ def text_data(args, processor):
     records = [r for r in map(json.loads, args.text_data.read_text().splitlines()) if r["kind"] == "text"]
     render = lambda prompt: processor.apply_chat_template(  # noqa: E731
         [{"role": "user", "content": [{"type": "text", "text": prompt}]}], add_generation_prompt=True)
-    return text_batches(records, processor.tokenizer, render, args.text_batch, args.seed)
+    return ({k: v.to(args.device) for k, v in batch.items()}
+            for batch in text_batches(records, processor.tokenizer, render, args.text_batch, args.seed))
+
+
+def load_parts_into(model, adapters, folder: Path) -> None:
+    """Start from shipped parts (`models.demo.smol.save_parts`): the vision tower and connector,
+    and the adapters when their rank is the parts' (a fresh probe either way)."""
+    parts = smol.load_parts(folder)
+    if parts is None:
+        raise SystemExit(f"--init-parts {folder}: no vision.safetensors there")
+    weights = parts[1]
+    model.model.visual.load_state_dict({k.removeprefix("visual."): v for k, v in weights.items() if k.startswith("visual.")})
+    deltas = smol.adapter_deltas(parts)
+    if adapters is not None and deltas:
+        rank = next(iter(adapters.down.values())).shape[0]
+        if next(v for k, v in deltas.items() if k.endswith(".lora_A")).shape[0] == rank:
+            with torch.no_grad():
+                for key, path in adapters.paths.items():
+                    adapters.down[key].copy_(deltas[f"{PREFIX}{path}.lora_A"])
+                    adapters.up[key].copy_(deltas[f"{PREFIX}{path}.lora_B"] / adapters.scale)
+            print(f"adapters from {folder}", flush=True)
+    print(f"vision tower and connector from {folder}", flush=True)
 
 
 def main() -> None:
@@ -140,6 +207,14 @@ def main() -> None:
     parser.add_argument("--text-weight", type=float, default=1.0)
     parser.add_argument("--init-from", type=Path, help="a vision-only checkpoint (latest.pt) to start the "
                         "vision tower, connector and probe from, when --ckpt has none yet")
+    parser.add_argument("--init-parts", type=Path, help="a parts folder (assets/demo_smol) to start the vision "
+                        "tower, connector and (same rank) adapters from, when --ckpt has no checkpoint yet")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda")
+    parser.add_argument("--final-eval", type=int, default=0,
+                        help="at the end, score this many held-out questions (eval seed 0) with batched generate")
+    parser.add_argument("--workers", type=int, default=0, help="processes that build the batches (0: this one)")
+    parser.add_argument("--minutes", type=float, help="set --steps from the speed of the warm-up steps so that "
+                        "the run ends after about this many minutes")
     args = parser.parse_args()
     if args.text_data and not args.adapters_rank:
         parser.error("--text-data keeps the adapters' text turns close to SmolLM2: it needs --adapters-rank")
@@ -148,11 +223,16 @@ def main() -> None:
     torch.manual_seed(args.seed)
     args.ckpt.mkdir(parents=True, exist_ok=True)
     log_path, latest = args.ckpt / "log.jsonl", args.ckpt / "latest.pt"
-    folder = smol.assemble(parts=smol.initial_parts(seed=args.seed))
+    folder = smol.assemble(parts=smol.load_parts(args.init_parts) if args.init_parts else smol.initial_parts(seed=args.seed))
     model, processor = load_model(folder)
     probe = torch.nn.Linear(model.config.text_config.hidden_size, len(PROBE_GROUPS) * PROBE_CLASSES)
     adapters = (PictureAdapters(model.model.language_model, args.adapters_rank, args.adapters_alpha, args.seed)
                 if args.adapters_rank else None)
+    if args.init_parts and not latest.exists():
+        load_parts_into(model, adapters, args.init_parts)
+    for module in (model, probe, adapters):
+        if module is not None:
+            module.to(args.device)
     trained = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trained if p.ndim >= 2] + [probe.weight]
     groups = [{"params": decay, "weight_decay": 0.01, "peak": args.lr},
@@ -163,7 +243,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
     start = 0
     if latest.exists() or args.init_from:
-        state = torch.load(latest if latest.exists() else args.init_from, weights_only=False)
+        state = torch.load(latest if latest.exists() else args.init_from, weights_only=False, map_location=args.device)
         model.model.visual.load_state_dict(state["visual"])
         probe.load_state_dict(state["probe"])
         if latest.exists():
@@ -183,9 +263,23 @@ def main() -> None:
     settings = {k: str(v) for k, v in vars(args).items()}
     questions = world.eval_questions(0, args.eval_questions)
     last_save, window, counted, tokens, began = time.time(), {}, 0, 0, time.time()
+    began_run = began
     end = min(args.max_steps or args.steps, args.steps)
-    for step in range(start, end):
-        batch = encode(processor, batch_examples(step, args.batch_size, args.seed))
+    if args.minutes:
+        end = start + 1_000_000  # until the warm-up steps have been timed
+    loader = torch.utils.data.DataLoader(StepBatches(processor, start, end, args.batch_size, args.seed), batch_size=None,
+                                         num_workers=args.workers, prefetch_factor=4 if args.workers else None)
+    timed = None
+    for step, batch in enumerate(loader, start):
+        if step >= end:
+            break
+        if args.minutes and step == start + args.warmup // 2:
+            timed = time.time()
+        if args.minutes and step == start + args.warmup:
+            seconds_a_step = (time.time() - timed) / (args.warmup - args.warmup // 2)
+            args.steps = end = step + max(1, int((args.minutes * 60 - (time.time() - began_run)) / seconds_a_step))
+            print(f"{seconds_a_step:.3f} s a step: the schedule ends at step {end}", flush=True)
+        batch = batch.to(args.device)
         lr = learning_rate(step, args.steps, args.lr, args.warmup)
         for group in optimizer.param_groups:
             group["lr"] = lr * group["peak"] / args.lr
@@ -211,7 +305,7 @@ def main() -> None:
             with open(log_path, "a") as f:
                 f.write(json.dumps(line) + "\n")
             window, counted, tokens, began = {}, 0, 0, time.time()
-        if done % args.eval_every == 0:
+        if args.eval_every and done % args.eval_every == 0:
             t0 = time.time()
             total, per_kind = accuracy(model, processor, questions)
             line = {"step": done, "heldout_accuracy": round(total, 3), "questions": len(questions),
@@ -224,6 +318,14 @@ def main() -> None:
             save_checkpoint(latest, model, probe, adapters, optimizer, done, {"settings": settings})
             print(f"checkpoint at step {done}: {latest}", flush=True)
             last_save = time.time()
+    if args.final_eval:
+        t0 = time.time()
+        total, per_kind = batched_accuracy(model, processor, world.eval_questions(0, args.final_eval))
+        line = {"step": end, "final_accuracy": round(total, 3), "questions": args.final_eval,
+                "per_kind": {k: round(v, 2) for k, v in per_kind.items()}, "eval_seconds": round(time.time() - t0)}
+        print(json.dumps(line), flush=True)
+        with open(log_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
 
 if __name__ == "__main__":
