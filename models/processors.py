@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import re
 
 from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
@@ -54,7 +55,7 @@ def load_processor(path_or_id: str, trust_remote_code: bool = False, pil_image_p
     """
     processor_class = _builtin_processor_class(path_or_id)
     try:
-        if processor_class is not None and _needs_image_only(processor_class, pil_image_processor):
+        if processor_class is not None and _needs_image_only(processor_class, pil_image_processor, path_or_id):
             logger.info("%s: %s without video / audio processors, PIL images", path_or_id, processor_class.__name__)
             processor = _load_image_only(processor_class, path_or_id, pil_image_processor)
         else:
@@ -168,12 +169,26 @@ def _load_image_processor(path_or_id: str, pil_image_processor: type | None):
     return pil_image_processor.from_dict(settings)
 
 
-def _needs_image_only(processor_class: type[ProcessorMixin], pil_image_processor: type | None) -> bool:
+def _needs_image_only(processor_class: type[ProcessorMixin], pil_image_processor: type | None,
+                      path_or_id: str) -> bool:
     """Without torchvision: `processor_class` wants video / audio processors, or the family's
-    image processor exists only as a torchvision class."""
-    if is_torchvision_available():
-        return False
-    return pil_image_processor is not None or bool(_video_and_audio_attributes(processor_class))
+    image processor exists only as a torchvision class. With torchvision: a local folder saved
+    image-only (`build_image_only_processor`: no video / audio processor settings in it, as the
+    bundled demos are), which AutoProcessor would refuse for the missing video processor."""
+    wanted = _video_and_audio_attributes(processor_class)
+    if not is_torchvision_available():
+        return pil_image_processor is not None or bool(wanted)
+    return bool(wanted) and os.path.isdir(path_or_id) and not _saved_with(path_or_id, wanted)
+
+
+def _saved_with(folder: str, attributes: list[str]) -> bool:
+    """Whether `folder` holds settings for any of the sub-processors `attributes` (in its
+    processor_config.json, or a file of their own, or the older shared preprocessor_config.json)."""
+    own_files = ("video_preprocessor_config.json", "preprocessor_config.json", "feature_extractor_config.json")
+    if any(os.path.isfile(os.path.join(folder, name)) for name in own_files):
+        return True
+    processor_dict, _ = ProcessorMixin.get_processor_dict(folder)
+    return any(name in processor_dict for name in attributes)
 
 
 def _video_and_audio_attributes(processor_class: type[ProcessorMixin]) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -118,6 +119,22 @@ def test_loads_checkpoint_that_names_a_video_processor(tmp_path):
     processor = load_processor(str(folder))
 
     assert type(processor).__name__ == "Qwen2VLProcessor"
+    assert "pixel_values" in _inputs(processor, IMAGE_PROMPT, tiny_images(2))
+
+
+def test_image_only_folder_loads_where_torchvision_is_installed(monkeypatch):
+    """The bundled demo saves an image-only processor (no video processor settings). Where
+    torchvision is installed (a GPU machine, a Space), AutoProcessor refuses such a folder for its
+    missing video processor; it is loaded image-only there too."""
+    import models.processors
+
+    monkeypatch.setattr(models.processors, "is_torchvision_available", lambda: True)
+    demo = os.path.join(os.path.dirname(__file__), "..", "assets", "demo", "target")
+
+    processor = load_processor(demo)
+
+    assert type(processor).__name__ == "Qwen2VLProcessor"
+    assert getattr(processor, "video_processor", None) is None
     assert "pixel_values" in _inputs(processor, IMAGE_PROMPT, tiny_images(2))
 
 
