@@ -14,6 +14,7 @@ the EAGLE-3 layer over all entries without a cache).
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -400,6 +401,23 @@ def test_train_eagle3_writes_a_specforge_folder_that_loads_and_exports(tmp_path)
         torch.testing.assert_close(drafters[0].logits(h), drafters[1].logits(h))
     done = answer(target, 1, drafters[1])
     assert done.token_ids == answer(target, 1).token_ids and done.stats.fallback_reason is None
+
+
+def test_train_eagle3_init_continues_from_a_checkpoint_with_its_draft_vocabulary(tmp_path):
+    """`--init DIR`: the drafter starts from DIR's weights and keeps its draft vocabulary (d2t),
+    so a step at learning rate 0 writes DIR's weights back."""
+    from safetensors.torch import load_file
+
+    from models.demo import train_eagle3
+
+    start = os.path.join(os.path.dirname(__file__), "..", "assets", "demo", "eagle3_drafter")
+    out = tmp_path / "continued"
+    train_eagle3.main(["--out", str(out), "--init", start, "--steps", "1", "--batch-size", "2", "--threads", "1",
+                       "--ttt-steps", "2", "--lr", "0", "--draft-vocab", "64"])
+    before, after = load_file(os.path.join(start, "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(after) == set(before)
+    for key in before:
+        torch.testing.assert_close(after[key], before[key], rtol=0, atol=0, msg=key)
 
 
 def test_train_eagle3_mixed_batches_mix_lengths_and_keep_each_batch_every_epoch():

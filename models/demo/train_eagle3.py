@@ -226,6 +226,7 @@ def main(argv=None) -> None:
                         help="weight of the feature loss: each unrolled step's h, which the next step reads, "
                              "near g of the token it stands for (0: off, SpecForge's loss alone)")
     parser.add_argument("--intermediate-size", type=int, help="the drafter layer's MLP width (default: the target's)")
+    parser.add_argument("--init", help="an EAGLE-3 checkpoint of this target to continue from (its draft vocabulary kept)")
     parser.add_argument("--mixed-batches", action="store_true",
                         help="with --conversations / --data: batches in a seeded random order (kinds mixed; "
                              "more padding, about 2x slower a step) rather than of similar length")
@@ -243,7 +244,9 @@ def main(argv=None) -> None:
     distilled = distilled_examples(args.data, processor.tokenizer) if args.data else None
     if args.conversations and distilled is None:
         distilled = list(world.train_examples(0, args.conversations))
-    vocabulary = draft_vocabulary(processor, args.draft_vocab, distilled)
+    start = eagle3.read_weights(args.init, eagle3.read_config(args.init)) if args.init else None
+    vocabulary = (start["d2t"] + torch.arange(len(start["d2t"])) if start is not None
+                  else draft_vocabulary(processor, args.draft_vocab, distilled))
     config = specforge_config(target.config, len(vocabulary), os.path.relpath(args.target), args.intermediate_size)
     module = eagle3.Eagle3(eagle3.read_config_dict(config))
     with torch.no_grad():
@@ -252,6 +255,8 @@ def main(argv=None) -> None:
         module.d2t.copy_(vocabulary - torch.arange(len(vocabulary)))
         module.t2d.zero_()
         module.t2d[vocabulary] = True
+    if start is not None:
+        module.load_state_dict({k: v for k, v in start.items() if k != "embed_tokens.weight"}, strict=False)
     module.embed_tokens.requires_grad_(False)
     draft_of = torch.full((module.config.vocab_size,), -1, dtype=torch.long)
     draft_of[vocabulary] = torch.arange(len(vocabulary))
@@ -260,6 +265,7 @@ def main(argv=None) -> None:
                                   betas=(0.9, 0.98), weight_decay=0.01)
     stream, passes = batches(distilled, args.batch_size, args.seed, args.mixed_batches,
                              split_pictures=pictures is not target), {}
+    keep = distilled is not None and args.steps * args.batch_size > len(distilled)  # only a second epoch reads them
 
     def train_step(step: int) -> dict[str, float]:
         key, examples = next(stream)
@@ -269,7 +275,7 @@ def main(argv=None) -> None:
             if args.target_answers:
                 examples = target_answers(model, processor, examples, args.max_answer_tokens)
             batch = TargetPass(model, processor, examples, tuple([0] + layers))
-        if key is not None:  # --data / --conversations: the batch comes back each epoch; its answers and pass are kept
+        if key is not None and keep:  # --data / --conversations: the batch comes back each epoch; its pass is kept
             passes[key] = batch
         aligned = [] if args.feature_weight else None
         losses, accuracy = eagle3_losses(module, batch, layers, args.ttt_steps, draft_of, aligned)
