@@ -43,7 +43,8 @@ class LoadSettings:
                          'identical) when its float32 weights take at most 40% of the memory, else bfloat16',
                          choices=DTYPES, env="VLM_DTYPE")
     drafter_dtype: str = setting(LoadOptions.drafter_dtype, '"auto" (default): float32 on a CPU for drafters under '
-                                 '10M parameters, else --dtype', choices=DRAFTER_DTYPES, env="VLM_DRAFTER_DTYPE")
+                                 '10M parameters, else --dtype (a drafter module that reads the target, such as '
+                                 'EAGLE-3: bfloat16 where the CPU has AVX512-BF16 or AMX)', choices=DRAFTER_DTYPES, env="VLM_DRAFTER_DTYPE")
     device: str = setting(LoadOptions.device, 'where the models run; "auto" (default): cuda when there is one, '
                           'else cpu', choices=DEVICES, env="VLM_DEVICE")
     quantization: str | None = setting(None, "4bit / 8bit: load the target in 4 or 8 bits (bitsandbytes); int8: "

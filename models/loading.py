@@ -41,7 +41,8 @@ class LoadOptions:
     # that dominates a tiny model's decode step), else `dtype`: from tens of millions of
     # parameters up, float32 buys nothing and doubles the memory (the measured figures and their
     # commands: docs/benchmarks.md, "Where a step's time goes"). The target verifies every
-    # token, so a drafter's dtype never changes the answer.
+    # token, so a drafter's dtype never changes the answer. Drafter modules that read the target
+    # (EAGLE-3, MTP, block): engine/drafters/target_head.py `module_dtype`.
     drafter_dtype: str = "auto"
 
 

@@ -420,6 +420,26 @@ def test_train_eagle3_init_continues_from_a_checkpoint_with_its_draft_vocabulary
         torch.testing.assert_close(after[key], before[key], rtol=0, atol=0, msg=key)
 
 
+def test_auto_dtype_runs_a_large_module_in_bfloat16_where_the_cpu_has_it(monkeypatch):
+    """--drafter-dtype auto on a CPU: a module of under SMALL_DRAFTER_PARAMETERS in float32; a
+    larger one in bfloat16 where the CPU computes in bfloat16, else float32; greedy answers equal
+    plain decoding either way (the target verifies every token)."""
+    from engine.drafters import target_head
+    from models.demo.train_drafters import DEFAULT_TARGET
+
+    target = load_target(DEFAULT_TARGET, MODEL_OPTIONS)
+    folder = os.path.join(os.path.dirname(__file__), "..", "assets", "demo", "eagle3_drafter")
+    dtype = lambda: next(load_drafter(folder, target).module.parameters()).dtype  # noqa: E731
+    assert dtype() == torch.float32  # 0.85 M parameters
+    monkeypatch.setattr(target_head, "SMALL_DRAFTER_PARAMETERS", 1000)  # as if it were large
+    monkeypatch.setattr(target_head, "cpu_computes_bfloat16", lambda: False)
+    assert dtype() == torch.float32
+    monkeypatch.setattr(target_head, "cpu_computes_bfloat16", lambda: True)
+    drafter = load_drafter(folder, target)
+    assert next(drafter.module.parameters()).dtype == torch.bfloat16
+    assert answer(target, 1, drafter).token_ids == answer(target, 1).token_ids
+
+
 def test_train_eagle3_mixed_batches_mix_lengths_and_keep_each_batch_every_epoch():
     """`--mixed-batches`: the same conversations cut into seeded random batches instead of batches
     of similar length; either way every epoch shows each conversation once and a batch's key

@@ -90,9 +90,10 @@ def load(name: str, config: checkpoint.Eagle3Config, target, options) -> Eagle3D
         raise LoadError(f"EAGLE-3 drafter {name!r} ({config.format}) does not fit the target {target.name!r}: "
                         + "; ".join(problems) + ". Use the EAGLE-3 checkpoint trained for this target.")
     try:
-        module = checkpoint.load(name, config, module_dtype(target, options), target.model.device)
+        module = checkpoint.load(name, config, torch.float32, target.model.device)
     except (checkpoint.FormatError, OSError) as error:
         raise LoadError(f"cannot load EAGLE-3 drafter {name!r}: {' '.join(str(error).split())}") from error
+    module = module.to(module_dtype(target, options, sum(p.numel() for p in module.parameters())))
     target_ids = module.target_ids()
     if int(target_ids.max()) >= target.vocab_size or int(target_ids.min()) < 0:
         raise LoadError(f"EAGLE-3 drafter {name!r} maps draft ids to target ids {int(target_ids.min())} .. "

@@ -78,7 +78,8 @@ def load_qwen3_5(name: str, target, options) -> MtpHeadDrafter:
     except (OSError, RuntimeError, ValueError) as error:  # no mtp.* weights, or missing / mis-shaped ones
         raise LoadError(f"--drafter mtp: cannot read the MTP layers of {target.name!r}: "
                         f"{' '.join(str(error).split())}") from error
-    module = module.to(device=target.model.device, dtype=module_dtype(target, options)).eval()
+    module = module.to(device=target.model.device,
+                       dtype=module_dtype(target, options, sum(p.numel() for p in module.parameters()))).eval()
     return MtpHeadDrafter(name, module, TargetHead(target, next(module.parameters()).dtype), target.family)
 
 
