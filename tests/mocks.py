@@ -242,10 +242,11 @@ CORRUPTED = (3, 4, 9, 13, 15, 16, 21)
 
 
 def corrupt(truth: list[int], positions=CORRUPTED) -> list[int]:
-    """The true answer with the tokens at `positions` replaced by another id."""
+    """The true answer with the tokens at `positions` replaced by another id of the vocabulary
+    (the one below, or 1 for id 0: the one above could be past the last id)."""
     corrupted = list(truth)
     for i in positions:
-        corrupted[i] = truth[i] + 1
+        corrupted[i] = truth[i] - 1 if truth[i] > 0 else 1
     return corrupted
 
 

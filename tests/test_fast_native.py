@@ -242,12 +242,13 @@ def test_every_rows_kernel_gives_the_same_bits(zoo, dtype):
 class Oracle:
     """Drafts a fixed continuation, k tokens a round (a deterministic drafter); as a tree, that
     continuation is the first branch, with leaves beside and below it up to the node budget (the
-    leaf beside a corrupted token is the true one: a path through a second child)."""
+    leaf beside a corrupted token (`corrupt`: the id below) is the true one: a path through a
+    second child). Every id it proposes is below `vocab_size` (a tiny model's last ids do come up)."""
 
     name, kind, reads = "oracle", "test", TargetReads()
 
-    def __init__(self, continuation: list[int]):
-        self.continuation = continuation
+    def __init__(self, continuation: list[int], vocab_size: int):
+        self.continuation, self.vocab_size = continuation, vocab_size
 
     def begin(self, prompt, target_state):
         return self
@@ -258,8 +259,8 @@ class Oracle:
     def propose_tree(self, generated, depth, budget, branching, sampler):
         chain = self.continuation[len(generated):len(generated) + depth]
         token_ids, parents = list(chain), chain_parents(len(chain))
-        beside = [(token - 1 if token > 0 else token + 2, parents[node]) for node, token in enumerate(chain)]
-        below = [(token + 7, node) for node, token in enumerate(chain)]
+        beside = [((token + 1) % self.vocab_size, parents[node]) for node, token in enumerate(chain)]
+        below = [((token + 7) % self.vocab_size, node) for node, token in enumerate(chain)]
         for token, parent in (beside + below)[:max(0, budget - len(chain))]:
             token_ids.append(token)
             parents.append(parent)
@@ -288,7 +289,7 @@ def test_speculative_answers_are_the_plain_answers(zoo, one_thread, dtype, shape
     decode = DecodeSettings(max_new_tokens=160, stop_token_ids=frozenset({-1}), **shape)
     plain = list(Engine(target).stream(messages, decode=replace(decode, draft_tokens=None, draft_tree=0)))[-1]
     proposed = corrupt(plain.token_ids)
-    engine = Engine(target, {"oracle": Oracle(proposed)})
+    engine = Engine(target, {"oracle": Oracle(proposed, target.vocab_size)})
     speculative = list(engine.stream(messages, drafter="oracle", decode=decode))[-1]
     assert speculative.token_ids == plain.token_ids
     assert speculative.stats.fallback_reason is None and speculative.stats.tree_fallback is None

@@ -160,7 +160,7 @@ def assert_speculative_is_plain(target, shape: dict) -> None:
                  + [{"type": "text", "text": "Describe both."}]}]
     decode = DecodeSettings(max_new_tokens=120, stop_token_ids=frozenset({-1}), **shape)
     plain = list(Engine(target).stream(messages, decode=replace(decode, draft_tokens=None, draft_tree=0)))[-1]
-    speculative = list(Engine(target, {"oracle": Oracle(corrupt(plain.token_ids))}).stream(
+    speculative = list(Engine(target, {"oracle": Oracle(corrupt(plain.token_ids), target.vocab_size)}).stream(
         messages, drafter="oracle", decode=decode))[-1]
     assert speculative.token_ids == plain.token_ids
     assert speculative.stats.fallback_reason is None and speculative.stats.accepted > 0
