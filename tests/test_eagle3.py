@@ -504,3 +504,40 @@ def test_train_eagle3_feature_loss_is_the_fed_back_rows_distance_from_g():
                     den += float(g[row, c + s].pow(2).sum())
         assert den > 0
         torch.testing.assert_close(float(got), num / den, rtol=1e-4, atol=1e-6)
+
+
+def test_train_eagle3_soft_labels_are_the_targets_distribution_over_the_draft_vocabulary():
+    """`--soft-labels K`: with K = 1 the loss is the greedy label's cross-entropy, at every unrolled
+    step; with K = the whole vocabulary it is -sum p log q with p the target's softmax over the
+    draft vocabulary alone (the top-K ids outside it dropped), here computed from the target's
+    logits at the draft vocabulary's ids, in their order."""
+    from models import eagle3
+    from models.demo import world
+    from models.demo.train_drafters import TargetPass
+    from models.demo.train_eagle3 import DEFAULT_TARGET, draft_vocabulary, eagle3_losses, specforge_config
+    from models.processors import load_processor
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    target = AutoModelForImageTextToText.from_pretrained(DEFAULT_TARGET, dtype=torch.float32).eval()
+    processor = load_processor(DEFAULT_TARGET)
+    examples = list(world.train_examples(0, 2))
+    vocabulary = draft_vocabulary(processor, 256, examples)
+    module = eagle3.Eagle3(eagle3.read_config_dict(specforge_config(target.config, len(vocabulary), "t")))
+    layers = [2, 4, 5]
+    draft_of = torch.full((module.config.vocab_size,), -1, dtype=torch.long)
+    draft_of[vocabulary] = torch.arange(len(vocabulary))
+    vocab_size = target.config.get_text_config().vocab_size
+    assert len(vocabulary) < vocab_size  # some of the top-K ids fall outside the draft vocabulary
+
+    def losses(batch):
+        with torch.no_grad():
+            return torch.stack(eagle3_losses(module, batch, layers, 3, draft_of)[0])
+
+    hard = losses(TargetPass(target, processor, examples, (0, *layers)))
+    torch.testing.assert_close(losses(TargetPass(target, processor, examples, (0, *layers), top_k=1)), hard)
+    soft = TargetPass(target, processor, examples, (0, *layers), top_k=vocab_size)
+    got = losses(soft)
+    full = torch.zeros(*soft.top_ids.shape[:2], vocab_size).scatter_(2, soft.top_ids, soft.top_logits)
+    soft.top_logits, soft.top_ids = full[..., vocabulary], vocabulary.expand(*full.shape[:2], -1)
+    torch.testing.assert_close(got, losses(soft))

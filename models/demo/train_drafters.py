@@ -80,7 +80,7 @@ def target_answers(target, processor, examples: list[world.Example], max_new_tok
 class TargetPass:
     """What one frozen target forward gives the drafters for a batch (B conversations, S tokens)."""
 
-    def __init__(self, target, processor, examples: list[world.Example], layers: tuple[int, ...]):
+    def __init__(self, target, processor, examples: list[world.Example], layers: tuple[int, ...], top_k: int = 0):
         texts = [processor.apply_chat_template(e.messages) for e in examples]
         images = [image for e in examples for image in e.images]
         enc = processor(text=texts, images=images or None, padding=True, return_tensors="pt")
@@ -91,6 +91,8 @@ class TargetPass:
                 inputs["input_ids"], inputs["mm_token_type_ids"], inputs.get("image_grid_thw"), inputs["attention_mask"])
         self.hidden = {layer: out.hidden_states[layer].clone() for layer in set(layers)}  # (B, S, H)
         self.greedy = out.logits.argmax(-1)  # (B, S): the target's next token after each prefix
+        # (B, S, top_k) each: the target's top_k logits and their token ids (soft labels), or None
+        self.top_logits, self.top_ids = out.logits.topk(top_k, dim=-1) if top_k else (None, None)
         self.input_ids = inputs["input_ids"]  # (B, S), right-padded
         self.valid = inputs["attention_mask"].bool()  # (B, S)
         self.answer = assistant_labels(inputs["input_ids"], processor.tokenizer) != -100  # (B, S)

@@ -35,6 +35,11 @@ end-of-turn included; a token outside it is not a label). The embedding table is
 target's, frozen, as SpecForge freezes it; lm_head starts from the target's rows of the draft
 vocabulary.
 
+`--soft-labels K` trains on SpecForge's soft targets instead: the target's distribution over the
+draft vocabulary (its softmax there), truncated to the target's top K logits of each position
+(kept with the batch's target pass; ids outside the draft vocabulary dropped, the rest
+renormalised), and the loss -sum p log q.
+
 `--feature-weight W` adds a loss that SpecForge does not have (the weights and format are
 unchanged): step s's pre-norm h, which step s + 1 reads where step 1 reads g, is pulled towards
 g of the token it stands for (EAGLE-1's feature regression, here only on the fed-back rows), so
@@ -153,9 +158,25 @@ def eagle3_losses(module: eagle3.Eagle3, batch: TargetPass, layers: list[int], s
             near = used & (at < n) & torch.gather(batch.answer, 1, at)
             aligned.append(((rows[near] - wanted[near]) ** 2).sum() / wanted[near].pow(2).sum().clamp(min=1e-6))
         logits = module.draft_logits(rows[valid])  # a batch without a label in the draft vocabulary adds 0
-        losses.append(F.cross_entropy(logits, labels[valid], reduction="sum") / max(1, int(valid.sum())))
+        if batch.top_logits is None:
+            losses.append(F.cross_entropy(logits, labels[valid], reduction="sum") / max(1, int(valid.sum())))
+        else:
+            losses.append(soft_cross_entropy(logits, batch, at, draft_of, valid))
         accuracy.append((logits.argmax(-1) == labels[valid]).float().mean().item() if valid.any() else 0.0)
     return losses, accuracy
+
+
+def soft_cross_entropy(logits: torch.Tensor, batch: TargetPass, at: torch.Tensor, draft_of: torch.Tensor,
+                       valid: torch.Tensor) -> torch.Tensor:
+    """SpecForge's loss, -sum p log q: p the target's distribution after token `at` over the
+    draft vocabulary, truncated to its kept top-k logits (those outside the draft vocabulary
+    dropped, the rest renormalised); q the drafter's. logits (V, D) of the rows `valid` (B, A)."""
+    index = at[..., None].expand(-1, -1, batch.top_ids.shape[-1])
+    ids = draft_of[torch.gather(batch.top_ids, 1, index)][valid]  # (V, K) draft ids, -1 outside
+    target = torch.gather(batch.top_logits, 1, index)[valid].float().masked_fill(ids < 0, float("-inf"))
+    wanted = target.softmax(-1)  # each valid row's greedy token is in the draft vocabulary, so no row is all -inf
+    drafted = torch.gather(logits.float().log_softmax(-1), 1, ids.clamp(min=0))
+    return -(wanted * drafted).sum() / max(1, int(valid.sum()))
 
 
 def distilled_examples(folder: str, tokenizer) -> list[world.Example]:
@@ -225,6 +246,9 @@ def main(argv=None) -> None:
     parser.add_argument("--feature-weight", type=float, default=0.0,
                         help="weight of the feature loss: each unrolled step's h, which the next step reads, "
                              "near g of the token it stands for (0: off, SpecForge's loss alone)")
+    parser.add_argument("--soft-labels", type=int, default=0, metavar="K",
+                        help="train on the target's distribution (its top K tokens in the draft vocabulary, "
+                             "SpecForge's soft targets truncated) instead of its greedy token (0: greedy labels)")
     parser.add_argument("--intermediate-size", type=int, help="the drafter layer's MLP width (default: the target's)")
     parser.add_argument("--init", help="an EAGLE-3 checkpoint of this target to continue from (its draft vocabulary kept)")
     parser.add_argument("--mixed-batches", action="store_true",
@@ -274,7 +298,7 @@ def main(argv=None) -> None:
             model = pictures if any(e.images for e in examples) else target
             if args.target_answers:
                 examples = target_answers(model, processor, examples, args.max_answer_tokens)
-            batch = TargetPass(model, processor, examples, tuple([0] + layers))
+            batch = TargetPass(model, processor, examples, tuple([0] + layers), args.soft_labels)
         if key is not None and keep:  # --data / --conversations: the batch comes back each epoch; its pass is kept
             passes[key] = batch
         aligned = [] if args.feature_weight else None
