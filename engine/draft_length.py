@@ -85,14 +85,17 @@ class Curve:
 
     def __init__(self, prior=float):
         self.samples: dict[int, deque] = {}
+        self.medians: dict[int, float] = {}  # size -> the median of its samples, kept as they come
         self.prior = prior
 
     def add(self, size: int, value: float) -> None:
-        self.samples.setdefault(size, deque(maxlen=WINDOW)).append(value)
+        samples = self.samples.setdefault(size, deque(maxlen=WINDOW))
+        samples.append(value)
+        self.medians[size] = statistics.median(samples)  # read every round for every k: not recomputed there
 
     def at(self, size: float) -> float | None:
-        if size in self.samples:
-            return statistics.median(self.samples[size])
+        if size in self.medians:
+            return self.medians[size]
         below = max((m for m in self.samples if m < size), default=None)
         above = min((m for m in self.samples if m > size), default=None)
         if below is not None and above is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import deque
 
 import pytest
 import torch
@@ -29,9 +28,11 @@ CALL = 0.0  # what drafting costs once a round, whatever k (a drafter's own over
 def measured(verify: dict[int, float], step: float) -> PassCosts:
     """Costs in plain steps: target passes over n rows, and drafter "d" at `step` a token."""
     costs = PassCosts()
-    costs.verify.samples = {n: deque([t]) for n, t in verify.items()}
+    for n, t in verify.items():
+        costs.verify.add(n, t)
     costs.draft["d"] = Curve()
-    costs.draft["d"].samples = {k: deque([step * k]) for k in range(1, 9)}
+    for k in range(1, 9):
+        costs.draft["d"].add(k, step * k)
     return costs
 
 
@@ -284,11 +285,13 @@ def test_one_slow_drafting_round_does_not_pause_a_drafter():
     app's first answer once paused at acceptance 100 % on its one measured round): drafting goes
     on until THIN_COSTS rounds are measured, and only then may the cost pause it."""
     costs = measured({n: 1 + SLOPE * (n - 1) for n in range(1, 10)}, STEP)
-    costs.draft["d"].samples = {4: deque([50.0])}  # one round, 50 plain steps of drafting
+    costs.draft["d"] = Curve()
+    costs.draft["d"].add(4, 50.0)  # one round, 50 plain steps of drafting
     costs.last_plain, costs.last_round_at = costs.rounds, time.monotonic()  # a plain step was just timed
     length = DraftLength(None, False, 8, costs, "d")
     assert length.k == FIRST_K and "too few rounds" in length.reason
-    costs.draft["d"].samples[4].extend([50.0] * (THIN_COSTS - 1))
+    for _ in range(THIN_COSTS - 1):
+        costs.draft["d"].add(4, 50.0)
     assert DraftLength(None, False, 8, costs, "d").reason.startswith(PAUSED)
 
 
