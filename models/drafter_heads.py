@@ -16,8 +16,10 @@ at the target's own positions:
   rows attend to every context row and to the whole block. The block's outputs after the
   anchor, through the target's output head, are block_size - 1 draft tokens from one pass.
 
-Both share the target's embedding table and output head (neither holds a copy in its weights)
-and take position ids (3, B, n): the target's M-RoPE rows, or a 1-axis position repeated on
+Both share the target's embedding table and output head (neither holds a copy in its weights):
+all of the head's rows, or with `draft_vocab_size` N > 0 the rows of N target token ids that the
+module keeps in its buffer `draft_ids` (a reduced output vocabulary, as EAGLE-3's d2t: a draft
+step reads N rows of the head instead of the vocabulary's). Both take position ids (3, B, n): the target's M-RoPE rows, or a 1-axis position repeated on
 three rows (M-RoPE with equal rows is plain RoPE). A folder holds `config.json` (model_type
 `mtp_head` or `block_drafter`, registered with AutoConfig below) and `model.safetensors`.
 """
@@ -51,6 +53,7 @@ class HeadConfig(PreTrainedConfig):
     rope_theta: float = 10000.0
     mrope_section: list[int] | tuple[int, ...] = (6, 9, 9)
     vocab_size: int = 640
+    draft_vocab_size: int = 0  # 0: logits over the whole vocabulary; N: over the N target ids of `draft_ids`
     max_position_embeddings: int = 2048
     target_model_type: str = "qwen2_vl"
     # Whose decoder layers: "qwen2_vl" (built from the sizes above) or "qwen3_5" (Qwen3.5's
@@ -146,6 +149,13 @@ class DecoderStack(nn.Module):
         return self.norm(x)
 
 
+def add_draft_ids(module: nn.Module, config: HeadConfig) -> None:
+    """The buffer `draft_ids` (draft_vocab_size,) int64, ascending target token ids whose rows of
+    the target's output head give the module's logits; none for the whole vocabulary."""
+    if config.draft_vocab_size:
+        module.register_buffer("draft_ids", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+
+
 class MtpHead(nn.Module):
     def __init__(self, config: MtpHeadConfig):
         super().__init__()
@@ -154,6 +164,7 @@ class MtpHead(nn.Module):
         self.hnorm = rms_norm(config)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.stack = DecoderStack(config)
+        add_draft_ids(self, config)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                 mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
@@ -172,6 +183,7 @@ class BlockDrafter(nn.Module):
         self.context_fc = nn.Linear(width, config.hidden_size, bias=False)
         self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
         self.stack = DecoderStack(config)
+        add_draft_ids(self, config)
 
     def block_embeds(self, anchor_embeds: torch.Tensor) -> torch.Tensor:
         """(B, block_size, H): the anchor's embedding (B, 1, H), then the mask embedding."""
@@ -194,10 +206,11 @@ def build(config: HeadConfig) -> nn.Module:
 
 
 def save(module: nn.Module, folder: str) -> None:
-    """config.json + model.safetensors (float32)."""
+    """config.json + model.safetensors (weights float32, `draft_ids` int64)."""
     os.makedirs(folder, exist_ok=True)
     module.config.save_pretrained(folder)
-    save_file({name: t.detach().float().contiguous() for name, t in module.state_dict().items()},
+    save_file({name: (t.float() if t.is_floating_point() else t).detach().contiguous()
+               for name, t in module.state_dict().items()},
               os.path.join(folder, "model.safetensors"))
 
 

@@ -13,7 +13,10 @@ tiny M-RoPE target (models/tiny.py qwen2_vl), float32, random module weights.
   (DrafterUnavailable) and the request decodes plainly;
 - loading refuses a module made for another target, and weights that do not match;
 - on the fast path (engine/fast_heads.py) each drafter proposes what its module's own forward
-  proposes (every round's logits within 1e-5); a Qwen3.5 head says why it keeps its module's.
+  proposes (every round's logits within 1e-5); a Qwen3.5 head says why it keeps its module's;
+- a reduced output vocabulary (`draft_vocab_size`, the module's `draft_ids`): logits equal the
+  whole head's at those ids and are -inf elsewhere, speculation still equals plain decoding,
+  and ids outside the target's vocabulary are refused at load.
 """
 
 from __future__ import annotations
@@ -275,6 +278,65 @@ def test_loading_checks_the_fit(zoo, heads, tmp_path):
         load_drafter(str(tmp_path / "partial"), target, FLOAT32)
 
 
+@pytest.fixture(scope="module")
+def reduced(zoo, heads, tmp_path_factory):
+    """The fixture's two modules again, with the same weights and an output vocabulary of every
+    third target id (draft_ids): {name: (full folder, reduced folder, draft ids)}."""
+    target = zoo.target(FAMILY)
+    root = tmp_path_factory.mktemp("reduced-vocabulary")
+    ids = torch.arange(0, target.vocab_size, 3)
+    folders = {}
+    for name, folder in heads.items():
+        full = drafter_heads.load(folder)
+        config = type(full.config).from_dict(full.config.to_dict() | {"draft_vocab_size": len(ids)})
+        module = drafter_heads.build(config)
+        module.load_state_dict(full.state_dict(), strict=False)
+        module.draft_ids.copy_(ids)
+        drafter_heads.save(module, str(root / name))
+        folders[name] = (folder, str(root / name), ids)
+    return folders
+
+
+@pytest.mark.parametrize("name", ["mtp", "block"])
+def test_reduced_vocabulary_logits_are_the_heads_rows_at_its_ids(zoo, reduced, name):
+    target = zoo.target(FAMILY)
+    full_folder, folder, ids = reduced[name]
+    full, small = (load_drafter(f, target, FLOAT32) for f in (full_folder, folder))
+    head = (lambda d: d.head) if name == "mtp" else (lambda d: d.block.head)
+    assert torch.equal(head(small).draft_ids, ids)
+    rows = torch.randn(5, target.model.config.get_text_config().hidden_size)
+    whole, part = head(full).logits(rows), head(small).logits(rows)
+    assert part.shape == whole.shape == (5, target.vocab_size)
+    torch.testing.assert_close(part[:, ids], whole[:, ids], atol=1e-5, rtol=0)
+    outside = torch.ones(target.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(part[:, outside]).all()
+
+
+@pytest.mark.parametrize("name", ["mtp", "block"])
+@pytest.mark.parametrize("case", ["0", "2", "second_turn"])
+def test_reduced_vocabulary_speculation_equals_plain(zoo, reduced, name, case):
+    target = zoo.target(FAMILY)
+    plain = answer(target, conversation(case))
+    done = answer(target, conversation(case), load_drafter(reduced[name][1], target, FLOAT32))
+    assert done.token_ids == plain.token_ids
+    assert done.stats.drafted > 0 and done.stats.fallback_reason is None
+
+
+def test_reduced_vocabulary_outside_the_target_is_refused(zoo, reduced, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target = zoo.target(FAMILY)
+    folder = reduced["mtp"][1]
+    weights = load_file(f"{folder}/model.safetensors")
+    weights["draft_ids"][-1] = target.vocab_size
+    (tmp_path / "outside").mkdir()
+    drafter_heads.load(folder).config.save_pretrained(tmp_path / "outside")
+    save_file(weights, str(tmp_path / "outside" / "model.safetensors"))
+    with pytest.raises(LoadError, match=f"outside the target's vocabulary of {target.vocab_size}"):
+        load_drafter(str(tmp_path / "outside"), target, FLOAT32)
+
+
 # Qwen3.5 / 3.6: the MTP head built from a checkpoint's mtp.* weights, on the tiny hybrid target.
 
 
@@ -317,18 +379,30 @@ def test_qwen3_5_mtp_head_forced_acceptance_on_the_hybrid_target(qwen3_5, case):
     assert_forced_drafts_exact(target, load_drafter(head, target, FLOAT32), conversation(case), mtp_reference_logits, 3)
 
 
-def test_train_drafters_writes_folders_that_load_for_the_bundled_target(tmp_path):
+@pytest.mark.parametrize("vocabulary", [[], ["--draft-vocab", "64"]], ids=["whole", "reduced"])
+def test_train_drafters_writes_folders_that_load_for_the_bundled_target(tmp_path, vocabulary):
     """Two steps of `python -m models.demo.train_drafters` on two conversations: both folders
-    load through the registry for the bundled target, and the losses are finite."""
+    load through the registry for the bundled target, and the losses are finite; with
+    --draft-vocab, both keep the same 64 ascending ids, the end of turn among them and no image
+    placeholder."""
     import json
     import math
 
     from engine.target import load_target
     from models.demo import train_drafters
 
-    train_drafters.main(["--out", str(tmp_path), "--steps", "2", "--batch-size", "2", "--anchors", "4", "--threads", "1"])
+    train_drafters.main(["--out", str(tmp_path), "--steps", "2", "--batch-size", "2", "--anchors", "4", "--threads", "1",
+                         *vocabulary])
     log = json.loads((tmp_path / "drafters_training.json").read_text())["log"]
     assert log[-1]["step"] == 2 and all(math.isfinite(v) for k, v in log[-1].items() if k.startswith(("mtp", "block")))
     target = load_target(train_drafters.DEFAULT_TARGET, FLOAT32)
-    kinds = {load_drafter(str(tmp_path / name), target, FLOAT32).kind for name in ("mtp_drafter", "block_drafter")}
-    assert kinds == {"mtp", "dflash"}
+    drafters = {name: load_drafter(str(tmp_path / name), target, FLOAT32) for name in ("mtp_drafter", "block_drafter")}
+    assert {d.kind for d in drafters.values()} == {"mtp", "dflash"}
+    ids = [drafters["mtp_drafter"].head.draft_ids, drafters["block_drafter"].block.head.draft_ids]
+    if not vocabulary:
+        assert ids == [None, None]
+        return
+    assert torch.equal(ids[0], ids[1]) and len(ids[0]) == 64 and bool((ids[0].diff() > 0).all())
+    tokenizer = target.processor.tokenizer
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in ids[0].tolist()
+    assert tokenizer.convert_tokens_to_ids("<|image_pad|>") not in ids[0].tolist()

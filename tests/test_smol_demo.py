@@ -227,6 +227,42 @@ def test_eagle3_drafter_trains_on_the_targets_own_answers_and_loads(tiny, tmp_pa
     assert drafter is not None
 
 
+def test_mtp_head_and_block_drafter_train_on_the_targets_own_answers(tiny, tmp_path):
+    """`train_drafters --target FOLDER --data DATA --draft-vocab 16`: both modules trained on
+    distill_smol's answers of the tiny SmolLM2-shaped target (the block drafter reading a third,
+    two thirds and all of its depth), with a reduced output vocabulary; the engine loads them and
+    speculative decoding equals plain on a text turn and a picture turn."""
+    from engine.drafters.registry import load_drafter
+    from engine.engine import Engine
+    from engine.loop import DecodeSettings, Done
+    from engine.target import load_target
+    from models.demo import distill_smol, train_drafters
+    from tests.conftest import MODEL_OPTIONS
+
+    _, folder = tiny
+    distill_smol.main(["data", "--out", str(tmp_path / "data"), "--target", str(folder), "--text", "3",
+                       "--pictures", "2", "--max-new-tokens", "4"])
+    train_drafters.main(["--target", str(folder), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
+                         "--steps", "4", "--batch-size", "2", "--threads", "1", "--anchors", "2", "--draft-vocab", "16"])
+    record = json.loads((tmp_path / "out" / "drafters_training.json").read_text())
+    assert record["steps_done"] == 4 and all(not math.isnan(v) for v in record["log"][-1].values())
+    target = load_target(str(folder), MODEL_OPTIONS)
+    depth = target.model.config.get_text_config().num_hidden_layers
+    block = json.loads((tmp_path / "out" / "block_drafter" / "config.json").read_text())
+    assert block["target_hidden_layers"] == [round(depth / 3), round(2 * depth / 3), depth]
+    engine = Engine(target, {name: load_drafter(str(tmp_path / "out" / f"{name}_drafter"), target)
+                             for name in ("mtp", "block")})
+    picture = world.render(world.Scene((world.Item("circle", "red", 0),)))
+    decode = DecodeSettings(max_new_tokens=8, draft_tokens=3, stop_token_ids=frozenset({-1}))
+    for images in (0, 1):
+        content = [{"type": "image", "image": picture}] * images + [{"type": "text", "text": "What is this?"}]
+        messages = [{"role": "user", "content": content}]
+        answers = {d: [e for e in engine.stream(messages, drafter=d, decode=decode) if isinstance(e, Done)][0]
+                   for d in (None, "mtp", "block")}
+        assert answers["mtp"].token_ids == answers["block"].token_ids == answers[None].token_ids
+        assert answers["mtp"].stats.drafted > 0 and answers["block"].stats.drafted > 0
+
+
 def test_trained_parts_round_trip_into_a_new_assembly(tiny, tmp_path):
     cache, folder = tiny
     vlm = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)

@@ -33,7 +33,7 @@ def serves(name: str, config) -> bool:
 def load(name: str, config, target, options) -> DFlashDrafter:
     layers = tuple(config.target_hidden_layers)
     module = load_module(name, config, target, options, layers)
-    block = ModuleBlock(module, TargetHead(target, next(module.parameters()).dtype))
+    block = ModuleBlock(module, TargetHead.of(target, module))
     return DFlashDrafter(name, block, target.family, layers)
 
 

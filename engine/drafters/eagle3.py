@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from engine.drafters.base import Draft, DraftBuilder
-from engine.drafters.target_head import module_dtype, require_hidden
+from engine.drafters.target_head import full_vocabulary, module_dtype, require_hidden
 from engine.drafters.target_session import ChainedHeadSession, tokens_from
 from engine.prompt import Prompt
 from engine.runner import CacheState, TargetReads
@@ -122,10 +122,7 @@ class Eagle3Drafter:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(n, V) float32 target-vocabulary logits of pre-norm rows h (n, H)."""
-        draft = self.module.draft_logits(h).float()
-        full = draft.new_full((len(h), self.vocab_size), float("-inf"))
-        full[:, self.target_ids] = draft
-        return full
+        return full_vocabulary(self.module.draft_logits(h).float(), self.target_ids, self.vocab_size)
 
     @torch.inference_mode()
     def begin(self, prompt: Prompt, target: CacheState) -> Eagle3Session:

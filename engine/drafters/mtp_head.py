@@ -61,7 +61,7 @@ def serves(name: str, config) -> bool:
 
 def load(name: str, config, target, options) -> MtpHeadDrafter:
     module = load_module(name, config, target, options)
-    return MtpHeadDrafter(name, module, TargetHead(target, next(module.parameters()).dtype), target.family)
+    return MtpHeadDrafter(name, module, TargetHead.of(target, module), target.family)
 
 
 def load_qwen3_5(name: str, target, options) -> MtpHeadDrafter:
@@ -80,7 +80,7 @@ def load_qwen3_5(name: str, target, options) -> MtpHeadDrafter:
                         f"{' '.join(str(error).split())}") from error
     module = module.to(device=target.model.device,
                        dtype=module_dtype(target, options, sum(p.numel() for p in module.parameters()))).eval()
-    return MtpHeadDrafter(name, module, TargetHead(target, next(module.parameters()).dtype), target.family)
+    return MtpHeadDrafter(name, module, TargetHead.of(target, module), target.family)
 
 
 class MtpHeadDrafter:

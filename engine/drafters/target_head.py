@@ -4,7 +4,9 @@ embedding table and output head, and the fit checks and loading both of them nee
 The modules hold neither table: a draft token is embedded by the target's own input embedding
 and a module's output row becomes logits through the target's own output head (weights cast
 once to the module's dtype when they differ: on a CPU the module runs in float32 by default,
-whatever the target's dtype, as small language-model drafters do).
+whatever the target's dtype, as small language-model drafters do). A module with a reduced
+output vocabulary (`draft_ids`) uses only those rows of the head; its logits are -inf at every
+other id.
 """
 
 from __future__ import annotations
@@ -21,12 +23,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class TargetHead:
-    """The target's embedding and output head, in the drafter module's dtype."""
+    """The target's embedding and output head (its rows of `draft_ids` only, when given), in the
+    drafter module's dtype."""
 
-    def __init__(self, target, dtype: torch.dtype):
+    def __init__(self, target, dtype: torch.dtype, draft_ids: torch.Tensor | None = None):
         self.embedding = target.model.get_input_embeddings()
-        self.head_weight = target.model.get_output_embeddings().weight.detach().to(dtype)  # (V, H)
+        weight = target.model.get_output_embeddings().weight.detach()  # (V, H)
+        self.head_weight = (weight if draft_ids is None else weight[draft_ids]).to(dtype)  # (V or D, H)
+        self.draft_ids, self.vocab_size = draft_ids, target.vocab_size
         self.dtype = dtype
+
+    @classmethod
+    def of(cls, target, module) -> TargetHead:
+        """The head a drafter module reads: in its dtype, over its `draft_ids` if it has them."""
+        return cls(target, next(module.parameters()).dtype, getattr(module, "draft_ids", None))
 
     def embed(self, token_ids: list[int]) -> torch.Tensor:
         """(n, H) the target's input embeddings of text tokens (its own scaling included)."""
@@ -35,7 +45,16 @@ class TargetHead:
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """(n, V) float32 logits of module output rows (n, H)."""
-        return (rows.to(self.dtype) @ self.head_weight.T).float()
+        logits = (rows.to(self.dtype) @ self.head_weight.T).float()
+        return logits if self.draft_ids is None else full_vocabulary(logits, self.draft_ids, self.vocab_size)
+
+
+def full_vocabulary(draft_logits: torch.Tensor, target_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(n, V) logits over the target's vocabulary from (n, D) logits over a draft vocabulary whose
+    entry d is target id target_ids[d]; -inf at every other id (never drafted, probability 0)."""
+    full = draft_logits.new_full((len(draft_logits), vocab_size), float("-inf"))
+    full[:, target_ids] = draft_logits
+    return full
 
 
 def module_dtype(target, options: LoadOptions, parameters: int) -> torch.dtype:
@@ -84,6 +103,10 @@ def load_module(name: str, config, target, options: LoadOptions, layers: tuple[i
         module = drafter_heads.load_weights(config, weights, dtype=torch.float32, device=target.model.device)
     except RuntimeError as error:  # missing, unexpected or mis-shaped weights
         raise LoadError(f"cannot load drafter {name!r}: {' '.join(str(error).split())}") from error
+    draft_ids = getattr(module, "draft_ids", None)
+    if draft_ids is not None and not (0 <= int(draft_ids.min()) and int(draft_ids.max()) < target.vocab_size):
+        raise LoadError(f"drafter {name!r} drafts target ids {int(draft_ids.min())} .. {int(draft_ids.max())} "
+                        f"(draft_ids), outside the target's vocabulary of {target.vocab_size}")
     return module.to(module_dtype(target, options, sum(p.numel() for p in module.parameters())))
 
 

@@ -1,9 +1,19 @@
 """Train the demo's own drafter modules (models/drafter_heads.py) on the frozen bundled target.
 
     python -m models.demo.train_drafters --out DIR [--target assets/demo/target] [--steps N]
+    python -m models.demo.train_drafters --target smol --data DATA --draft-vocab 16384 --out DIR
 
-writes DIR/mtp_drafter and DIR/block_drafter (config.json + model.safetensors each) and
-DIR/drafters_training.json (settings, time, losses). Copy the two folders into assets/demo/.
+writes DIR/mtp_drafter and DIR/block_drafter (config.json + model.safetensors each; `--drafters`
+picks one) and DIR/drafters_training.json (settings, time, losses). Copy the two folders into
+assets/demo/.
+
+`--target smol` is the SmolLM2 demo (`models.demo.smol.assemble()`); `--data DATA` trains on the
+target's own answers written by `python -m models.demo.distill_smol data --out DATA` (text
+prompts and picture turns, conversations with a picture run on the target's picture weights) in
+batches of similar length, epoch after epoch, each batch's target pass made once and kept.
+`--draft-vocab N` gives both modules a reduced output vocabulary: the N most frequent tokens of
+the answers (end of turn included, never another special token), kept as the modules'
+`draft_ids`; a label outside it is not trained on.
 
 Data: the demo world's training conversations (`world.train_examples`, images included), in
 fresh batches of `--batch-size`, with every assistant turn replaced by the target's own greedy
@@ -29,6 +39,8 @@ Every position runs at the target's own M-RoPE positions (`get_rope_index`).
 from __future__ import annotations
 
 import argparse
+import collections
+import itertools
 import json
 import os
 import random
@@ -39,9 +51,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForImageTextToText, DynamicCache
 
-from models import drafter_heads
+from models import drafter_heads, picture_weights
 from models.demo import world
-from models.demo.processor import load_processor
+from models.processors import load_processor
 from models.demo.train import assistant_labels, learning_rate
 
 DEFAULT_TARGET = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "assets", "demo", "target"))
@@ -89,13 +101,78 @@ class TargetPass:
             out = target(**inputs, output_hidden_states=True)
             self.positions, _ = target.model.get_rope_index(  # (3, B, S): the target's own positions
                 inputs["input_ids"], inputs["mm_token_type_ids"], inputs.get("image_grid_thw"), inputs["attention_mask"])
-        self.hidden = {layer: out.hidden_states[layer].clone() for layer in set(layers)}  # (B, S, H)
+        count = len(out.hidden_states)  # a layer named twice (-1 and the depth) is kept once
+        kept = {layer % count: out.hidden_states[layer].clone() for layer in set(layers)}
+        self.hidden = {layer: kept[layer % count] for layer in layers}  # (B, S, H) each
         self.greedy = out.logits.argmax(-1)  # (B, S): the target's next token after each prefix
         # (B, S, top_k) each: the target's top_k logits and their token ids (soft labels), or None
         self.top_logits, self.top_ids = out.logits.topk(top_k, dim=-1) if top_k else (None, None)
         self.input_ids = inputs["input_ids"]  # (B, S), right-padded
         self.valid = inputs["attention_mask"].bool()  # (B, S)
         self.answer = assistant_labels(inputs["input_ids"], processor.tokenizer) != -100  # (B, S)
+
+
+def draft_vocabulary(processor, size: int, examples: list[world.Example] | None = None) -> torch.Tensor:
+    """(size,) ascending target ids: the end-of-turn tokens, the most frequent tokens of the
+    answers of `examples` (default: the first 4,000 training conversations), then, while room is
+    left, the lowest ids (a byte-level BPE numbers its earliest, most common merges first); never
+    another special token (the image placeholders among them)."""
+    tokenizer = processor.tokenizer
+    counts = collections.Counter()
+    for example in examples if examples is not None else world.train_examples(0, 4000):
+        for message in example.messages:
+            if message["role"] == "assistant":
+                text = " ".join(c["text"] for c in message["content"] if c.get("type") == "text")
+                counts.update(tokenizer(text, add_special_tokens=False)["input_ids"])
+    always = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", tokenizer.eos_token) if t}
+    special = (set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)) - always
+    chosen = dict.fromkeys(sorted(always))
+    for token in [t for t, _ in counts.most_common()] + list(range(len(tokenizer))):
+        if len(chosen) >= min(size, len(tokenizer) - len(special)):
+            break
+        if token not in special:
+            chosen[token] = None
+    return torch.tensor(sorted(chosen))
+
+
+def distilled_examples(folder: str, tokenizer) -> list[world.Example]:
+    """The conversations of `folder`/answers.jsonl (models.demo.distill_smol), each ending in the
+    target's own answer."""
+    from models.demo.distill_smol import conversation
+
+    examples = []
+    with open(os.path.join(folder, "answers.jsonl")) as file:
+        for line in file:
+            record = json.loads(line)
+            messages, images = conversation(record)
+            answer = tokenizer.decode(record["answer_ids"], skip_special_tokens=True).strip()
+            examples.append(world.Example(list(images), messages + [world.assistant_turn(answer)], record["kind"]))
+    return examples
+
+
+def batches(examples: list[world.Example] | None, batch_size: int, seed: int, mixed: bool = False,
+            split_pictures: bool = False):
+    """Step by step (batch key, examples): fresh world conversations (key None), or `examples`
+    cut once into batches, of similar length (less padding) or, `mixed`, in a seeded random order
+    (each batch mixes kinds of question and answer lengths), the batches' order shuffled each
+    epoch (seed, epoch); a batch's key is the same every epoch, so its target pass can be kept.
+    `split_pictures`: no batch mixes text-only conversations with picture ones (a target with
+    picture weights runs them on other weights, models/picture_weights.py)."""
+    if examples is None:
+        yield from ((None, list(world.train_examples(step * batch_size, batch_size))) for step in itertools.count())
+        return
+    groups = []
+    for pictures in ((False, True) if split_pictures else (None,)):
+        order = sorted((i for i in range(len(examples)) if pictures is None or bool(examples[i].images) == pictures),
+                       key=lambda i: (len(examples[i].images), len(str(examples[i].messages))))
+        if mixed:
+            random.Random(f"{seed}:batches" + ("" if pictures is None else f":{pictures}")).shuffle(order)
+        groups += [order[first: first + batch_size] for first in range(0, len(order), batch_size)]  # the last may be short
+    for epoch in itertools.count():
+        keys = list(range(len(groups)))
+        random.Random(f"{seed}:{epoch}").shuffle(keys)
+        for key in keys:
+            yield key, [examples[i] for i in groups[key]]
 
 
 def answer_chains(batch: TargetPass) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,10 +193,23 @@ def answer_chains(batch: TargetPass) -> tuple[torch.Tensor, torch.Tensor, torch.
     return chains, used, sees, eye
 
 
-def mtp_loss(head, batch: TargetPass, lm_head: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Cross-entropy of each unrolled step (see the module docstring). Step 1 runs every entry
-    c = 0 .. S - 2 (the cache the later steps attend to); steps 2.. run only the chains that
-    start in an answer (x_{c+1} an answer token), as drafting does."""
+def draft_labels(batch: TargetPass, draft_of: torch.Tensor | None) -> torch.Tensor:
+    """(B, S) the target's greedy next tokens as indices of the drafters' output vocabulary:
+    draft_of (V,) maps a target id to its draft index, -1 outside it (None: the whole vocabulary)."""
+    return batch.greedy if draft_of is None else draft_of[batch.greedy]
+
+
+def cross_entropy(rows: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of output rows (n, H) through lm_head (D, H) against labels (n,);
+    0 (with a gradient path) when there are none."""
+    return F.cross_entropy(rows @ lm_head.T, labels) if len(labels) else rows.sum() * 0.0
+
+
+def mtp_loss(head, batch: TargetPass, lm_head: torch.Tensor, steps: int, labels: torch.Tensor) -> list[torch.Tensor]:
+    """Cross-entropy of each unrolled step (see the module docstring) against labels (B, S)
+    (`draft_labels`; a label < 0 is outside the output vocabulary and not trained). Step 1 runs
+    every entry c = 0 .. S - 2 (the cache the later steps attend to); steps 2.. run only the
+    chains that start in an answer (x_{c+1} an answer token), as drafting does."""
     embeds, last = batch.hidden[0], batch.hidden[-1]
     bsz, seq, _ = embeds.shape
     n = seq - 1
@@ -139,17 +229,19 @@ def mtp_loss(head, batch: TargetPass, lm_head: torch.Tensor, steps: int) -> list
             rows = out
         else:
             rows = torch.gather(out, 1, chains[..., None].expand(-1, -1, out.shape[-1]))
+        target = torch.gather(labels, 1, at)
         valid = used & (chains + step + 1 < seq) & torch.gather(batch.answer, 1, (chains + step + 1).clamp(max=seq - 1))
-        logits = rows[valid] @ lm_head.T
-        losses.append(F.cross_entropy(logits, torch.gather(batch.greedy, 1, at)[valid]))
+        valid &= target >= 0
+        losses.append(cross_entropy(rows[valid], lm_head, target[valid]))
         hidden = rows
     return losses
 
 
 def block_loss(drafter, batch: TargetPass, lm_head: torch.Tensor, embed: torch.nn.Embedding,
-               anchors: int, rng: random.Random) -> tuple[torch.Tensor, list[float]]:
-    """Cross-entropy over the draft rows of sampled blocks; also the accuracy of each block row
-    (how often it names the target's token), a first sign of acceptance."""
+               anchors: int, rng: random.Random, greedy: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+    """Cross-entropy over the draft rows of sampled blocks against greedy (B, S) (`draft_labels`;
+    < 0: not trained); also the accuracy of each block row (how often it names the target's
+    token), a first sign of acceptance."""
     config = drafter.config
     size = config.block_size
     context = torch.cat([batch.hidden[layer] for layer in config.target_hidden_layers], dim=-1)  # (B, S, L * H)
@@ -179,11 +271,10 @@ def block_loss(drafter, batch: TargetPass, lm_head: torch.Tensor, embed: torch.n
     out = drafter(context, block.reshape(bsz, anchors * size, -1), positions, mask)[:, seq:]
     out = out.reshape(bsz, anchors, size, -1)[:, :, 1:]  # (B, M, size - 1, H): rows after the anchor
     label_at = (picks[..., None] + offsets[1:] - 1).clamp(max=seq - 1)  # greedy after x_{a + i - 1}
-    labels = torch.gather(batch.greedy, 1, label_at.reshape(bsz, -1)).reshape(label_at.shape)
+    labels = torch.gather(greedy, 1, label_at.reshape(bsz, -1)).reshape(label_at.shape)
     valid = used[..., None] & torch.gather(batch.answer, 1, (label_at + 1).clamp(max=seq - 1).reshape(bsz, -1)
-                                           ).reshape(label_at.shape) & (label_at + 1 < seq)
-    logits = out[valid] @ lm_head.T
-    loss = F.cross_entropy(logits, labels[valid])
+                                           ).reshape(label_at.shape) & (label_at + 1 < seq) & (labels >= 0)
+    loss = cross_entropy(out[valid], lm_head, labels[valid])
     with torch.no_grad():
         right = (out @ lm_head.T).argmax(-1) == labels
         accuracy = [(right[..., i] & valid[..., i]).sum().item() / max(1, valid[..., i].sum().item())
@@ -248,65 +339,111 @@ def run_training(steps: int, save_every: int, train_step, save) -> float:
     return seconds
 
 
-def save(args, argv, mtp, block, log: list[dict], seconds: float) -> None:
-    """Both folders and drafters_training.json (settings, time, parameter counts, the loss log)."""
-    for name, module in (("mtp_drafter", mtp), ("block_drafter", block)):
-        drafter_heads.save(module, os.path.join(args.out, name))
+def save(args, argv, modules: dict[str, torch.nn.Module], log: list[dict], seconds: float) -> None:
+    """The drafters' folders (`mtp_drafter`, `block_drafter`) and drafters_training.json (settings,
+    time, parameter counts, the loss log)."""
+    for name, module in modules.items():
+        drafter_heads.save(module, os.path.join(args.out, f"{name}_drafter"))
     with open(os.path.join(args.out, "drafters_training.json"), "w") as file:
         json.dump({"command": " ".join(["python -m models.demo.train_drafters", *(argv or sys.argv[1:])]),
                    "settings": vars(args), "train_seconds": round(seconds), "steps_done": log[-1]["step"] if log else 0,
-                   "parameters": {"mtp_drafter": sum(p.numel() for p in mtp.parameters()),
-                                  "block_drafter": sum(p.numel() for p in block.parameters())},
+                   "parameters": {f"{name}_drafter": sum(p.numel() for p in module.parameters())
+                                  for name, module in modules.items()},
                    "log": log}, file, indent=1)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m models.demo.train_drafters", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="a VLM folder, or smol (the SmolLM2 demo)")
     add_training_flags(parser, steps=3000, save_every=0)
+    parser.add_argument("--drafters", default="mtp,block", help="which to train: mtp, block or both")
+    parser.add_argument("--data", help="a models.demo.distill_smol data folder: train on the target's own answers "
+                                       "there, epoch after epoch, each batch's target pass kept")
+    parser.add_argument("--draft-vocab", type=int, default=0,
+                        help="output vocabulary: the N most frequent tokens of the answers (draft_ids; 0: the whole)")
     parser.add_argument("--mtp-steps", type=int, default=6, help="unrolled MTP steps (the draft length it learns)")
     parser.add_argument("--anchors", type=int, default=16, help="blocks per conversation")
     parser.add_argument("--first-example", type=int, default=0, help="index of the first training conversation")
     parser.add_argument("--reference-answers", action="store_true",
                         help="train on the world's reference answers instead of the target's own")
-    parser.add_argument("--block-layers", default=",".join(map(str, BLOCK_TARGET_LAYERS)),
-                        help="hidden_states indices the block drafter reads (e.g. 10,20,30 for the 30-layer "
-                             "SmolLM2 demo: --target $(python -m models.demo.smol))")
+    parser.add_argument("--block-layers", help="hidden_states indices the block drafter reads "
+                                               "(default: a third, two thirds and all of the target's depth)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    block_layers = tuple(int(n) for n in args.block_layers.split(","))
+    which = args.drafters.split(",")
 
+    if args.target == "smol":
+        from models.demo import smol
+
+        args.target = str(smol.assemble())
     target = AutoModelForImageTextToText.from_pretrained(args.target, dtype=torch.float32).eval().requires_grad_(False)
+    pictures = picture_weights.for_pictures(args.target, target)  # what the engine runs conversations with a picture on
     processor = load_processor(args.target)
+    depth = target.config.get_text_config().num_hidden_layers
+    block_layers = (tuple(int(n) for n in args.block_layers.split(",")) if args.block_layers
+                    else tuple(round(depth * i / 3) for i in (1, 2, 3)))
+    distilled = distilled_examples(args.data, processor.tokenizer) if args.data else None
+    sizes = {}
+    if args.draft_vocab:
+        sizes["draft_vocab_size"] = args.draft_vocab
+        vocabulary = draft_vocabulary(processor, args.draft_vocab, distilled)  # (D,) target ids
+        draft_of = torch.full((target.config.get_text_config().vocab_size,), -1, dtype=torch.long)
+        draft_of[vocabulary] = torch.arange(len(vocabulary))
+    else:
+        vocabulary, draft_of = None, None
     lm_head = target.get_output_embeddings().weight.detach()  # (V, H), shared, frozen
+    lm_head = lm_head if vocabulary is None else lm_head[vocabulary]  # (D, H)
     embed = target.get_input_embeddings()
-    mtp = drafter_heads.MtpHead(drafter_heads.MtpHeadConfig.for_target(target.config, num_hidden_layers=MTP_LAYERS))
-    block = drafter_heads.BlockDrafter(drafter_heads.BlockDrafterConfig.for_target(
-        target.config, num_hidden_layers=BLOCK_LAYERS, target_hidden_layers=block_layers, block_size=BLOCK_SIZE))
+    modules = {}
+    if "mtp" in which:
+        modules["mtp"] = drafter_heads.MtpHead(drafter_heads.MtpHeadConfig.for_target(
+            target.config, num_hidden_layers=MTP_LAYERS, **sizes))
+    if "block" in which:
+        modules["block"] = drafter_heads.BlockDrafter(drafter_heads.BlockDrafterConfig.for_target(
+            target.config, num_hidden_layers=BLOCK_LAYERS, target_hidden_layers=block_layers, block_size=BLOCK_SIZE,
+            **sizes))
+    for module in modules.values():
+        if vocabulary is not None:
+            module.draft_ids.copy_(vocabulary)
     layers = (0, -1) + block_layers
     optimizers = {name: torch.optim.AdamW(module.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
-                  for name, module in (("mtp", mtp), ("block", block))}
+                  for name, module in modules.items()}
+    if distilled is None:  # fresh world conversations every step
+        stream = ((None, list(world.train_examples(args.first_example + step * args.batch_size, args.batch_size)))
+                  for step in itertools.count())
+    else:
+        stream = batches(distilled, args.batch_size, args.seed, split_pictures=pictures is not target)
+    passes = {}  # --data: batch key -> its TargetPass, made once
 
     def train_step(step: int) -> dict[str, float]:
-        first = args.first_example + step * args.batch_size
-        examples = list(world.train_examples(first, args.batch_size))
-        if not args.reference_answers:
-            examples = target_answers(target, processor, examples, args.max_answer_tokens)
-        batch = TargetPass(target, processor, examples, layers)
+        key, examples = next(stream)
+        batch = passes.get(key)
+        if batch is None:
+            model = pictures if any(e.images for e in examples) else target
+            if distilled is None and not args.reference_answers:
+                examples = target_answers(model, processor, examples, args.max_answer_tokens)
+            batch = TargetPass(model, processor, examples, layers)
+            if key is not None:
+                passes[key] = batch
+        labels = draft_labels(batch, draft_of)
         lr = learning_rate(step, args.steps, args.lr, warmup=20)
-        mtp_losses = mtp_loss(mtp, batch, lm_head, args.mtp_steps)
-        blk, accuracy = block_loss(block, batch, lm_head, embed, args.anchors, rng)
-        optimizer_step(optimizers["mtp"], mtp, sum(mtp_losses) / len(mtp_losses), lr)
-        optimizer_step(optimizers["block"], block, blk, lr)
-        return ({f"mtp_step{i + 1}": loss.item() for i, loss in enumerate(mtp_losses)} |
-                {"block": blk.item()} | {f"block_acc{i + 1}": a for i, a in enumerate(accuracy)})
+        figures = {}
+        if "mtp" in modules:
+            mtp_losses = mtp_loss(modules["mtp"], batch, lm_head, args.mtp_steps, labels)
+            optimizer_step(optimizers["mtp"], modules["mtp"], sum(mtp_losses) / len(mtp_losses), lr)
+            figures |= {f"mtp_step{i + 1}": loss.item() for i, loss in enumerate(mtp_losses)}
+        if "block" in modules:
+            blk, accuracy = block_loss(modules["block"], batch, lm_head, embed, args.anchors, rng, labels)
+            optimizer_step(optimizers["block"], modules["block"], blk, lr)
+            figures |= {"block": blk.item()} | {f"block_acc{i + 1}": a for i, a in enumerate(accuracy)}
+        return figures
 
     seconds = run_training(args.steps, args.save_every, train_step,
-                           lambda entries, seconds: save(args, argv, mtp, block, entries, seconds))
-    print(f"saved {args.out}/mtp_drafter and {args.out}/block_drafter ({seconds:.0f} s)")
+                           lambda entries, seconds: save(args, argv, modules, entries, seconds))
+    print(f"saved {', '.join(f'{args.out}/{name}_drafter' for name in modules)} ({seconds:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -50,11 +50,8 @@ seeded random batches rather than batches of similar length (one kind of questio
 from __future__ import annotations
 
 import argparse
-import collections
-import itertools
 import json
 import os
-import random
 import sys
 
 import torch
@@ -65,8 +62,9 @@ from models import eagle3, picture_weights
 from models.demo import world
 from models.processors import load_processor
 from models.demo.train import learning_rate
-from models.demo.train_drafters import (DEFAULT_TARGET, TargetPass, add_training_flags, answer_chains, optimizer_step,
-                                       run_training, target_answers)
+from models.demo.train_drafters import (DEFAULT_TARGET, TargetPass, add_training_flags, answer_chains, batches,
+                                       distilled_examples, draft_vocabulary, optimizer_step, run_training,
+                                       target_answers)
 
 
 
@@ -98,29 +96,6 @@ def specforge_config(target_config, draft_vocab_size: int, target_name: str,
         "attention_bias": False, "pretraining_tp": 1, "torch_dtype": "float32",
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers_as_outputs(text.num_hidden_layers)},
     }
-
-
-def draft_vocabulary(processor, size: int, examples: list[world.Example] | None = None) -> torch.Tensor:
-    """(size,) ascending target ids: the end-of-turn tokens, the most frequent tokens of the
-    answers of `examples` (default: the first 4,000 training conversations), then, while room is
-    left, the lowest ids (a byte-level BPE numbers its earliest, most common merges first); never
-    another special token (the image placeholders among them)."""
-    tokenizer = processor.tokenizer
-    counts = collections.Counter()
-    for example in examples if examples is not None else world.train_examples(0, 4000):
-        for message in example.messages:
-            if message["role"] == "assistant":
-                text = " ".join(c["text"] for c in message["content"] if c.get("type") == "text")
-                counts.update(tokenizer(text, add_special_tokens=False)["input_ids"])
-    always = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", tokenizer.eos_token) if t}
-    special = (set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)) - always
-    chosen = dict.fromkeys(sorted(always))
-    for token in [t for t, _ in counts.most_common()] + list(range(len(tokenizer))):
-        if len(chosen) >= min(size, len(tokenizer) - len(special)):
-            break
-        if token not in special:
-            chosen[token] = None
-    return torch.tensor(sorted(chosen))
 
 
 def eagle3_losses(module: eagle3.Eagle3, batch: TargetPass, layers: list[int], steps: int,
@@ -177,46 +152,6 @@ def soft_cross_entropy(logits: torch.Tensor, batch: TargetPass, at: torch.Tensor
     wanted = target.softmax(-1)  # each valid row's greedy token is in the draft vocabulary, so no row is all -inf
     drafted = torch.gather(logits.float().log_softmax(-1), 1, ids.clamp(min=0))
     return -(wanted * drafted).sum() / max(1, int(valid.sum()))
-
-
-def distilled_examples(folder: str, tokenizer) -> list[world.Example]:
-    """The conversations of `folder`/answers.jsonl (models.demo.distill_smol), each ending in the
-    target's own answer."""
-    from models.demo.distill_smol import conversation
-
-    examples = []
-    with open(os.path.join(folder, "answers.jsonl")) as file:
-        for line in file:
-            record = json.loads(line)
-            messages, images = conversation(record)
-            answer = tokenizer.decode(record["answer_ids"], skip_special_tokens=True).strip()
-            examples.append(world.Example(list(images), messages + [world.assistant_turn(answer)], record["kind"]))
-    return examples
-
-
-def batches(examples: list[world.Example] | None, batch_size: int, seed: int, mixed: bool = False,
-            split_pictures: bool = False):
-    """Step by step (batch key, examples): fresh world conversations (key None), or `examples`
-    cut once into batches, of similar length (less padding) or, `mixed`, in a seeded random order
-    (each batch mixes kinds of question and answer lengths), the batches' order shuffled each
-    epoch (seed, epoch); a batch's key is the same every epoch, so its target pass can be kept.
-    `split_pictures`: no batch mixes text-only conversations with picture ones (a target with
-    picture weights runs them on other weights, models/picture_weights.py)."""
-    if examples is None:
-        yield from ((None, list(world.train_examples(step * batch_size, batch_size))) for step in itertools.count())
-        return
-    groups = []
-    for pictures in ((False, True) if split_pictures else (None,)):
-        order = sorted((i for i in range(len(examples)) if pictures is None or bool(examples[i].images) == pictures),
-                       key=lambda i: (len(examples[i].images), len(str(examples[i].messages))))
-        if mixed:
-            random.Random(f"{seed}:batches" + ("" if pictures is None else f":{pictures}")).shuffle(order)
-        groups += [order[first: first + batch_size] for first in range(0, len(order), batch_size)]  # the last may be short
-    for epoch in itertools.count():
-        keys = list(range(len(groups)))
-        random.Random(f"{seed}:{epoch}").shuffle(keys)
-        for key in keys:
-            yield key, [examples[i] for i in groups[key]]
 
 
 def save(args, argv, module, config: dict, log: list[dict], seconds: float) -> None:
