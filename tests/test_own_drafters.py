@@ -323,6 +323,26 @@ def test_reduced_vocabulary_speculation_equals_plain(zoo, reduced, name, case):
     assert done.stats.drafted > 0 and done.stats.fallback_reason is None
 
 
+def test_auto_dtype_counts_the_head_rows_a_module_reads(zoo, heads, reduced, monkeypatch):
+    """--drafter-dtype auto weighs a module by what a step reads: its parameters and the output
+    head's rows (the whole vocabulary, or its draft_ids), so with the threshold between the two
+    counts the module with the whole head runs in bfloat16 and the reduced one in float32."""
+    from engine.drafters import target_head
+
+    target = zoo.target(FAMILY)
+    hidden = target.model.config.get_text_config().hidden_size
+    module = drafter_heads.load(heads["mtp"])
+    parameters = sum(p.numel() for p in module.parameters())
+    whole = parameters + target.vocab_size * hidden
+    assert target_head.weights_read(module, target) == whole
+    assert target_head.weights_read(drafter_heads.load(reduced["mtp"][1]), target) == \
+        parameters + len(reduced["mtp"][2]) * hidden
+    monkeypatch.setattr(target_head, "cpu_computes_bfloat16", lambda: True)
+    monkeypatch.setattr(target_head, "SMALL_DRAFTER_PARAMETERS", whole)
+    dtype = lambda folder: next(load_drafter(folder, target).module.parameters()).dtype  # noqa: E731
+    assert dtype(heads["mtp"]) == torch.bfloat16 and dtype(reduced["mtp"][1]) == torch.float32
+
+
 def test_reduced_vocabulary_outside_the_target_is_refused(zoo, reduced, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -43,7 +43,7 @@ from transformers import DynamicCache
 
 from engine import fast_heads
 from engine.drafters.base import Draft, DraftBuilder
-from engine.drafters.target_head import TargetHead, load_module, module_dtype, require_hidden
+from engine.drafters.target_head import TargetHead, load_module, module_dtype, require_hidden, weights_read
 from engine.drafters.target_session import ChainedHeadSession, tokens_from
 from engine.prompt import Prompt
 from engine.runner import CacheState, TargetReads
@@ -79,7 +79,7 @@ def load_qwen3_5(name: str, target, options) -> MtpHeadDrafter:
         raise LoadError(f"--drafter mtp: cannot read the MTP layers of {target.name!r}: "
                         f"{' '.join(str(error).split())}") from error
     module = module.to(device=target.model.device,
-                       dtype=module_dtype(target, options, sum(p.numel() for p in module.parameters()))).eval()
+                       dtype=module_dtype(target, options, weights_read(module, target))).eval()
     return MtpHeadDrafter(name, module, TargetHead.of(target, module), target.family)
 
 

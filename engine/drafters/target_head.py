@@ -59,10 +59,10 @@ def full_vocabulary(draft_logits: torch.Tensor, target_ids: torch.Tensor, vocab_
 
 def module_dtype(target, options: LoadOptions, parameters: int) -> torch.dtype:
     """`--drafter-dtype`, or for "auto": on a CPU float32 for a module of under
-    SMALL_DRAFTER_PARAMETERS (a CPU's bfloat16 matmuls cost more at these sizes), bfloat16 for a
-    larger one where the CPU computes in bfloat16 (AVX512-BF16 or AMX: the SmolLM2 demo's 14.5 M
-    EAGLE-3 layer 6.0 -> 3.1 ms a step, its bench step 6.2 -> 3.3 ms), else float32; the
-    target's dtype elsewhere."""
+    SMALL_DRAFTER_PARAMETERS weights read a step (its parameters and the output-head rows it
+    reads; a CPU's bfloat16 matmuls cost more at these sizes), bfloat16 for a larger one where
+    the CPU computes in bfloat16 (AVX512-BF16 or AMX: the SmolLM2 demo's 14.5 M EAGLE-3 layer
+    6.0 -> 3.1 ms a step, its bench step 6.2 -> 3.3 ms), else float32; the target's dtype elsewhere."""
     if options.drafter_dtype in DTYPES:
         return DTYPES[options.drafter_dtype]
     if target.model.device.type == "cpu":
@@ -107,7 +107,15 @@ def load_module(name: str, config, target, options: LoadOptions, layers: tuple[i
     if draft_ids is not None and not (0 <= int(draft_ids.min()) and int(draft_ids.max()) < target.vocab_size):
         raise LoadError(f"drafter {name!r} drafts target ids {int(draft_ids.min())} .. {int(draft_ids.max())} "
                         f"(draft_ids), outside the target's vocabulary of {target.vocab_size}")
-    return module.to(module_dtype(target, options, sum(p.numel() for p in module.parameters())))
+    return module.to(module_dtype(target, options, weights_read(module, target)))
+
+
+def weights_read(module, target) -> int:
+    """The weights a draft step of a module reads: its parameters and the rows of the target's
+    output head it uses (its `draft_ids`, or the whole vocabulary)."""
+    draft_ids = getattr(module, "draft_ids", None)
+    rows = len(draft_ids) if draft_ids is not None else target.vocab_size
+    return sum(p.numel() for p in module.parameters()) + rows * module.config.hidden_size
 
 
 def require_hidden(name: str, target: CacheState, layers: tuple[int, ...]) -> None:
