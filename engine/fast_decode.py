@@ -383,12 +383,13 @@ class FastDecoder:
         else:  # a GPU, or a tied embedding stored (in, out)
             x = F.embedding(torch.tensor(token_ids, device=weight.device), weight)
         x, hidden = self.stack.forward(cache, x, positions, attention_mask, keep - {num_layers})
-        if native is not None and not keep:  # final norm and output layer in one call
+        if num_layers in keep:
+            hidden[num_layers] = self.stack.norm(x, self.final_norm)
+        hidden = {i: hidden[num_layers if i == -1 else i] for i in hidden_layers}
+        if native is not None:  # final norm and output layer in one call, whatever a drafter reads: the
+            # same kernel as plain decoding's passes (torch.mm here read the head at half the speed)
             if getattr(self, "_native_head_for", None) is not self.head_weight:
                 self._native_head, self._native_head_for = native_weight(native, self.head_weight), self.head_weight
-            return native.logits(x, self.final_norm, self._native_head, self.lm_head.bias, self.eps, num_logits), {}
-        x = self.stack.norm(x[-num_logits:] if not keep else x, self.final_norm)
-        if num_layers in keep:
-            hidden[num_layers] = x
-        hidden = {i: hidden[num_layers if i == -1 else i] for i in hidden_layers}
-        return linear(x[-num_logits:], self.head_weight, self.lm_head.bias), hidden
+            return native.logits(x, self.final_norm, self._native_head, self.lm_head.bias, self.eps, num_logits), hidden
+        normed = hidden[num_layers] if num_layers in keep else self.stack.norm(x[-num_logits:], self.final_norm)
+        return linear(normed[-num_logits:], self.head_weight, self.lm_head.bias), hidden

@@ -24,7 +24,7 @@ from engine.quantized import Int8Weight, W8A8Weight, quantize_rows
 from engine.engine import Engine
 from engine.loop import DecodeSettings
 from engine.tree import MAX_VERIFY_ROWS, chain_parents
-from engine.runner import Runner, TargetReads
+from engine.runner import NO_READS, Runner, TargetReads
 from engine.settings import spec
 from models import tiny
 from tests.mocks import corrupt
@@ -178,6 +178,28 @@ def assert_verify_is_decode(runner, target, rows: int) -> None:
         torch.set_num_threads(threads)
     assert torch.equal(batched, one_by_one)
     assert all(torch.equal(before, keys[0, :, :state.cache_len]) for before, keys in zip(cache, state.cache.keys))
+
+
+@NO_COMPILER
+@pytest.mark.parametrize("dtype, int8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_passes_that_keep_hidden_rows_for_a_drafter_give_the_plain_logits(zoo, dtype, int8, one_thread):
+    """A drafter that reads the target's hidden states (here the embeddings, layer 1 and the final
+    norm's rows) leaves the logits alone: the verify and decode passes of such a request give
+    bitwise the logits of passes that keep nothing (plain decoding's), through the same compiled
+    output layer (it once took torch.mm there, another kernel, at half the speed)."""
+    target = bitwise_target(zoo, dtype)
+    runner = Runner(target.model, target.family)
+    if int8:
+        runner.fast.quantize()
+    prompt = prompt_of(target, 1)
+    logits = {}
+    for reads in (NO_READS, TargetReads(hidden_layers=(0, 1, -1))):
+        first, state = runner.prefill(prompt.target_inputs, reads)
+        tokens = [int(first.argmax())] + torch.randint(16, 200, (4,), generator=torch.Generator().manual_seed(0)).tolist()
+        verify = runner.extend(state, tokens)
+        assert bool(reads.hidden_layers) == bool(state.hidden) and all(len(state.hidden[i]) == 5 for i in reads.hidden_layers)
+        logits[reads] = torch.cat([verify, runner.extend(state, [int(verify[-1].argmax())])])
+    assert torch.equal(*logits.values())
 
 
 @NO_COMPILER
