@@ -383,13 +383,14 @@ class FastDecoder:
         else:  # a GPU, or a tied embedding stored (in, out)
             x = F.embedding(torch.tensor(token_ids, device=weight.device), weight)
         x, hidden = self.stack.forward(cache, x, positions, attention_mask, keep - {num_layers})
+        normed = None  # the final norm's rows, (n, H) where a drafter reads them
         if num_layers in keep:
-            hidden[num_layers] = self.stack.norm(x, self.final_norm)
+            hidden[num_layers] = normed = self.stack.norm(x, self.final_norm)
         hidden = {i: hidden[num_layers if i == -1 else i] for i in hidden_layers}
         if native is not None:  # final norm and output layer in one call, whatever a drafter reads: the
             # same kernel as plain decoding's passes (torch.mm here read the head at half the speed)
             if getattr(self, "_native_head_for", None) is not self.head_weight:
                 self._native_head, self._native_head_for = native_weight(native, self.head_weight), self.head_weight
             return native.logits(x, self.final_norm, self._native_head, self.lm_head.bias, self.eps, num_logits), hidden
-        normed = hidden[num_layers] if num_layers in keep else self.stack.norm(x[-num_logits:], self.final_norm)
-        return linear(normed[-num_logits:], self.head_weight, self.lm_head.bias), hidden
+        normed = self.stack.norm(x[-num_logits:], self.final_norm) if normed is None else normed[-num_logits:]
+        return linear(normed, self.head_weight, self.lm_head.bias), hidden
