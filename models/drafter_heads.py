@@ -19,9 +19,10 @@ at the target's own positions:
 Both share the target's embedding table and output head (neither holds a copy in its weights):
 all of the head's rows, or with `draft_vocab_size` N > 0 the rows of N target token ids that the
 module keeps in its buffer `draft_ids` (a reduced output vocabulary, as EAGLE-3's d2t: a draft
-step reads N rows of the head instead of the vocabulary's). Both take position ids (3, B, n): the target's M-RoPE rows, or a 1-axis position repeated on
-three rows (M-RoPE with equal rows is plain RoPE). A folder holds `config.json` (model_type
-`mtp_head` or `block_drafter`, registered with AutoConfig below) and `model.safetensors`.
+step reads N rows of the head instead of the vocabulary's). Both take position ids (3, B, n):
+the target's M-RoPE rows, or a 1-axis position repeated on three rows (M-RoPE with equal rows is
+plain RoPE). A folder holds `config.json` (model_type `mtp_head` or `block_drafter`, registered
+with AutoConfig below) and `model.safetensors`.
 """
 
 from __future__ import annotations

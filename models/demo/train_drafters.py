@@ -151,15 +151,16 @@ def distilled_examples(folder: str, tokenizer) -> list[world.Example]:
 
 
 def batches(examples: list[world.Example] | None, batch_size: int, seed: int, mixed: bool = False,
-            split_pictures: bool = False):
-    """Step by step (batch key, examples): fresh world conversations (key None), or `examples`
+            split_pictures: bool = False, first: int = 0):
+    """Step by step (batch key, examples): fresh world conversations from number `first` (key None), or `examples`
     cut once into batches, of similar length (less padding) or, `mixed`, in a seeded random order
     (each batch mixes kinds of question and answer lengths), the batches' order shuffled each
     epoch (seed, epoch); a batch's key is the same every epoch, so its target pass can be kept.
     `split_pictures`: no batch mixes text-only conversations with picture ones (a target with
     picture weights runs them on other weights, models/picture_weights.py)."""
     if examples is None:
-        yield from ((None, list(world.train_examples(step * batch_size, batch_size))) for step in itertools.count())
+        yield from ((None, list(world.train_examples(first + step * batch_size, batch_size)))
+                    for step in itertools.count())
         return
     groups = []
     for pictures in ((False, True) if split_pictures else (None,)):
@@ -191,6 +192,13 @@ def answer_chains(batch: TargetPass) -> tuple[torch.Tensor, torch.Tensor, torch.
     sees = (torch.arange(n)[None, None, :] <= chains[:, :, None])[:, None]
     eye = torch.eye(width, dtype=torch.bool).expand(bsz, 1, width, width)
     return chains, used, sees, eye
+
+
+def draft_index(vocabulary: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(vocab_size,) each target id's index in a draft vocabulary (ascending target ids), -1 outside it."""
+    draft_of = torch.full((vocab_size,), -1, dtype=torch.long)
+    draft_of[vocabulary] = torch.arange(len(vocabulary))
+    return draft_of
 
 
 def draft_labels(batch: TargetPass, draft_of: torch.Tensor | None) -> torch.Tensor:
@@ -390,8 +398,7 @@ def main(argv=None) -> None:
     if args.draft_vocab:
         sizes["draft_vocab_size"] = args.draft_vocab
         vocabulary = draft_vocabulary(processor, args.draft_vocab, distilled)  # (D,) target ids
-        draft_of = torch.full((target.config.get_text_config().vocab_size,), -1, dtype=torch.long)
-        draft_of[vocabulary] = torch.arange(len(vocabulary))
+        draft_of = draft_index(vocabulary, target.config.get_text_config().vocab_size)
     else:
         vocabulary, draft_of = None, None
     lm_head = target.get_output_embeddings().weight.detach()  # (V, H), shared, frozen
@@ -405,17 +412,13 @@ def main(argv=None) -> None:
         modules["block"] = drafter_heads.BlockDrafter(drafter_heads.BlockDrafterConfig.for_target(
             target.config, num_hidden_layers=BLOCK_LAYERS, target_hidden_layers=block_layers, block_size=BLOCK_SIZE,
             **sizes))
-    for module in modules.values():
-        if vocabulary is not None:
-            module.draft_ids.copy_(vocabulary)
+    for module in modules.values() if vocabulary is not None else ():
+        module.draft_ids.copy_(vocabulary)
     layers = (0, -1) + block_layers
     optimizers = {name: torch.optim.AdamW(module.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
                   for name, module in modules.items()}
-    if distilled is None:  # fresh world conversations every step
-        stream = ((None, list(world.train_examples(args.first_example + step * args.batch_size, args.batch_size)))
-                  for step in itertools.count())
-    else:
-        stream = batches(distilled, args.batch_size, args.seed, split_pictures=pictures is not target)
+    stream = batches(distilled, args.batch_size, args.seed, split_pictures=pictures is not target,
+                     first=args.first_example)  # without --data: fresh world conversations every step
     passes = {}  # --data: batch key -> its TargetPass, made once
 
     def train_step(step: int) -> dict[str, float]:

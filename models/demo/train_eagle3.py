@@ -63,7 +63,7 @@ from models.demo import world
 from models.processors import load_processor
 from models.demo.train import learning_rate
 from models.demo.train_drafters import (DEFAULT_TARGET, TargetPass, add_training_flags, answer_chains, batches,
-                                       distilled_examples, draft_vocabulary, optimizer_step, run_training,
+                                       distilled_examples, draft_index, draft_vocabulary, optimizer_step, run_training,
                                        target_answers)
 
 
@@ -217,8 +217,7 @@ def main(argv=None) -> None:
     if start is not None:
         module.load_state_dict({k: v for k, v in start.items() if k != "embed_tokens.weight"}, strict=False)
     module.embed_tokens.requires_grad_(False)
-    draft_of = torch.full((module.config.vocab_size,), -1, dtype=torch.long)
-    draft_of[vocabulary] = torch.arange(len(vocabulary))
+    draft_of = draft_index(vocabulary, module.config.vocab_size)
     layers = [i + 1 for i in layers_as_outputs(target.config.get_text_config().num_hidden_layers)]  # hidden_states indices
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr,
                                   betas=(0.9, 0.98), weight_decay=0.01)
