@@ -1,7 +1,8 @@
 """Chat with a vision-language model about several images at once; speculative decoding makes
 it answer faster, and a live panel shows by how much.
 
-    python app.py                                        # the bundled demo model (assets/demo)
+    python app.py                                        # the demo model: SmolLM2-135M-Instruct + a vision tower
+    python app.py --preset demo                          # the 3.6 M demo model (assets/demo): fast, a toy
     python app.py --model DIR_OR_HUB_ID --drafter DIR_OR_HUB_ID|ngram [--no-browser] [--share]
     python app.py --backend http://127.0.0.1:8080       # a vLLM / SGLang / llama-server answers instead
     python app.py --ab-backend http://127.0.0.1:8080    # A/B: the built-in engine vs that server
@@ -44,13 +45,9 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
     from app_ui.setup import SetupError, open_backends, read_config, warm_up
 
     # 1. Settings from flags, else environment variables, else defaults; a bad one is one line.
-    #    (--preset smol assembles its model here on first use.) Then the address answers "Starting…".
+    #    Then the address answers "Starting…".
     try:
-        named = [*(sys.argv[1:] if argv is None else argv), os.environ.get("VLM_PRESET", ""),
-                 os.environ.get("VLM_MODEL", "")]
-        smol = any("smol" in str(value) for value in named)  # models/presets.py assembles it on first use
-        with startup.step("Reading the settings" + (" and assembling the smol model (once, then cached)" if smol
-                                                    else ""), announce=smol):
+        with startup.step("Reading the settings", announce=False):
             config = read_config(argv)
         startup.serve(config.host, config.port, open_browser=config.open_browser)
         with startup.step(_opening(config), announce=bool(config.backend or config.ab_backend)):
@@ -114,9 +111,14 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
 
 def _load(config, startup):
     """The engine of `config` (the compiled decode path first); a missing or unusable model exits with one line."""
-    from app_ui.setup import SetupError, load_engine
+    from app_ui.setup import SetupError, assemble_target, load_engine
+    from models.presets import SMOL_DEMO
 
     try:
+        if config.model == SMOL_DEMO:  # the default: assembled on its first start (models/demo/smol.py), then cached
+            with startup.step("Finding the smol demo model (SmolLM2-135M-Instruct + the demo's vision tower; "
+                              "assembled on the first start, then cached)"):
+                config = assemble_target(config)
         with startup.step("Loading the compiled decode path (engine/fast_layer.cpp)", announce=False):
             _compiled_path(config)
         # (named as the header names it: the page is public, the folders it was loaded from are not)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from engine.backend import Backend, BuiltIn
 from engine.engine import Engine
 from engine.prompt import Prompt
-from models.presets import DEFAULT_MODEL, SMOL_DEMO
+from models.presets import DEMO_MODEL, SMOL_DEMO
 
 IMAGE_BUDGET_STEP, MAX_IMAGE_BUDGET = 16, 4096  # the tokens-per-image slider
 
@@ -115,7 +115,7 @@ def _is_smol(model) -> bool:
 
 def _is_demo(model) -> bool:
     """The bundled demo model (its checkpoint folder)."""
-    return os.path.abspath(str(model)) == os.path.abspath(DEFAULT_MODEL)
+    return os.path.abspath(str(model)) == os.path.abspath(DEMO_MODEL)
 
 
 def _image_budget_range(engine: Engine) -> int | None:

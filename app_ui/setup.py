@@ -77,8 +77,9 @@ class AppSettings:
                               env="VLM_MAX_IMAGES")
     backend: str | None = setting(None, "answer with this OpenAI-compatible server (URL#MODEL names its model; API "
                                   "key: VLM_BACKEND_API_KEY) instead of loading a model, or with llama.cpp in this "
-                                  "process: the bundled demo model and its text drafter, or PATH (a checkpoint "
-                                  "folder, converted to GGUF on first use; a .gguf file; a folder of GGUF files)",
+                                  "process: PATH (a checkpoint folder, converted to GGUF on first use; a .gguf file; "
+                                  "a folder of GGUF files), else the model the flags name (the 3.6 M demo with its "
+                                  "text drafter as draft model)",
                                   env="VLM_BACKEND")
     ab_backend: str | None = setting(None, "the A/B tab compares the app's backend with this one (as --backend)",
                                      env="VLM_AB_BACKEND")
@@ -178,6 +179,16 @@ class _Parser(argparse.ArgumentParser):
         raise SetupError(message)
 
 
+def assemble_target(config: Config) -> Config:
+    """`config` with the smol demo's assembled folder for its target (fetched and built the first time)."""
+    from engine.build import with_assembled_target
+
+    try:
+        return replace(config, spec=with_assembled_target(config.spec))
+    except LoadError as error:
+        raise SetupError(str(error)) from None
+
+
 def load_engine(config: Config):
     """The engine with every drafter of the config (engine/build.py: keyed "text", "vlm", "ngram"...)."""
     from engine.build import build_engine
@@ -190,8 +201,8 @@ def load_engine(config: Config):
 
 def open_backends(config: Config):
     """The backends of --backend and --ab-backend (None where not set): "llamacpp[:PATH]" starts
-    llama.cpp in a child process (engine/backends/llamacpp.py `LlamaCpp.open`: the bundled demo model
-    and its text drafter, or PATH, converted to GGUF on first use), anything else is an
+    llama.cpp in a child process (engine/backends/llamacpp.py `LlamaCpp.open`: PATH, else the app's
+    own model, converted to GGUF on first use), anything else is an
     OpenAI-compatible server's URL (its turns with images go to --image-backend's server, if set,
     when its draft model refuses them). A bad URL or PATH, a missing xllamacpp, a failed conversion or a
     server that does not start is SetupError (one line)."""
@@ -206,7 +217,7 @@ def open_backends(config: Config):
         try:
             from engine.backends.llamacpp import LlamaCpp
 
-            return LlamaCpp.open(path or None)
+            return LlamaCpp.open(path or own_model_for_llamacpp(config, flag))
         except ImportError as error:
             raise SetupError(f"{flag} {value}: {error.name or error} is not installed "
                              "(pip install -r requirements.txt)") from None
@@ -221,6 +232,21 @@ def open_backends(config: Config):
         return open_one("--backend", config.backend, images), open_one("--ab-backend", config.ab_backend)
     except ValueError as error:
         raise SetupError(str(error)) from None
+
+
+def own_model_for_llamacpp(config: Config, flag: str) -> str | None:
+    """What `llamacpp` without PATH runs: the model the flags name (the same weights as the built-in
+    engine's, for A/B), as a folder (the smol demo assembled first); None for the 3.6 M demo, which
+    LlamaCpp.open serves with its text drafter as draft model."""
+    from models.presets import DEMO_MODEL
+
+    target = assemble_target(config).model
+    if os.path.abspath(target) == os.path.abspath(DEMO_MODEL):
+        return None
+    if not os.path.isfile(os.path.join(target, "config.json")):
+        raise SetupError(f"{flag} llamacpp: the model {target} is not a local folder; give llamacpp:PATH (a "
+                         "checkpoint folder or GGUF files)")
+    return target
 
 
 def warm_up(engine) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.drafters.base import Drafter
 from engine.drafters.registry import load_drafter
@@ -25,7 +25,7 @@ from engine.load_settings import CPU_IMAGE_TOKENS, add_model_flags  # noqa: F401
 from engine.settings import MAX_COUNT, MAX_COUNT_TEXT
 from engine.target import load_target
 from models.loading import LoadError, LoadOptions, fitted_options, resolve_device
-from models.presets import resolve
+from models.presets import DEFAULT_PRESET, assembled, resolve
 
 DRAFTER_KEYS = {"text_lm": "text", "vlm": "vlm", "shared_cache": "assistant"}  # else the kind itself
 
@@ -54,7 +54,7 @@ def spec_from_args(args: argparse.Namespace, max_images: int = 8) -> EngineSpec:
         raise LoadError(str(error)) from None
     options = LoadOptions(dtype=args.dtype, device=args.device, quantization=args.quantization,
                           trust_remote_code=args.trust_remote_code, drafter_dtype=args.drafter_dtype)
-    return EngineSpec(target, tuple(names), options, None if args.model else (args.preset or "demo"), max_images,
+    return EngineSpec(target, tuple(names), options, None if args.model else (args.preset or DEFAULT_PRESET), max_images,
                       image_token_budget(getattr(args, "max_image_tokens", None), options), auto)
 
 
@@ -69,10 +69,17 @@ def image_token_budget(flag: int | None, options: LoadOptions) -> int | None:
     return flag or None
 
 
+def with_assembled_target(spec: EngineSpec) -> EngineSpec:
+    """`spec` with the smol demo's folder for its target (fetched and assembled the first time)."""
+    return replace(spec, target=assembled(spec.target))
+
+
 def build_engine(spec: EngineSpec) -> Engine:
     """The target and every drafter of the spec, keyed by short names ("text", "vlm", "ngram",
     "mtp", "dflash", "assistant"; "text2" for a second text LM). A preset's drafter folder that is
-    missing on disk is skipped with a warning; anything else that cannot load raises LoadError."""
+    missing on disk is skipped with a warning; anything else that cannot load raises LoadError.
+    The smol demo's target is assembled here on its first load (models/demo/smol.py), then cached."""
+    spec = with_assembled_target(spec)
     if _looks_local(spec.target) and not os.path.isdir(spec.target):
         if spec.preset:
             raise LoadError(f"the {spec.preset!r} preset's model is not in {spec.target} (the bundled demo model is "

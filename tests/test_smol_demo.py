@@ -399,3 +399,45 @@ def test_picture_weights_that_do_not_fit_are_refused_at_load_naming_the_key(tiny
         save_file(deltas, bad / FILE)
         with pytest.raises(LoadError, match=reason):
             load_target(str(bad), LoadOptions(dtype="float32"))
+
+
+def test_the_default_is_the_smol_demo_assembled_at_the_first_start_then_cached(tmp_path, monkeypatch, capsys):
+    """`python app.py` with no model flags serves the SmolLM2 demo: reading the settings fetches
+    nothing; the first start assembles it (each step printed) into the cache, and a later start
+    finds it there. Here the cache holds the tiny GGUF where the real one goes, and the parts are
+    tiny too (the shipped ones are 576 wide); n-gram drafts (the shipped drafters are 576 wide)."""
+    from gradio_client import Client
+
+    from app_ui import components
+    from app_ui.served import Served
+    from app_ui.setup import read_config
+    from models.presets import DEFAULT_PRESET, PRESETS, SMOL_DEMO
+    from tests.helpers import launch_app
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("VLM_SPECULATIVE_CHAT_CACHE", str(cache))
+    for name in ("VLM_PRESET", "VLM_MODEL", "VLM_DRAFTER"):
+        monkeypatch.delenv(name, raising=False)
+    config = read_config([], {})
+    assert DEFAULT_PRESET == "smol" and (config.spec.preset, config.model) == ("smol", SMOL_DEMO)
+    assert config.drafters == [*PRESETS["smol"].drafters]
+    assert not cache.exists()  # the settings alone fetch nothing
+
+    (cache / "smollm2").mkdir(parents=True)
+    write_tiny_gguf(cache / "smollm2" / smol.GGUF_NAME)
+    parts = smol.initial_parts(hidden_size=HIDDEN)
+    monkeypatch.setattr(smol, "load_parts", lambda: parts)
+    for start in ("first", "later"):
+        app = launch_app(None, "--drafter", "ngram", models=[])
+        try:
+            printed = capsys.readouterr()
+            assert "Finding the smol demo model" in printed.out
+            assert ("[smol demo] assembling" in printed.err) == (start == "first")
+            assert app.engine.target.name == str(cache / f"smol-demo-{smol.parts_digest(parts)}")
+            assert components.examples_for(Served.built_in(app.engine)) == components.SMOL_EXAMPLES
+            answer, stats = Client(app.url, verbose=False).predict(
+                {"text": "the the", "files": []}, mode="speculative", drafter="ngram", max_new_tokens=4,
+                api_name="/chat")
+            assert isinstance(answer, str) and stats["new_tokens"] >= 1
+        finally:
+            app.demo.close()

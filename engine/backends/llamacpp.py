@@ -121,9 +121,9 @@ class LlamaCpp:
         .gguf file (text only); or a folder of GGUF files: one model and, for images, one
         `mmproj*.gguf`. ValueError (one line) when LOCATION is none of these."""
         if location is None:
-            from models.presets import ASSETS, DEFAULT_MODEL
+            from models.presets import ASSETS, DEMO_MODEL
 
-            return cls.from_checkpoint(DEFAULT_MODEL, draft=Path(ASSETS) / "text_drafter", **options)
+            return cls.from_checkpoint(DEMO_MODEL, draft=Path(ASSETS) / "text_drafter", **options)
         path = Path(location).expanduser()
         if (path / "config.json").is_file():
             return cls.from_checkpoint(path, **options)
