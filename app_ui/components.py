@@ -173,8 +173,11 @@ def header(served: Served) -> str:
     images = f"up to {served.max_images} images per conversation"
     if served.engine is None:
         return title + f"Answers from `{served.name}` · speculative decoding: {drafters} · {images}"
-    name = served.model.rstrip("/").rsplit("/", 2)
-    return title + f"Model `{'/'.join(name[-2:])}` ({served.family}) · drafters: {drafters} · {images}"
+    if served.smol:  # its folder is a cache path with a hash: what it is says more
+        model = "SmolLM2-135M-Instruct + a vision tower trained on the demo's pictures"
+    else:
+        model = "/".join(served.model.rstrip("/").rsplit("/", 2)[-2:])
+    return title + f"Model `{model}` ({served.family}) · drafters: {drafters} · {images}"
 
 
 def settings_controls(served: Served) -> dict:

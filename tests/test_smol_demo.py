@@ -300,6 +300,8 @@ def test_the_app_offers_the_smol_demo_its_own_examples_and_note(tiny):
     with gr.Blocks():
         chat = components.chat_tab([], served.demo, served.reads_images, components.SMOL_NOTE)
     assert components.SMOL_NOTE in chat.chatbot.placeholder and components.DEMO_NOTE not in chat.chatbot.placeholder
+    assert "Model `SmolLM2-135M-Instruct + a vision tower" in components.header(served)  # not its cache folder
+    assert str(folder.name) not in components.header(served)
 
 
 def test_picture_adapters_become_picture_weights_that_only_picture_conversations_use(tiny, tmp_path):
