@@ -54,7 +54,8 @@ def spec_from_args(args: argparse.Namespace, max_images: int = 8) -> EngineSpec:
         raise LoadError(str(error)) from None
     options = LoadOptions(dtype=args.dtype, device=args.device, quantization=args.quantization,
                           trust_remote_code=args.trust_remote_code, drafter_dtype=args.drafter_dtype)
-    return EngineSpec(target, tuple(names), options, None if args.model else (args.preset or DEFAULT_PRESET), max_images,
+    preset = None if args.model else (args.preset or DEFAULT_PRESET)
+    return EngineSpec(target, tuple(names), options, preset, max_images,
                       image_token_budget(getattr(args, "max_image_tokens", None), options), auto)
 
 
