@@ -3,7 +3,8 @@
 Every speculative request of at least MIN_TOKENS decode tokens (whoever chose its drafter: a
 user, the API, or this chooser) records its decode tokens per second under its drafter and its
 image count, in contexts of 0, 1, 2 and 3 or more images (images make prompts longer, and
-what a drafter that cannot see them is worth differs). A request asking for "auto" gets, in
+what a drafter that cannot see them is worth differs: engine/draft_length.py `image_context`).
+A request asking for "auto" gets, in
 this order:
 1. a drafter with no record in the request's context (each is tried once per context);
 2. every EXPLORE_EVERY-th auto request, the drafter whose latest record is oldest (drafters
@@ -18,6 +19,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass
+
+from engine.draft_length import image_context
 
 MIN_TOKENS = 8
 WINDOW = 8
@@ -41,13 +44,13 @@ class DrafterChooser:
     def record(self, name: str, num_images: int, decode_tokens: int, decode_tok_s: float) -> None:
         self.serial += 1
         if name in self.records and decode_tokens >= MIN_TOKENS:
-            self.records[name].setdefault(_context(num_images), deque(maxlen=WINDOW)).append(
+            self.records[name].setdefault(image_context(num_images), deque(maxlen=WINDOW)).append(
                 Record(self.serial, num_images, decode_tok_s))
 
     def choose(self, num_images: int) -> tuple[str, str]:
         """(drafter key, why) for a request with `num_images` images."""
         self.auto_requests += 1
-        context = _context(num_images)
+        context = image_context(num_images)
         untried = [name for name in self.names if not self.records[name].get(context)]
         if untried:
             return untried[0], f"auto: {untried[0]} (exploring: no measured request {_scope(context)} yet)"
@@ -61,10 +64,6 @@ class DrafterChooser:
                             + ("" if len(speeds) == 1 else "s")
                             for name, speeds in sorted(scores.items(), key=lambda s: -statistics.mean(s[1])))
         return best, f"auto: {best} (recent decode speed {_scope(context)}: {figures})"
-
-
-def _context(num_images: int) -> int:
-    return min(num_images, 3)
 
 
 def _scope(context: int) -> str:

@@ -4,10 +4,11 @@
 A round that drafts k tokens costs d(k) (drafting them) plus t(k+1) (one target pass over k+1
 rows) plus o (the loop's own work: sampling, detokenizing, statistics), and yields in expectation
 
-    E[tokens](k) = 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a)
+    E[tokens](k) = 1 + a1 + a1 a2 + ... + a1 a2 ... ak
 
-tokens (the bonus token counts), where a is the chance that a draft token is accepted given
-that the ones before it were. The cost rule drafts the k of 0..max_draft_tokens that maximises
+tokens (the bonus token counts), where ai is the chance that the i-th draft token is accepted
+given that the ones before it were (with one a for every position, 1 + a + ... + a^k =
+(1 - a^(k+1)) / (1 - a)). The cost rule drafts the k of 0..max_draft_tokens that maximises
 
     rate(k) = E[tokens](k) / (d(k) + t(k+1) + o)
 
@@ -39,12 +40,21 @@ scaled from the nearest one (t by PRIOR_SLOPE: t(n) ~ t(1) (1 + 0.1 (n-1)); d in
 k); choosing such a k measures it. A round is never priced below a plain step (it reads every
 weight one reads), so the expected gain of k drafted tokens is at most k + 1.
 
-a: this request's rounds (accepted tokens / tokens that met a verdict: the accepted ones and the
-first rejected one of each round), older rounds decaying by DECAY each round, plus PRIOR_WEIGHT
-pseudo-tokens at the drafter's acceptance over earlier requests (pulled towards 0.5 by
-HISTORY_PRIOR pseudo-tokens). This is the model's internal figure; what users see as
-"acceptance" is Stats.acceptance (accepted / drafted over the answer), and the reasons below name
-no other.
+a, the request's level: this request's rounds (accepted tokens / tokens that met a verdict: the
+accepted ones and the first rejected one of each round), older rounds decaying by DECAY each
+round, plus PRIOR_WEIGHT pseudo-tokens at the drafter's acceptance over earlier requests with as
+many images (`image_context`: 0, 1, 2, 3 or more; pulled towards 0.5 by HISTORY_PRIOR
+pseudo-tokens). ai, position by position: this request's counts at position i plus
+POSITION_WEIGHT pseudo-tokens at a x si, where si, the shape, is the drafter's acceptance at
+position i over those earlier requests over its acceptance at all positions (1 where they say
+nothing). So a drafter that always accepts alike is priced at a everywhere, and one whose later
+tokens fare worse is priced so from its first round. Both the image count and the shape matter:
+the smol demo's EAGLE-3 drafter accepted 0.6-0.8 of its tokens on picture turns and 0.1-0.3 on
+text turns, and fewer the deeper the position (0.46 / 0.28 / 0.21 / 0.13 at k = 4 over its
+bench's requests). With one a over all requests, text turns began by drafting 7 tokens a round;
+with one a per image count and no shape, picture turns drafted 8 where 3 paid (models/demo/
+README.md). These are the model's internal figures; what users see as "acceptance" is
+Stats.acceptance (accepted / drafted over the answer), and the reasons below name no other.
 
 Stopping on thin evidence: while fewer than THIN_EVIDENCE of the request's drafted tokens have
 been judged, k is chosen at an optimistic a, OPTIMISM standard errors higher (sqrt(a (1 - a) /
@@ -58,7 +68,7 @@ import math
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.stats import PAUSED, REFERENCE
 
@@ -71,6 +81,7 @@ FIRST_K = 4  # before anything is measured
 THIN_EVIDENCE = 16
 OPTIMISM = 1.0  # standard errors added to the acceptance estimate before choosing k
 HISTORY_PRIOR = 8  # pseudo-tokens at acceptance 0.5 in a drafter's history
+POSITION_WEIGHT = 4  # pseudo-tokens at a x si at each draft position
 REFERENCE_SAMPLES = 3  # plain steps whose median is the unit of every cost
 REFERENCE_EVERY = 32  # while drafting, one round in this many is a plain step (when no other was)
 FIXED_FLOOR = 0.1  # a fixed k pauses below this acceptance estimate (after THIN_EVIDENCE tokens judged)
@@ -138,7 +149,7 @@ class PassCosts:
         self.tree_draft: dict[str, Curve] = {}  # drafter -> drafting a tree, by depth
         self.tree_rows: dict[str, Curve] = {}  # drafter -> rows its trees verify, by depth
         self.overhead: deque = deque(maxlen=WINDOW)
-        self.history: dict[str, list[float]] = {}  # drafter name -> [accepted, judged] over past requests
+        self.history: dict[tuple[str, int], Counts] = {}  # (drafter, image_context) -> earlier requests' counts
 
     def record_round(self, done: Round) -> None:
         self.rounds += 1
@@ -196,31 +207,94 @@ class PassCosts:
     def overhead_cost(self) -> float:
         return statistics.median(self.overhead) if self.overhead else 0.0
 
-    def prior_acceptance(self, drafter: str) -> float:
-        """The drafter's acceptance over earlier requests, pulled towards 0.5 by HISTORY_PRIOR
-        pseudo-tokens, so that a few early tokens (a warm-up's, say) cannot fix it at 0 and keep
-        a short answer from ever drafting."""
-        accepted, judged = self.history.get(drafter, (0.0, 0.0))
+    def prior_acceptance(self, drafter: str, context: int = 0) -> float:
+        """The drafter's acceptance over earlier requests of this image context, pulled towards 0.5
+        by HISTORY_PRIOR pseudo-tokens, so that a few early tokens (a warm-up's, say) cannot fix it
+        at 0 and keep a short answer from ever drafting."""
+        accepted, judged = self.history.get((drafter, context), Counts()).total()
         return (accepted + 0.5 * HISTORY_PRIOR) / (judged + HISTORY_PRIOR)
+
+    def shape(self, drafter: str, context: int, positions: int) -> list[float]:
+        """si for positions 1..`positions`: the drafter's acceptance at each over earlier requests
+        of this context (pulled towards its acceptance at all positions by HISTORY_PRIOR
+        pseudo-tokens) over that acceptance."""
+        overall = self.prior_acceptance(drafter, context)
+        counts = self.history.get((drafter, context), Counts())
+        return [a / overall for a in counts.by_position(positions, [overall] * positions, HISTORY_PRIOR)]
 
     def reset(self) -> None:
         """Forget everything measured (after a warm-up: cold-start timings and a made-up prompt's
         acceptance say nothing about the requests to come)."""
         self.__init__()
 
-    def record_request(self, drafter: str, accepted: float, judged: float) -> None:
-        total = self.history.setdefault(drafter, [0.0, 0.0])
-        total[0] += accepted
-        total[1] += judged
+    def record_request(self, drafter: str, context: int, counts: Counts) -> None:
+        self.history.setdefault((drafter, context), Counts()).add(counts)
 
 
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens a round that drafts k yields, bonus token included, at per-token acceptance a."""
-    return k + 1.0 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+@dataclass
+class Counts:
+    """Draft tokens by position (0: the first drafted): `accepted[i]` of `judged[i]` (accepted, or
+    the first rejected one of a round)."""
+
+    accepted: list[float] = field(default_factory=list)
+    judged: list[float] = field(default_factory=list)
+
+    def record(self, depth: int, num_accepted: int) -> None:
+        """One round that drafted `depth` tokens (a chain, or a tree `depth` deep) and kept `num_accepted`."""
+        reached = min(depth, num_accepted + 1)
+        self._grow(reached)
+        for i in range(reached):
+            self.judged[i] += 1
+            self.accepted[i] += i < num_accepted
+
+    def decay(self, factor: float) -> None:
+        self.accepted = [x * factor for x in self.accepted]
+        self.judged = [x * factor for x in self.judged]
+
+    def add(self, other: Counts) -> None:
+        self._grow(len(other.judged))
+        for i in range(len(other.judged)):
+            self.accepted[i] += other.accepted[i]
+            self.judged[i] += other.judged[i]
+
+    def _grow(self, positions: int) -> None:
+        while len(self.judged) < positions:
+            self.accepted.append(0.0)
+            self.judged.append(0.0)
+
+    def total(self) -> tuple[float, float]:
+        return sum(self.accepted), sum(self.judged)
+
+    def by_position(self, positions: int, prior: list[float], weight: float) -> list[float]:
+        """(accepted + weight x prior) / (judged + weight) at each of the first `positions`."""
+        out = []
+        for i in range(positions):
+            accepted, judged = (self.accepted[i], self.judged[i]) if i < len(self.judged) else (0.0, 0.0)
+            out.append((accepted + weight * prior[i]) / (judged + weight))
+        return out
 
 
-def rates(costs: PassCosts, drafter: str, a: float, max_k: int, tree: bool = False) -> dict[int, float] | None:
-    """Expected tokens per plain step's time of each k in 0..max_k; None while a cost is unmeasured."""
+def image_context(num_images: int) -> int:
+    """Requests are told apart by their images, 0, 1, 2 or 3 or more (more images, longer prompts;
+    a drafter that cannot see them, or reads them from the target, is worth different amounts):
+    a drafter's history here, its recent speeds for `--drafter auto` (engine/auto.py)."""
+    return min(num_images, 3)
+
+
+def expected_tokens(a: float | list[float], k: int) -> float:
+    """Tokens a round that drafts k yields, bonus token included, at acceptance a: one per-token
+    figure, or one per position (a[i]: position i + 1, the last repeated beyond the list)."""
+    total, reach = 1.0, 1.0
+    for i in range(k):
+        reach *= a if isinstance(a, (int, float)) else a[min(i, len(a) - 1)]
+        total += reach
+    return total
+
+
+def rates(costs: PassCosts, drafter: str, a: float | list[float], max_k: int,
+          tree: bool = False) -> dict[int, float] | None:
+    """Expected tokens per plain step's time of each k in 0..max_k at acceptance a (one figure, or
+    one per position); None while a cost is unmeasured."""
     overhead, out = costs.overhead_cost(), {}
     for k in range(max_k + 1):
         cost = costs.round_cost(drafter, k, tree)
@@ -240,7 +314,7 @@ class Choice:
     gain: float | None  # expected speed of drafting (at k, or at the best k when paused) over plain
 
 
-def best_k(costs: PassCosts, drafter: str, a: float, max_k: int, tree: bool = False,
+def best_k(costs: PassCosts, drafter: str, a: float | list[float], max_k: int, tree: bool = False,
            fixed: int | None = None) -> Choice | None:
     """The k with the most expected tokens per second (a fixed k, or 0 where it loses); None
     while a cost is unmeasured."""
@@ -256,13 +330,15 @@ class DraftLength:
     """One request's draft length: `k` now, `reason` in a user's words; `update(...)` after each round."""
 
     def __init__(self, draft_tokens: int | None, adaptive: bool, max_draft_tokens: int,
-                 costs: PassCosts | None, drafter: str | None):
+                 costs: PassCosts | None, drafter: str | None, num_images: int = 0):
         self.fixed, self.adaptive, self.max_k = draft_tokens, adaptive, max_draft_tokens
         self.costs = costs if costs is not None else PassCosts()
         self.drafter = drafter
+        self.context = image_context(num_images)  # which of the drafter's histories is its prior
         self.tree = False  # whether the latest drafted round was a tree
-        self.accepted = self.judged = 0.0  # this request's rounds, decayed
-        self.request_accepted = self.request_judged = 0  # not decayed, for the engine's history
+        self.counts = Counts()  # this request's rounds, decayed
+        self.request_counts = Counts()  # not decayed, for the engine's history
+        self.request_judged = 0  # tokens judged in this request
         self.plain_rounds = 0  # rounds in a row that drafting has been paused
         self.costs.begin_request()
         self.k, self.reason = (0, "plain decoding") if drafter is None else (draft_tokens or FIRST_K, "")
@@ -273,14 +349,22 @@ class DraftLength:
 
     @property
     def acceptance(self) -> float:
-        prior = self.costs.prior_acceptance(self.drafter) if self.drafter else 0.5
-        return (self.accepted + PRIOR_WEIGHT * prior) / (self.judged + PRIOR_WEIGHT)
+        """a: see the module's docstring."""
+        prior = self.costs.prior_acceptance(self.drafter, self.context) if self.drafter else 0.5
+        accepted, judged = self.counts.total()
+        return (accepted + PRIOR_WEIGHT * prior) / (judged + PRIOR_WEIGHT)
 
-    @property
-    def optimistic_acceptance(self) -> float:
-        """The estimate plus OPTIMISM standard errors (see "stopping on thin evidence" above)."""
-        a, n = self.acceptance, self.request_judged + PRIOR_WEIGHT  # evidence is not decayed
-        return min(1.0, a + OPTIMISM * math.sqrt(a * (1 - a) / (n + 1)))
+    def by_position(self) -> list[float]:
+        """ai for positions 1..max_k (and the longest fixed k): see the module's docstring."""
+        positions = max(self.max_k, self.fixed or 0, 1)
+        shape = self.costs.shape(self.drafter, self.context, positions) if self.drafter else [1.0] * positions
+        level = self.acceptance
+        return self.counts.by_position(positions, [min(1.0, level * s) for s in shape], POSITION_WEIGHT)
+
+    def optimistic(self) -> list[float]:
+        """Each ai plus OPTIMISM standard errors (see "stopping on thin evidence" above)."""
+        n = self.request_judged + PRIOR_WEIGHT  # evidence is not decayed
+        return [min(1.0, a + OPTIMISM * math.sqrt(a * (1 - a) / (n + 1))) for a in self.by_position()]
 
     def update(self, rows: int, depth: int, num_accepted: int, tree: bool, draft_s: float, verify_s: float,
                round_s: float) -> int:
@@ -289,11 +373,10 @@ class DraftLength:
         self.costs.record_round(Round(self.drafter, rows, depth, tree, draft_s, verify_s, round_s))
         if depth:
             self.tree = tree
-            judged = num_accepted + (num_accepted < depth)
-            self.accepted = self.accepted * DECAY + num_accepted
-            self.judged = self.judged * DECAY + judged
-            self.request_accepted += num_accepted
-            self.request_judged += judged
+            self.counts.decay(DECAY)
+            self.counts.record(depth, num_accepted)
+            self.request_counts.record(depth, num_accepted)
+            self.request_judged += num_accepted + (num_accepted < depth)
         if self.drafter is None:
             return self.k
         if self.adaptive:
@@ -305,9 +388,9 @@ class DraftLength:
         return self.k
 
     def finish(self) -> None:
-        """Add this request's acceptance to the drafter's history on the engine."""
+        """Add this request's counts to the drafter's history on the engine (its image context's)."""
         if self.drafter and self.request_judged:
-            self.costs.record_request(self.drafter, self.request_accepted, self.request_judged)
+            self.costs.record_request(self.drafter, self.context, self.request_counts)
 
     def _choose(self) -> None:
         if self.fixed:  # decided on the answer's tokens alone, so a seeded answer stays reproducible
@@ -316,7 +399,7 @@ class DraftLength:
             else:
                 self.k, self.reason, self.plain_rounds = self.fixed, f"draft length {self.fixed} (fixed)", 0
             return
-        choice = best_k(self.costs, self.drafter, self.acceptance, self.max_k, self.tree, self.fixed)
+        choice = best_k(self.costs, self.drafter, self.by_position(), self.max_k, self.tree, self.fixed)
         if choice is None:  # a cost never measured: draft, and measure it (and a plain step to price it by)
             self.k = self.fixed or FIRST_K
             self.reason = f"draft length {self.k} (fixed)" if self.fixed else \
@@ -324,7 +407,7 @@ class DraftLength:
             if not self.costs.pending:
                 return
         elif self.request_judged < THIN_EVIDENCE and (hopeful := best_k(
-                self.costs, self.drafter, self.optimistic_acceptance, self.max_k, self.tree, self.fixed)).k:
+                self.costs, self.drafter, self.optimistic(), self.max_k, self.tree, self.fixed)).k:
             if choice.k:  # little seen yet: choose at the optimistic acceptance
                 self._drafting(hopeful)
             else:

@@ -97,7 +97,7 @@ def generate(
         drafting.begin(prompt)
     tree_budget = _tree_budget(decode, target, drafting, stats)
     length = DraftLength(decode.draft_tokens, decode.adaptive, decode.max_draft_tokens, costs,
-                         drafter.name if drafter else None)
+                         drafter.name if drafter else None, len(prompt.images))
     while not _finished(generated, decode, stats, stop, request):
         remaining = decode.max_new_tokens - len(generated)
         round_started = clock.now()

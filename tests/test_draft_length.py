@@ -12,8 +12,8 @@ import torch
 
 import engine.draft_length
 import engine.loop
-from engine.draft_length import (FIRST_K, PROBE_EVERY, REFERENCE_EVERY, THIN_COSTS, Curve, DraftLength, PassCosts, Round,
-                                 best_k, expected_tokens)
+from engine.draft_length import (FIRST_K, PROBE_EVERY, REFERENCE_EVERY, THIN_COSTS, Counts, Curve, DraftLength, PassCosts,
+                                 Round, best_k, expected_tokens)
 from engine.loop import DecodeSettings, generate
 from engine.sampling import SamplingSettings
 from engine.stats import PAUSED
@@ -204,12 +204,32 @@ def test_a_few_early_tokens_do_not_fix_a_drafters_prior_at_zero():
     from engine.draft_length import PassCosts
 
     costs = PassCosts()
-    costs.record_request("drafter", accepted=0, judged=4)
+    costs.record_request("drafter", 0, Counts([0.0], [4.0]))  # 4 first tokens rejected
     assert 0.3 < costs.prior_acceptance("drafter") < 0.5
-    costs.record_request("drafter", accepted=900, judged=1000)
+    costs.record_request("drafter", 0, Counts([900.0], [1000.0]))
     assert costs.prior_acceptance("drafter") > 0.85
     costs.reset()
     assert costs.prior_acceptance("drafter") == 0.5 and costs.verify.at(1) is None
+
+
+def test_a_requests_draft_length_starts_from_its_image_counts_history_position_by_position():
+    """The smol demo's EAGLE-3 drafter kept most of its tokens on picture turns and few on text
+    turns, fewer the deeper the position. A request starts from the history of requests with as
+    many images, shaped by position: a drafter whose first 4 tokens are always right and the 5th
+    never drafts 4 (one acceptance for every position, 0.8, gave 3), and a text turn does not
+    start from the picture turns' record."""
+    costs = measured({n: 1 + SLOPE * (n - 1) for n in range(1, 10)}, STEP)
+    costs.last_plain, costs.last_round_at = costs.rounds, time.monotonic()  # a plain step was just timed
+    pictures, text = Counts(), Counts()
+    for _ in range(200):
+        pictures.record(8, 4)  # 8 drafted, the first 4 kept
+        text.record(8, 0)
+    costs.record_request("d", 1, pictures)
+    costs.record_request("d", 0, text)
+    picture_turn = DraftLength(None, False, 8, costs, "d", num_images=1)
+    assert picture_turn.k == 4 and best_k(costs, "d", picture_turn.acceptance, 8).k == 3
+    assert DraftLength(None, False, 8, costs, "d", num_images=0).k <= 1
+    assert DraftLength(None, False, 8, costs, "d", num_images=2).acceptance == 0.5  # nothing seen with 2
 
 
 def test_a_busier_machine_does_not_stop_a_good_drafter(monkeypatch):
