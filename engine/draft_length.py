@@ -150,6 +150,7 @@ class PassCosts:
         self.tree_rows: dict[str, Curve] = {}  # drafter -> rows its trees verify, by depth
         self.overhead: deque = deque(maxlen=WINDOW)
         self.history: dict[tuple[str, int], Counts] = {}  # (drafter, image_context) -> earlier requests' counts
+        self.shapes: dict[tuple[str, int, int], list[float]] = {}  # `shape`'s answers since the last record
 
     def record_round(self, done: Round) -> None:
         self.rounds += 1
@@ -218,9 +219,13 @@ class PassCosts:
         """si for positions 1..`positions`: the drafter's acceptance at each over earlier requests
         of this context (pulled towards its acceptance at all positions by HISTORY_PRIOR
         pseudo-tokens) over that acceptance."""
-        overall = self.prior_acceptance(drafter, context)
-        counts = self.history.get((drafter, context), Counts())
-        return [a / overall for a in counts.by_position(positions, [overall] * positions, HISTORY_PRIOR)]
+        key = (drafter, context, positions)
+        if key not in self.shapes:  # read every round; changed only by record_request
+            overall = self.prior_acceptance(drafter, context)
+            counts = self.history.get((drafter, context), Counts())
+            self.shapes[key] = [a / overall for a in counts.by_position(positions, [overall] * positions,
+                                                                          HISTORY_PRIOR)]
+        return self.shapes[key]
 
     def reset(self) -> None:
         """Forget everything measured (after a warm-up: cold-start timings and a made-up prompt's
@@ -229,6 +234,7 @@ class PassCosts:
 
     def record_request(self, drafter: str, context: int, counts: Counts) -> None:
         self.history.setdefault((drafter, context), Counts()).add(counts)
+        self.shapes.clear()
 
 
 @dataclass
@@ -296,6 +302,7 @@ def rates(costs: PassCosts, drafter: str, a: float | list[float], max_k: int,
     """Expected tokens per plain step's time of each k in 0..max_k at acceptance a (one figure, or
     one per position); None while a cost is unmeasured."""
     overhead, out = costs.overhead_cost(), {}
+    tokens = reach = 1.0  # expected_tokens(a, k), and the chance that the k-th draft token is accepted
     for k in range(max_k + 1):
         cost = costs.round_cost(drafter, k, tree)
         if cost is None:
@@ -304,7 +311,9 @@ def rates(costs: PassCosts, drafter: str, a: float | list[float], max_k: int,
             plain_cost = cost
         else:  # a verify pass reads every weight a plain step reads: a round priced below one plain
             cost = max(cost, plain_cost)  # step is noise (a slow first plain step pricing earlier rounds)
-        out[k] = expected_tokens(a, k) / max(cost + overhead, 1e-9)
+            reach *= a if isinstance(a, (int, float)) else a[min(k - 1, len(a) - 1)]
+            tokens += reach
+        out[k] = tokens / max(cost + overhead, 1e-9)
     return out
 
 
