@@ -3,7 +3,7 @@
 Every speculative request of at least MIN_TOKENS decode tokens (whoever chose its drafter: a
 user, the API, or this chooser) records its decode tokens per second under its drafter and its
 image count, in contexts of 0, 1, 2 and 3 or more images (images make prompts longer, and
-what a drafter that cannot see them is worth differs: engine/draft_length.py `image_context`).
+what a drafter that cannot see them is worth differs: engine/acceptance.py `image_context`).
 A request asking for "auto" gets, in
 this order:
 1. a drafter with no record in the request's context (each is tried once per context);
@@ -20,7 +20,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from engine.draft_length import image_context
+from engine.acceptance import image_context
 
 MIN_TOKENS = 8
 WINDOW = 8

@@ -12,8 +12,9 @@ import torch
 
 import engine.draft_length
 import engine.loop
-from engine.draft_length import (FIRST_K, PROBE_EVERY, REFERENCE_EVERY, THIN_COSTS, Counts, Curve, DraftLength, PassCosts,
-                                 Round, best_k, expected_tokens)
+from engine.acceptance import Counts
+from engine.draft_length import (FIRST_K, PROBE_EVERY, REFERENCE_EVERY, THIN_COSTS, Curve, DraftLength, PassCosts, Round,
+                                 best_k, expected_tokens)
 from engine.loop import DecodeSettings, generate
 from engine.sampling import SamplingSettings
 from engine.stats import PAUSED
@@ -204,12 +205,12 @@ def test_a_few_early_tokens_do_not_fix_a_drafters_prior_at_zero():
     from engine.draft_length import PassCosts
 
     costs = PassCosts()
-    costs.record_request("drafter", 0, Counts([0.0], [4.0]))  # 4 first tokens rejected
-    assert 0.3 < costs.prior_acceptance("drafter") < 0.5
-    costs.record_request("drafter", 0, Counts([900.0], [1000.0]))
-    assert costs.prior_acceptance("drafter") > 0.85
+    costs.history.record("drafter", 0, Counts([0.0], [4.0]))  # 4 first tokens rejected
+    assert 0.3 < costs.history.level("drafter") < 0.5
+    costs.history.record("drafter", 0, Counts([900.0], [1000.0]))
+    assert costs.history.level("drafter") > 0.85
     costs.reset()
-    assert costs.prior_acceptance("drafter") == 0.5 and costs.verify.at(1) is None
+    assert costs.history.level("drafter") == 0.5 and costs.verify.at(1) is None
 
 
 def test_a_requests_draft_length_starts_from_its_image_counts_history_position_by_position():
@@ -224,8 +225,8 @@ def test_a_requests_draft_length_starts_from_its_image_counts_history_position_b
     for _ in range(200):
         pictures.record(8, 4)  # 8 drafted, the first 4 kept
         text.record(8, 0)
-    costs.record_request("d", 1, pictures)
-    costs.record_request("d", 0, text)
+    costs.history.record("d", 1, pictures)
+    costs.history.record("d", 0, text)
     picture_turn = DraftLength(None, False, 8, costs, "d", num_images=1)
     assert picture_turn.k == 4 and best_k(costs, "d", picture_turn.acceptance, 8).k == 3
     assert DraftLength(None, False, 8, costs, "d", num_images=0).k <= 1
