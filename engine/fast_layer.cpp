@@ -178,12 +178,14 @@ struct Avx512Lanes {
 constexpr int64_t PREFETCH_BYTES_ROWS = 4096;
 constexpr int64_t PREFETCH_BYTES_ONE_ROW = 8192;
 
-// A decode pass (one row of x) reads its weight one row at a time; a verify pass's rows share each
-// weight load across the lanes' `columns` weight rows. With 4 weight rows in flight a one-row
-// product of the SmolLM2-135M shape's 30 layers streamed 21 GB/s in float32 and 16-17 GB/s in
-// bfloat16 on 2 threads; one at a time, 29 and 17-23 GB/s (docs/performance.md, "One weight row at
-// a time"). Each output's sum is the same either way, so the bits are too.
-constexpr int ONE_ROW_COLUMNS = 1;
+// A pass whose rows of x fit one block of the lanes' `rows` (a decode pass, a verify pass of up to
+// 4 rows with AVX-512) reads its weight one row at a time; a longer one shares each weight load
+// across the lanes' `columns` weight rows. With 4 weight rows in flight a one-row product of the
+// SmolLM2-135M shape's 30 layers streamed 21 GB/s in float32 and 16-17 GB/s in bfloat16 on 2
+// threads; one at a time, 29 and 17-23 GB/s; 2 and 3 rows gained too, 5 and 9 did not
+// (docs/performance.md, "One weight row at a time"). Each output's sum is the same either way, so
+// the bits are too.
+constexpr int FEW_ROWS_COLUMNS = 1;
 
 // out[r][c] = x row r (in floats) . weight row c (in of W), for R rows and C weight rows.
 template <typename L, int R, int C, typename W>
@@ -276,9 +278,9 @@ static Tensor rows_product_with(const Tensor& x, const Tensor& weight, const c10
                                  bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
                                  reinterpret_cast<T*>(y.data_ptr()), n, in, out};
   const int64_t grain = std::max<int64_t>(1, 4096 / in);
-  if (n == 1) {  // a decode pass: one weight row at a time (ONE_ROW_COLUMNS), the same sums
+  if (n <= L::rows) {  // x in one block of rows: one weight row at a time (FEW_ROWS_COLUMNS), the same sums
     at::parallel_for(0, out, grain, [&](int64_t first, int64_t last) {
-      for (int64_t column = first; column < last; ++column) product.template columns<ONE_ROW_COLUMNS>(column);
+      for (int64_t column = first; column < last; ++column) product.template columns<FEW_ROWS_COLUMNS>(column);
     });
     return y;
   }
