@@ -143,10 +143,11 @@ class RequestAcceptance:
         level = self.level
         return self.counts.by_position(positions, [min(1.0, level * s) for s in shape], POSITION_WEIGHT)
 
-    def optimistic(self, positions: int, errors: float) -> list[float]:
-        """Each ai plus `errors` standard errors over this request's tokens and the pseudo-tokens."""
+    def optimistic(self, estimate: list[float], errors: float) -> list[float]:
+        """Each ai of `estimate` (by_position's) plus `errors` standard errors over this request's
+        tokens and the pseudo-tokens."""
         n = self.judged + PRIOR_WEIGHT  # evidence is not decayed
-        return [min(1.0, a + errors * math.sqrt(a * (1 - a) / (n + 1))) for a in self.by_position(positions)]
+        return [min(1.0, a + errors * math.sqrt(a * (1 - a) / (n + 1))) for a in estimate]
 
     def finish(self) -> None:
         """Add this request's counts to the drafter's history (its image context's)."""

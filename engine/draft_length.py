@@ -196,12 +196,17 @@ class PassCosts:
         self.__init__()
 
 
+def acceptance_at(a: float | list[float], position: int) -> float:
+    """The acceptance of draft position `position` (1, 2, ...): one per-token figure, or one per
+    position (a[i]: position i + 1, the last repeated beyond the list)."""
+    return a if isinstance(a, (int, float)) else a[min(position, len(a)) - 1]
+
+
 def expected_tokens(a: float | list[float], k: int) -> float:
-    """Tokens a round that drafts k yields, bonus token included, at acceptance a: one per-token
-    figure, or one per position (a[i]: position i + 1, the last repeated beyond the list)."""
+    """Tokens a round that drafts k yields, bonus token included, at acceptance a (acceptance_at)."""
     total, reach = 1.0, 1.0
-    for i in range(k):
-        reach *= a if isinstance(a, (int, float)) else a[min(i, len(a) - 1)]
+    for position in range(1, k + 1):
+        reach *= acceptance_at(a, position)
         total += reach
     return total
 
@@ -220,7 +225,7 @@ def rates(costs: PassCosts, drafter: str, a: float | list[float], max_k: int,
             plain_cost = cost
         else:  # a verify pass reads every weight a plain step reads: a round priced below one plain
             cost = max(cost, plain_cost)  # step is noise (a slow first plain step pricing earlier rounds)
-            reach *= a if isinstance(a, (int, float)) else a[min(k - 1, len(a) - 1)]
+            reach *= acceptance_at(a, k)
             tokens += reach
         out[k] = tokens / max(cost + overhead, 1e-9)
     return out
@@ -300,8 +305,8 @@ class DraftLength:
             else:
                 self.k, self.reason, self.plain_rounds = self.fixed, f"draft length {self.fixed} (fixed)", 0
             return
-        choice = best_k(self.costs, self.drafter, self.seen.by_position(self.positions), self.max_k, self.tree,
-                        self.fixed)
+        estimate = self.seen.by_position(self.positions)
+        choice = best_k(self.costs, self.drafter, estimate, self.max_k, self.tree, self.fixed)
         if choice is None:  # a cost never measured: draft, and measure it (and a plain step to price it by)
             self.k = self.fixed or FIRST_K
             self.reason = f"draft length {self.k} (fixed)" if self.fixed else \
@@ -309,7 +314,7 @@ class DraftLength:
             if not self.costs.pending:
                 return
         elif self.seen.judged < THIN_EVIDENCE and (hopeful := best_k(
-                self.costs, self.drafter, self.seen.optimistic(self.positions, OPTIMISM), self.max_k, self.tree,
+                self.costs, self.drafter, self.seen.optimistic(estimate, OPTIMISM), self.max_k, self.tree,
                 self.fixed)).k:
             if choice.k:  # little seen yet: choose at the optimistic acceptance
                 self._drafting(hopeful)
