@@ -465,6 +465,145 @@ static Tensor rms_norm_rows(const Tensor& x, const Tensor& weight, double eps) {
   return out;
 }
 
+// One query row's attention over slots 0 .. end - 1 of one kv head's keys / values (capacity, D):
+// allowed / added are the row's mask (or null), weights a buffer of end floats; writes o (D).
+// Slots the mask hides (or whose weight's exp is 0) add nothing; every other slot's terms come in
+// slot order, so a row's result is the same whatever slots after its own a pass holds: a verify
+// pass gives each row its decode pass's bits.
+static void attend_row(const float* q, const float* k, const float* v, int64_t end, const bool* allowed,
+                       const float* added, float scaling, int64_t D, float* weights, float* o) {
+  float top = -INFINITY;
+  for (int64_t s = 0; s < end; ++s) {
+    if (allowed && !allowed[s]) {
+      weights[s] = -INFINITY;
+      continue;
+    }
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * k[s * D + d];
+    weights[s] = dot * scaling + (added ? added[s] : 0.f);
+    top = std::max(top, weights[s]);
+  }
+  float total = 0.f;
+  std::fill(o, o + D, 0.f);
+  for (int64_t s = 0; s < end; ++s) {
+    const float weight = weights[s] == -INFINITY ? 0.f : std::exp(weights[s] - top);
+    total += weight;
+    if (weight == 0.f) continue;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) o[d] += weight * v[s * D + d];
+  }
+  const float inverse = 1.f / total;
+  for (int64_t d = 0; d < D; ++d) o[d] *= inverse;
+}
+
+// Attention rows and SiLU's exp in 16 lanes (attend_row_lanes, exp_lanes) where this build has
+// them; tests and measurements turn them off to compare with the loops (attend_row, std::exp).
+static bool use_lanes_math = true;
+
+#ifdef HAVE_AVX512_LANES
+// e^x for 16 floats, -inf and anything under -87.3 giving 0 (attention: a score minus the row's
+// largest; SiLU: minus a gate): x = n ln 2 + r, |r| <= ln 2 / 2, e^r by its degree-7 Taylor
+// polynomial (Horner, each step one fused multiply-add), times 2^n. Within about 1 ulp of
+// std::exp, not its bits; the same bits every time.
+static inline __m512 exp_lanes(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  return _mm512_maskz_mov_ps(kept, _mm512_scalef_ps(p, n));
+}
+
+// Lane j of the result: the sum of vectors[j]'s 16 lanes (halves added pairwise, the same tree
+// for every j): 16 dot products' horizontal sums in 15 adds of two shuffles each.
+static inline __m512 sum_each(const __m512 vectors[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // 256-bit halves: lanes 0-7 from vector j, 8-15 from vector j + 4
+    const int j = i < 4 ? i : i + 4;
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(vectors[j], vectors[j + 4], 0x44),   // low halves
+                         _mm512_shuffle_f32x4(vectors[j], vectors[j + 4], 0xEE));  // high halves
+  }
+  for (int i = 0; i < 4; ++i)  // 128-bit quarters: vectors i, i + 4, i + 8, i + 12
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88), _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i) {  // 64-bit pairs: in each quarter, two of b[2i]'s then two of b[2i + 1]'s
+    const __m512d low = _mm512_castps_pd(b[2 * i]), high = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(low, high)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(low, high)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+}
+
+// attend_row for D a multiple of 16, in 16 lanes: the scores 16 slots at a time (each slot's dot
+// product lane by lane over D, then `sum_each`), their exp 16 at a time (`exp_lanes`, the total
+// summed per lane, then the lanes), the values in slot order. Slot s sits in lane s % 16 wherever
+// the pass ends, so a verify pass's row sums exactly as its decode pass does.
+static void attend_row_lanes(const float* q, const float* k, const float* v, int64_t end, const bool* allowed,
+                             const float* added, float scaling, int64_t D, float* weights, float* o) {
+  const int64_t chunks = D / 16;
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t first = 0; first < end; first += 16) {
+    const int64_t count = std::min<int64_t>(16, end - first);
+    __m512 dots[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      dots[j] = _mm512_setzero_ps();
+      if (j >= count) continue;
+      const float* key = k + (first + j) * D;
+      for (int64_t c = 0; c < chunks; ++c)
+        dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(key + 16 * c), dots[j]);
+    }
+    const __mmask16 live = static_cast<__mmask16>((1u << count) - 1u);
+    __m512 scores = _mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scaling));
+    if (added) scores = _mm512_add_ps(scores, _mm512_maskz_loadu_ps(live, added + first));
+    __mmask16 visible = live;
+    if (allowed)
+      for (int64_t j = 0; j < count; ++j)
+        if (!allowed[first + j]) visible &= static_cast<__mmask16>(~(1u << j));
+    scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), visible, scores);
+    _mm512_mask_storeu_ps(weights + first, live, scores);
+    top = _mm512_max_ps(top, scores);
+  }
+  const __m512 largest = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 totals = _mm512_setzero_ps();
+  for (int64_t first = 0; first < end; first += 16) {
+    const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, end - first)) - 1u);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, weights + first),
+                                                                        largest)));
+    _mm512_mask_storeu_ps(weights + first, live, e);
+    totals = _mm512_add_ps(totals, e);
+  }
+  __m512 out[8];  // D <= 128 in registers; wider heads go through o
+  const bool in_registers = chunks <= 8;
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (in_registers) out[c] = _mm512_setzero_ps();
+    else _mm512_storeu_ps(o + 16 * c, _mm512_setzero_ps());
+  }
+  for (int64_t s = 0; s < end; ++s) {
+    if (weights[s] == 0.f) continue;
+    const __m512 weight = _mm512_set1_ps(weights[s]);
+    const float* value = v + s * D;
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (in_registers) out[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * c), out[c]);
+      else _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * c),
+                                                        _mm512_loadu_ps(o + 16 * c)));
+    }
+  }
+  __m512 lanes[16] = {};
+  lanes[0] = totals;
+  const __m512 inverse = _mm512_set1_ps(1.f / _mm512_cvtss_f32(sum_each(lanes)));
+  for (int64_t c = 0; c < chunks; ++c)
+    _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(in_registers ? out[c] : _mm512_loadu_ps(o + 16 * c), inverse));
+}
+#endif
+
 // Attention of queries (heads, n, D) over cache slots 0 .. end - 1 of keys / values
 // (kv_heads, capacity, D), all float; mask: undefined (every slot visible), bool (n, end), True =
 // attend, or additive float (n, end). Query head h reads kv head h / (heads / kv_heads) (SDPA's
@@ -483,30 +622,16 @@ static void attend(const float* queries, const float* keys, const float* values,
       const float* q = queries + (h * n + t) * D;
       const float* k = keys + (h / group) * capacity * D;
       const float* v = values + (h / group) * capacity * D;
-      float top = -INFINITY;
-      for (int64_t s = 0; s < end; ++s) {
-        if (allowed && !allowed[t * end + s]) {
-          weights[s] = -INFINITY;
-          continue;
-        }
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += q[d] * k[s * D + d];
-        weights[s] = dot * scaling + (added ? added[t * end + s] : 0.f);
-        top = std::max(top, weights[s]);
-      }
-      float total = 0.f;
+      const bool* row_allowed = allowed ? allowed + t * end : nullptr;
+      const float* row_added = added ? added + t * end : nullptr;
       float* o = out + t * heads * D + h * D;
-      std::fill(o, o + D, 0.f);
-      for (int64_t s = 0; s < end; ++s) {
-        const float weight = weights[s] == -INFINITY ? 0.f : std::exp(weights[s] - top);
-        total += weight;
-        if (weight == 0.f) continue;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] += weight * v[s * D + d];
+#ifdef HAVE_AVX512_LANES
+      if (D % 16 == 0 && use_lanes_math) {
+        attend_row_lanes(q, k, v, end, row_allowed, row_added, scaling, D, weights.data(), o);
+        continue;
       }
-      const float inverse = 1.f / total;
-      for (int64_t d = 0; d < D; ++d) o[d] *= inverse;
+#endif
+      attend_row(q, k, v, end, row_allowed, row_added, scaling, D, weights.data(), o);
     }
   });
 }
@@ -518,11 +643,24 @@ static Tensor silu_times_up(const Tensor& gate_up) {
   Tensor out = at::empty({n, width}, gate_up.options());
   const T* in = gate_up.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t i = 0; i < width; ++i) {
-      const float gate = in[r * 2 * width + i], up = in[r * 2 * width + width + i];
-      o[r * width + i] = static_cast<T>(rounded<T>(gate / (1.f + std::exp(-gate))) * up);
+  std::vector<float> negated_exp(width);  // exp(-gate) of a row
+  for (int64_t r = 0; r < n; ++r) {
+    const T* gates = in + r * 2 * width;
+    int64_t i = 0;
+#ifdef HAVE_AVX512_LANES
+    if (use_lanes_math)
+      for (; i + 16 <= width; i += 16) {
+        float sixteen[16];
+        for (int j = 0; j < 16; ++j) sixteen[j] = -static_cast<float>(gates[i + j]);
+        _mm512_storeu_ps(negated_exp.data() + i, exp_lanes(_mm512_loadu_ps(sixteen)));
+      }
+#endif
+    for (; i < width; ++i) negated_exp[i] = std::exp(-static_cast<float>(gates[i]));
+    for (i = 0; i < width; ++i) {
+      const float gate = gates[i], up = gates[width + i];
+      o[r * width + i] = static_cast<T>(rounded<T>(gate / (1.f + negated_exp[i])) * up);
     }
+  }
   return out;
 }
 
@@ -643,6 +781,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("rows_kernel_max") = ROWS_KERNEL_MAX;
   m.def("rows_kernel", &rows_kernel);
   m.def("use_rows_kernel", &use_rows_kernel);
+  m.def("use_lanes_math", [](bool on) { use_lanes_math = on; });
   m.def("rows_kernels_built", &rows_kernels_built);
   m.def("product", &product, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
         pybind11::arg("scales") = c10::nullopt, pybind11::arg("sums") = c10::nullopt);

@@ -112,6 +112,30 @@ def test_attention_split_across_threads_over_a_long_context(zoo):
         torch.set_num_threads(threads)
 
 
+@NO_COMPILER
+def test_attention_and_silu_in_lanes_give_the_loops_answers(zoo):
+    """Where the build has AVX-512, attention rows and SiLU's exp run in 16 lanes (their own sums and
+    exp, so other bits than the plain loops'): decode, verify, tree and rollback passes give the
+    loops' answers within float rounding over a long context, and with either a verify pass is
+    bitwise its decode passes."""
+    native = fast_native.layer()
+    target = bitwise_target(zoo, torch.float32)
+    runner = Runner(target.model, target.family)
+    long_text = torch.randint(16, 200, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    results = []
+    try:
+        for lanes in (True, False):
+            native.use_lanes_math(lanes)
+            logits, state = runner.prefill(prompt_of(target, 2).target_inputs)
+            results.append([runner.extend(state, long_text), *passes(runner, target)])
+            assert_verify_is_decode(runner, target, 9)
+    finally:
+        native.use_lanes_math(True)
+    assert_same_answers(*results, FLOAT32)
+    if "avx512" in native.rows_kernels_built():
+        assert not all(torch.equal(a, b) for a, b in zip(*results))  # the lanes ran
+
+
 def bitwise_target(zoo, dtype):
     target = copy.copy(zoo.target("qwen2_vl"))
     target.model = copy.deepcopy(target.model).to(dtype)

@@ -57,12 +57,12 @@ def load_model(folder: Path):
     return model, load_processor(str(folder))
 
 
-def batch_examples(step: int, batch_size: int, seed: int, pool: int = 8) -> list[world.Example]:
+def batch_examples(step: int, batch_size: int, seed: int, pool: int = 8, first_example: int = 0) -> list[world.Example]:
     """The examples of training step `step`: pool `step // pool` holds examples
-    pool * batch_size * (step // pool) onwards, sorted by length and cut into `pool` batches,
-    shuffled with (seed, pool number)."""
+    first_example + pool * batch_size * (step // pool) onwards, sorted by length and cut into
+    `pool` batches, shuffled with (seed, pool number)."""
     number, index = divmod(step, pool)
-    group = list(world.train_examples(number * pool * batch_size, pool * batch_size))
+    group = list(world.train_examples(first_example + number * pool * batch_size, pool * batch_size))
     group.sort(key=lambda e: len(e.images) * 20 + sum(len(str(m["content"])) for m in e.messages) // 4)
     chunks = [group[i: i + batch_size] for i in range(0, len(group), batch_size)]
     random.Random(f"{seed}:{number}").shuffle(chunks)
@@ -72,14 +72,16 @@ def batch_examples(step: int, batch_size: int, seed: int, pool: int = 8) -> list
 class StepBatches(torch.utils.data.Dataset):
     """The encoded batches of steps `first` .. `end` - 1 (`batch_examples`), for a DataLoader's workers."""
 
-    def __init__(self, processor, first: int, end: int, batch_size: int, seed: int):
+    def __init__(self, processor, first: int, end: int, batch_size: int, seed: int, first_example: int = 0):
         self.processor, self.first, self.end, self.batch_size, self.seed = processor, first, end, batch_size, seed
+        self.first_example = first_example
 
     def __len__(self) -> int:
         return self.end - self.first
 
     def __getitem__(self, index: int):
-        return encode(self.processor, batch_examples(self.first + index, self.batch_size, self.seed))
+        return encode(self.processor, batch_examples(self.first + index, self.batch_size, self.seed,
+                                                      first_example=self.first_example))
 
 
 def losses(model, probe, batch, weights: dict, bf16: bool) -> dict[str, torch.Tensor]:
@@ -186,6 +188,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--first-example", type=int, default=0,
+                        help="draw the training conversations from this number on (a continuation that should see new ones)")
     parser.add_argument("--cell-weight", type=float, default=0.5)
     parser.add_argument("--picture-weight", type=float, default=0.0,
                         help="off by default (untested here): at the start it is 14 nats against an answer loss of 2-7")
@@ -267,7 +271,8 @@ def main() -> None:
     end = min(args.max_steps or args.steps, args.steps)
     if args.minutes:
         end = start + 1_000_000  # until the warm-up steps have been timed
-    loader = torch.utils.data.DataLoader(StepBatches(processor, start, end, args.batch_size, args.seed), batch_size=None,
+    batches = StepBatches(processor, start, end, args.batch_size, args.seed, first_example=args.first_example)
+    loader = torch.utils.data.DataLoader(batches, batch_size=None,
                                          num_workers=args.workers, prefetch_factor=4 if args.workers else None)
     timed = None
     for step, batch in enumerate(loader, start):
