@@ -133,6 +133,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Q4Weight,
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
+class RowsKernelLinear(torch.nn.Linear):
+    """An nn.Linear whose products of up to the rows kernel's most rows run in it (the compiled
+    module's `product`: one weight read for all the rows, engine/fast_layer.cpp); longer ones,
+    and any the kernel does not take, run ATen's. Same parameters; for a drafter module's own
+    forward (an EAGLE-3 layer), where ATen's one-row 16-bit products read the weight slowly."""
+
+    native = None
+
+    @classmethod
+    def swap_into(cls, module: torch.nn.Module) -> int:
+        """Every nn.Linear under `module` (on a CPU, where the compiled module builds) becomes one;
+        returns how many."""
+        native = fast_native.layer()
+        linears = [m for m in module.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
+        if native is None:
+            return 0
+        for linear in linears:
+            linear.__class__, linear.native = cls, native
+        return len(linears)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if len(rows) > self.native.rows_kernel_max or x.dtype != self.weight.dtype:
+            return super().forward(x)
+        return self.native.product(rows, self.weight.t(), self.bias).reshape(*x.shape[:-1], self.out_features)
+
+
 def native_weight(native, weight: torch.Tensor | Int8Weight | Q4Weight):
     """A product's weight as the compiled stack takes it (native.Weight): (in, out) values, and
     the int8 scales of an Int8Weight (and a W8A8Weight's sums: int8 activations); a Q4Weight's

@@ -20,8 +20,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from engine import fast_native
 from engine.drafters.registry import load_drafter
 from engine.engine import Engine
+from engine.fast_decode import RowsKernelLinear
 from models import tiny
 from engine.target import load_target
 from models.loading import LoadError
@@ -248,6 +250,23 @@ def test_eagle3_forced_acceptance_matches_reference(zoo, family, fmt, num_images
         # float32 noise of the target's cached passes, grown by chained steps (the pre-norm h is fed back)
         scale = float(expected[finite].abs().max())
         torch.testing.assert_close(got[finite], expected[finite], atol=2e-4 * max(1.0, scale), rtol=1e-3)
+
+
+@pytest.mark.skipif(fast_native.layer() is None, reason="no compiled module on this machine")
+def test_eagle3_products_run_in_the_rows_kernel_with_the_modules_results(zoo):
+    """On a CPU with the compiled module, every Linear of a loaded EAGLE-3 layer computes its
+    products of up to the rows kernel's most rows there (ATen's one-row 16-bit products read the
+    weight slowly): the same values as nn.Linear's within float rounding, and the drafter says so."""
+    drafter = zoo.drafter("qwen2_5_vl", "specforge")
+    linears = [m for m in drafter.module.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 9 and all(type(m) is RowsKernelLinear for m in linears)  # fc, q k v o, 3 MLP, lm_head
+    assert "rows kernel" in drafter.fast_fallback
+    generator = torch.Generator().manual_seed(0)
+    for linear in linears:
+        for rows in (1, 5, fast_native.layer().rows_kernel_max + 1):
+            x = torch.randn(1, rows, linear.in_features, generator=generator)
+            torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias),
+                                       rtol=1e-5, atol=1e-5)
 
 
 def test_d2t_places_draft_ids_at_target_ids(zoo):

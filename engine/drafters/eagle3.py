@@ -43,6 +43,7 @@ import torch
 from engine.drafters.base import Draft, DraftBuilder
 from engine.drafters.target_head import full_vocabulary, module_dtype, require_hidden
 from engine.drafters.target_session import ChainedHeadSession, tokens_from
+from engine.fast_decode import RowsKernelLinear
 from engine.prompt import Prompt
 from engine.runner import CacheState, TargetReads
 from engine.sampling import Sampler
@@ -99,7 +100,10 @@ def load(name: str, config: checkpoint.Eagle3Config, target, options) -> Eagle3D
         raise LoadError(f"EAGLE-3 drafter {name!r} maps draft ids to target ids {int(target_ids.min())} .. "
                         f"{int(target_ids.max())} (d2t), outside the target's vocabulary of {target.vocab_size}")
     layers = config.target_layers(target.model.config.get_text_config().num_hidden_layers)
-    return Eagle3Drafter(name, module, target, layers)
+    drafter = Eagle3Drafter(name, module, target, layers)
+    if RowsKernelLinear.swap_into(module):
+        drafter.fast_fallback = "an EAGLE-3 layer: its own PyTorch forward, its products in the rows kernel"
+    return drafter
 
 
 class Eagle3Drafter:
