@@ -133,31 +133,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Q4Weight,
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
-class RowsKernelLinear(torch.nn.Linear):
-    """An nn.Linear whose products of up to the rows kernel's most rows run in it (the compiled
-    module's `product`: one weight read for all the rows, engine/fast_layer.cpp); longer ones,
-    and any the kernel does not take, run ATen's. Same parameters; for a drafter module's own
-    forward (an EAGLE-3 layer), where ATen's one-row 16-bit products read the weight slowly."""
+def rows_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (n, in) times weight (out, in) transposed, plus bias, as F.linear: in the compiled rows
+    kernel where it builds and takes the pass (on a CPU, up to its most rows, x in the weight's
+    dtype: one weight read for all the rows), else ATen's. For drafters' own products (an EAGLE-3
+    layer, the target's output head a drafter reads), where ATen's one-row 16-bit products read
+    the weight at about half the speed."""
+    native = fast_native.layer() if weight.device.type == "cpu" else None
+    if native is None or len(x) > native.rows_kernel_max or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    return native.product(x, weight.t(), bias)
 
-    native = None
+
+class RowsKernelLinear(torch.nn.Linear):
+    """An nn.Linear whose products run through `rows_product`; same parameters."""
 
     @classmethod
     def swap_into(cls, module: torch.nn.Module) -> int:
-        """Every nn.Linear under `module` (on a CPU, where the compiled module builds) becomes one;
+        """Every nn.Linear under `module` becomes one, on a CPU where the compiled module builds;
         returns how many."""
-        native = fast_native.layer()
-        linears = [m for m in module.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
-        if native is None:
+        if fast_native.layer() is None:
             return 0
+        linears = [m for m in module.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
         for linear in linears:
-            linear.__class__, linear.native = cls, native
+            linear.__class__ = cls
         return len(linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if len(rows) > self.native.rows_kernel_max or x.dtype != self.weight.dtype:
-            return super().forward(x)
-        return self.native.product(rows, self.weight.t(), self.bias).reshape(*x.shape[:-1], self.out_features)
+        y = rows_product(x.reshape(-1, self.in_features), self.weight, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 def native_weight(native, weight: torch.Tensor | Int8Weight | Q4Weight):

@@ -15,6 +15,7 @@ import torch
 from transformers.utils import cached_file
 
 from engine.drafters.base import DrafterUnavailable
+from engine.fast_decode import rows_product
 from engine.runner import CacheState
 from models import drafter_heads
 from models.loading import SMALL_DRAFTER_PARAMETERS, LoadError, LoadOptions
@@ -45,7 +46,7 @@ class TargetHead:
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """(n, V) float32 logits of module output rows (n, H)."""
-        logits = (rows.to(self.dtype) @ self.head_weight.T).float()
+        logits = rows_product(rows.to(self.dtype), self.head_weight).float()
         return logits if self.draft_ids is None else full_vocabulary(logits, self.draft_ids, self.vocab_size)
 
 
