@@ -133,37 +133,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Q4Weight,
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
-def rows_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (n, in) times weight (out, in) transposed, plus bias, as F.linear: in the compiled rows
-    kernel where it builds and takes the pass (on a CPU, up to its most rows, x in the weight's
-    dtype: one weight read for all the rows), else ATen's. For drafters' own products (an EAGLE-3
-    layer, the target's output head a drafter reads), where ATen's one-row 16-bit products read
-    the weight at about half the speed."""
-    native = fast_native.layer() if weight.device.type == "cpu" else None
-    if native is None or len(x) > native.rows_kernel_max or x.dtype != weight.dtype:
-        return F.linear(x, weight, bias)
-    return native.product(x, weight.t(), bias)
-
-
-class RowsKernelLinear(torch.nn.Linear):
-    """An nn.Linear whose products run through `rows_product`; same parameters."""
-
-    @classmethod
-    def swap_into(cls, module: torch.nn.Module) -> int:
-        """Every nn.Linear under `module` becomes one, on a CPU where the compiled module builds;
-        returns how many."""
-        if fast_native.layer() is None:
-            return 0
-        linears = [m for m in module.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
-        for linear in linears:
-            linear.__class__ = cls
-        return len(linears)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = rows_product(x.reshape(-1, self.in_features), self.weight, self.bias)
-        return y.reshape(*x.shape[:-1], self.out_features)
-
-
 def native_weight(native, weight: torch.Tensor | Int8Weight | Q4Weight):
     """A product's weight as the compiled stack takes it (native.Weight): (in, out) values, and
     the int8 scales of an Int8Weight (and a W8A8Weight's sums: int8 activations); a Q4Weight's

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from engine import fast_native
 from engine.drafters.registry import load_drafter
 from engine.engine import Engine
-from engine.fast_decode import RowsKernelLinear
+from engine.rows_kernel import RowsKernelLinear
 from models import tiny
 from engine.target import load_target
 from models.loading import LoadError

@@ -383,3 +383,21 @@ def test_the_compiled_stack_refuses_what_it_does_not_take(zoo, one_thread):
     with pytest.raises(RuntimeError, match="float32 cache"):
         stack.native.stack(x, stack._native_layers(), cos, signed_sin, cache.keys, cache.values, 0, None,
                            *stack.sizes_args, [])
+
+
+@NO_COMPILER
+def test_greedy_tokens_are_atens_argmax_first_of_equals():
+    """The compiled argmax (engine/sampling.py greedy_tokens) gives torch.argmax's index on every
+    row: ties (the first wins), -inf rows and a draft vocabulary's -inf holes, widths around the
+    16 lanes."""
+    from engine.sampling import greedy_tokens
+
+    generator = torch.Generator().manual_seed(0)
+    for width in (1, 7, 16, 17, 33, 49152):
+        logits = torch.randn(5, width, generator=generator)
+        logits[1] = logits[1].round()  # many equal values
+        logits[2] = float("-inf")
+        logits[3, torch.randperm(width, generator=generator)[: width // 2]] = float("-inf")
+        logits[4, :] = 1.0
+        logits[4, width // 2:] = 2.0  # the first 2.0 wins
+        assert greedy_tokens(logits) == logits.argmax(-1).tolist(), width

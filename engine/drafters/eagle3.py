@@ -43,7 +43,7 @@ import torch
 from engine.drafters.base import Draft, DraftBuilder
 from engine.drafters.target_head import full_vocabulary, module_dtype, require_hidden
 from engine.drafters.target_session import ChainedHeadSession, tokens_from
-from engine.fast_decode import RowsKernelLinear
+from engine.rows_kernel import RowsKernelLinear
 from engine.prompt import Prompt
 from engine.runner import CacheState, TargetReads
 from engine.sampling import Sampler

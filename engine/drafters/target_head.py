@@ -15,7 +15,7 @@ import torch
 from transformers.utils import cached_file
 
 from engine.drafters.base import DrafterUnavailable
-from engine.fast_decode import rows_product
+from engine.rows_kernel import rows_product
 from engine.runner import CacheState
 from models import drafter_heads
 from models.loading import SMALL_DRAFTER_PARAMETERS, LoadError, LoadOptions
