@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.fast_decode import FastStack, default_input_major, linear, share, stack_unsupported
+from engine.fast_decode import FastStack, default_input_major, share, stack_unsupported
+from engine.rows_kernel import rows_product
 from engine.static_cache import HEADROOM, StaticKVCache
 from models.families import fast_head_layers
 
@@ -65,8 +66,8 @@ class FastMtpHead(FastHead):
     def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                  mask: torch.Tensor | None, cache: StaticKVCache) -> torch.Tensor:
         """MtpHead.forward: embeds, hidden (1, n, H); position_ids (3, 1, n). Returns (1, n, H)."""
-        x = linear(torch.cat([self.stack.norm(embeds[0], self.enorm), self.stack.norm(hidden[0], self.hnorm)], dim=-1),
-                   self.fc)
+        x = rows_product(torch.cat([self.stack.norm(embeds[0], self.enorm), self.stack.norm(hidden[0], self.hnorm)],
+                                   dim=-1), self.fc.t())
         return self.run_stack(x, position_ids, mask, cache)
 
 
@@ -81,5 +82,5 @@ class FastBlock(FastHead):
                  mask: torch.Tensor | None, cache: StaticKVCache) -> torch.Tensor:
         """BlockDrafter.forward: context (1, m, L * H), block (1, b, H) from `block_embeds`,
         position_ids (3, 1, m + b). Returns the outputs of every row (1, m + b, H)."""
-        rows = linear(self.stack.norm(context[0], self.context_norm), self.context_fc).to(block.dtype)
+        rows = rows_product(self.stack.norm(context[0], self.context_norm), self.context_fc.t()).to(block.dtype)
         return self.run_stack(torch.cat([rows, block[0]]), position_ids, mask, cache)
