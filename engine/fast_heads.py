@@ -75,16 +75,12 @@ class FastBlock(FastHead):
     @torch.no_grad()
     def __init__(self, module, input_major: bool | None = None):
         super().__init__(module, input_major)
-        per_layer = module.config.context_norm_per_layer
-        self.context_norms = ([norm.weight for norm in module.context_norms] if per_layer  # L x (H,)
-                              else [module.context_norm.weight])  # [(L * H,)]
+        self.context_norm = module.context_norm.weight  # (L * H,)
         self.context_fc = share([module.context_fc], self.input_major)  # (L * H, H)
 
     def __call__(self, context: torch.Tensor, block: torch.Tensor, position_ids: torch.Tensor,
                  mask: torch.Tensor | None, cache: StaticKVCache) -> torch.Tensor:
         """BlockDrafter.forward: context (1, m, L * H), block (1, b, H) from `block_embeds`,
         position_ids (3, 1, m + b). Returns the outputs of every row (1, m + b, H)."""
-        parts = context[0].chunk(len(self.context_norms), dim=-1)
-        normed = torch.cat([self.stack.norm(part, weight) for part, weight in zip(parts, self.context_norms)], dim=-1)
-        rows = rows_product(normed, self.context_fc.t()).to(block.dtype)
+        rows = rows_product(self.stack.norm(context[0], self.context_norm), self.context_fc.t()).to(block.dtype)
         return self.run_stack(torch.cat([rows, block[0]]), position_ids, mask, cache)

@@ -110,12 +110,6 @@ class BlockDrafterConfig(HeadConfig):
     model_type = "block_drafter"
     target_hidden_layers: list[int] | tuple[int, ...] = (2, 4, 6)
     block_size: int = 5
-    # One RMSNorm per layer read (context_norms) instead of one over the concatenation
-    # (context_norm). A real model's layers differ in scale: SmolLM2-135M's layers 10, 20 and its
-    # normed output hold 27 %, 70 % and 3 % of the concatenation's squares (layer 20's outlier
-    # dimension most), so one norm left the output's part a sixth of its own scale. Checkpoints
-    # without the key keep one norm (the 3.6 M demo's block drafter).
-    context_norm_per_layer: bool = False
 
 
 AutoConfig.register(MtpHeadConfig.model_type, MtpHeadConfig)
@@ -186,10 +180,7 @@ class BlockDrafter(nn.Module):
         super().__init__()
         self.config = config
         width = len(config.target_hidden_layers) * config.hidden_size
-        if config.context_norm_per_layer:
-            self.context_norms = nn.ModuleList(rms_norm(config) for _ in config.target_hidden_layers)
-        else:
-            self.context_norm = rms_norm(config, width)
+        self.context_norm = rms_norm(config, width)
         self.context_fc = nn.Linear(width, config.hidden_size, bias=False)
         self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
         self.stack = DecoderStack(config)
@@ -204,16 +195,8 @@ class BlockDrafter(nn.Module):
                 mask: torch.Tensor | None, cache=None) -> torch.Tensor:
         """context (B, m, L * H): target hidden rows (m may be 0); block (B, b, H) from
         `block_embeds`; position_ids (3, B, m + b). Returns the outputs of every row (B, m + b, H)."""
-        rows = self.context_fc(self.normed_context(context)).to(block.dtype)
+        rows = self.context_fc(self.context_norm(context)).to(block.dtype)
         return self.stack(torch.cat([rows, block], dim=1), position_ids, mask, cache)
-
-    def normed_context(self, context: torch.Tensor) -> torch.Tensor:
-        """context (.., L * H) normed: over the whole row, or each layer's H by its own norm
-        (`context_norm_per_layer`)."""
-        if not self.config.context_norm_per_layer:
-            return self.context_norm(context)
-        parts = context.chunk(len(self.context_norms), dim=-1)
-        return torch.cat([norm(part) for norm, part in zip(self.context_norms, parts)], dim=-1)
 
 
 MODULES = {MtpHeadConfig.model_type: MtpHead, BlockDrafterConfig.model_type: BlockDrafter}

@@ -68,25 +68,20 @@ CASES = ("0", "1", "2", "4", "image_last", "second_turn")
 
 @pytest.fixture(scope="module")
 def heads(zoo, tmp_path_factory):
-    """Folders of a random MTP head (1 layer) and block drafter (2 layers, block of 4) for the tiny target,
-    and a block drafter that norms each layer it reads on its own (`block_norms`)."""
+    """Folders of a random MTP head (1 layer) and block drafter (2 layers, block of 4) for the tiny target."""
     target = zoo.target(FAMILY)
     root = tmp_path_factory.mktemp("own-drafters")
     torch.manual_seed(0)
     mtp = drafter_heads.MtpHead(drafter_heads.MtpHeadConfig.for_target(target.model.config, num_hidden_layers=1))
     block = drafter_heads.BlockDrafter(drafter_heads.BlockDrafterConfig.for_target(
         target.model.config, num_hidden_layers=2, target_hidden_layers=(1, 2), block_size=4))
-    block_norms = drafter_heads.BlockDrafter(drafter_heads.BlockDrafterConfig.for_target(
-        target.model.config, num_hidden_layers=2, target_hidden_layers=(1, 2), block_size=4,
-        context_norm_per_layer=True))
-    for module in (mtp, block, block_norms):
+    for module in (mtp, block):
         with torch.no_grad():
             for parameter in module.parameters():  # larger than the default init: outputs that vary
                 parameter.add_(torch.randn_like(parameter) * 0.2)
     drafter_heads.save(mtp, str(root / "mtp"))
     drafter_heads.save(block, str(root / "block"))
-    drafter_heads.save(block_norms, str(root / "block_norms"))
-    return {"mtp": str(root / "mtp"), "block": str(root / "block"), "block_norms": str(root / "block_norms")}
+    return {"mtp": str(root / "mtp"), "block": str(root / "block")}
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +212,7 @@ def test_mtp_head_tree_nodes_are_the_top_choices_along_each_path(zoo, drafters, 
                                       mtp_reference_logits)
 
 
-@pytest.mark.parametrize("name", ["mtp", "block", "block_norms"])
+@pytest.mark.parametrize("name", ["mtp", "block"])
 @pytest.mark.parametrize("case", ["0", "2", "second_turn"])
 def test_fast_path_drafts_equal_the_module_forward(zoo, drafters, name, case):
     """Forced drafts through the drafter on the fast path and through its module's forward:

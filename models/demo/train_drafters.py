@@ -377,9 +377,6 @@ def main(argv=None) -> None:
                         help="train on the world's reference answers instead of the target's own")
     parser.add_argument("--block-layers", help="hidden_states indices the block drafter reads "
                                                "(default: a third, two thirds and all of the target's depth)")
-    parser.add_argument("--one-context-norm", action="store_true",
-                        help="the block drafter norms its context rows as one (before 7 December) instead of "
-                             "each layer's on its own (drafter_heads.BlockDrafterConfig.context_norm_per_layer)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -414,7 +411,7 @@ def main(argv=None) -> None:
     if "block" in which:
         modules["block"] = drafter_heads.BlockDrafter(drafter_heads.BlockDrafterConfig.for_target(
             target.config, num_hidden_layers=BLOCK_LAYERS, target_hidden_layers=block_layers, block_size=BLOCK_SIZE,
-            context_norm_per_layer=not args.one_context_norm, **sizes))
+            **sizes))
     for module in modules.values() if vocabulary is not None else ():
         module.draft_ids.copy_(vocabulary)
     layers = (0, -1) + block_layers
