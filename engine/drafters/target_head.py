@@ -54,8 +54,7 @@ def full_vocabulary(draft_logits: torch.Tensor, target_ids: torch.Tensor, vocab_
     """(n, V) logits over the target's vocabulary from (n, D) logits over a draft vocabulary whose
     entry d is target id target_ids[d]; -inf at every other id (never drafted, probability 0)."""
     full = draft_logits.new_full((len(draft_logits), vocab_size), float("-inf"))
-    full[:, target_ids] = draft_logits
-    return full
+    return full.index_copy_(1, target_ids, draft_logits)  # about half index_put's time (full[:, ids] = ...)
 
 
 def module_dtype(target, options: LoadOptions, parameters: int) -> torch.dtype:
