@@ -178,14 +178,18 @@ struct Avx512Lanes {
 constexpr int64_t PREFETCH_BYTES_ROWS = 4096;
 constexpr int64_t PREFETCH_BYTES_ONE_ROW = 8192;
 
-// A pass whose rows of x fit one block of the lanes' `rows` (a decode pass, a verify pass of up to
-// 4 rows with AVX-512) reads its weight one row at a time; a longer one shares each weight load
+// A pass of up to FEW_ROWS rows of x (a decode pass, a verify pass of up to 3 rows) reads its
+// weight one row at a time; a longer one shares each weight load
 // across the lanes' `columns` weight rows. With 4 weight rows in flight a one-row product of the
 // SmolLM2-135M shape's 30 layers streamed 21 GB/s in float32 and 16-17 GB/s in bfloat16 on 2
 // threads; one at a time, 29 and 17-23 GB/s; 2 and 3 rows gained too, 5 and 9 did not
 // (docs/performance.md, "One weight row at a time"). Each output's sum is the same either way, so
 // the bits are too.
 constexpr int FEW_ROWS_COLUMNS = 1;
+// With 4 rows one at a time (one AVX-512 block of rows) a product of the SmolLM2-135M shape's 30
+// layers took 17.0-17.9 ms in float32, against 12.7-13.9 with 3 and 16.4-16.8 with 5, which share
+// each load among 4 weight rows; 4 rows that way: 14.9-15.3 (7 December, a timing loop over `product`).
+constexpr int64_t FEW_ROWS = 3;
 
 // out[r][c] = x row r (in floats) . weight row c (in of W), for R rows and C weight rows.
 template <typename L, int R, int C, typename W>
@@ -278,7 +282,7 @@ static Tensor rows_product_with(const Tensor& x, const Tensor& weight, const c10
                                  bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
                                  reinterpret_cast<T*>(y.data_ptr()), n, in, out};
   const int64_t grain = std::max<int64_t>(1, 4096 / in);
-  if (n <= L::rows) {  // x in one block of rows: one weight row at a time (FEW_ROWS_COLUMNS), the same sums
+  if (n <= FEW_ROWS) {  // a few rows of x: one weight row at a time (FEW_ROWS_COLUMNS), the same sums
     at::parallel_for(0, out, grain, [&](int64_t first, int64_t last) {
       for (int64_t column = first; column < last; ++column) product.template columns<FEW_ROWS_COLUMNS>(column);
     });
