@@ -600,9 +600,7 @@ static void attend_row_lanes(const float* q, const float* k, const float* v, int
                                                         _mm512_loadu_ps(o + 16 * c)));
     }
   }
-  __m512 lanes[16] = {};
-  lanes[0] = totals;
-  const __m512 inverse = _mm512_set1_ps(1.f / _mm512_cvtss_f32(sum_each(lanes)));
+  const __m512 inverse = _mm512_set1_ps(1.f / Avx512Lanes::sum(totals));
   for (int64_t c = 0; c < chunks; ++c)
     _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(in_registers ? out[c] : _mm512_loadu_ps(o + 16 * c), inverse));
 }
