@@ -215,7 +215,8 @@ static inline void columns(const P& product, int64_t n, int64_t column) {
 template <typename P>
 static void each_block(const P& product, int64_t n, int64_t out, int64_t grain) {
   if (n <= 4) {  // one block of rows: one weight row at a time (engine/fast_layer.cpp FEW_ROWS_COLUMNS; up to 4
-    // rows here, where float weights stop at 3: int8 and q4_0 showed no jump at 4 rows, 7 December)
+    // rows here in one block, where float weights take 4 as 2 + 2: int8 and q4_0 showed no jump at 4
+    // rows, 7 December)
     at::parallel_for(0, out, 4 * grain, [&](int64_t first, int64_t last) {
       for (int64_t column = first; column < last; ++column) columns<1>(product, n, column);
     });

@@ -174,11 +174,14 @@ struct Avx512Lanes {
 // weight (576 inputs: 1,152 bytes a row) restarts its streams every few rows; 8 KB ahead took the
 // SmolVLM-256M shape's one-row products from about 7.5 to 10 GB/s on one thread. Beside that,
 // 1 KB left 2 rows at 1.47x one row; 4 KB ahead, 1.08x.
+// A block of C > 1 weight rows reads C streams side by side, so it asks that far ahead of the
+// next block's rows: before, 8 rows of the output head (49,152 x 576, float32) took 6.3-6.7 ms
+// and 4 rows 4.3-4.9; after, 5.0-5.1 and 4.4 (7 December, a timing loop over `product`).
 // It changes no arithmetic: the sums, and so the bits, are the same.
 constexpr int64_t PREFETCH_BYTES_ROWS = 4096;
 constexpr int64_t PREFETCH_BYTES_ONE_ROW = 8192;
 
-// A pass of up to FEW_ROWS rows of x (a decode pass, a verify pass of up to 3 rows) reads its
+// A pass of up to FEW_ROWS rows of x (a decode pass, a verify pass of up to 4 rows) reads its
 // weight one row at a time; a longer one shares each weight load
 // across the lanes' `columns` weight rows. With 4 weight rows in flight a one-row product of the
 // SmolLM2-135M shape's 30 layers streamed 21 GB/s in float32 and 16-17 GB/s in bfloat16 on 2
@@ -186,18 +189,24 @@ constexpr int64_t PREFETCH_BYTES_ONE_ROW = 8192;
 // (docs/performance.md, "One weight row at a time"). Each output's sum is the same either way, so
 // the bits are too.
 constexpr int FEW_ROWS_COLUMNS = 1;
-// With 4 rows one at a time (one AVX-512 block of rows) a product of the SmolLM2-135M shape's 30
+// With 4 rows in one block (one AVX-512 block of rows) a product of the SmolLM2-135M shape's 30
 // layers took 17.0-17.9 ms in float32, against 12.7-13.9 with 3 and 16.4-16.8 with 5, which share
 // each load among 4 weight rows; 4 rows that way: 14.9-15.3 (7 December, a timing loop over `product`).
-constexpr int64_t FEW_ROWS = 3;
+// 4 rows as two blocks of 2 over each weight row (its second read from L1) are as fast as 3: the
+// layers 11.6-12.8 ms against 13.6-15.3 shared, the output head 3.5-4.2 against 4.4-5.1
+// (`columns_few`). 5 rows and more that way were slower than shared.
+constexpr int64_t FEW_ROWS = 4;
 
-// out[r][c] = x row r (in floats) . weight row c (in of W), for R rows and C weight rows.
+// out[r][c] = x row r (in floats) . weight row c (in of W), for R rows and C weight rows. Always
+// inlined: left to itself GCC 12 did not inline the bfloat16 3-row block, and 3 rows of the
+// SmolLM2-135M shape's layers took 11.2-11.8 ms against 7.9-8.7 inlined (6.1-6.8 for 2 rows); the
+// float32 blocks were the same either way (7 December).
 template <typename L, int R, int C, typename W>
-static inline void dot_block_lanes(const float* x, const W* weight, int64_t in, float out[R][C]) {
+__attribute__((always_inline)) static inline void dot_block_lanes(const float* x, const W* weight, int64_t in, float out[R][C]) {
   typename L::V sums[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) sums[r][c] = L::zero();
-  constexpr int64_t ahead = R > 1 ? PREFETCH_BYTES_ROWS : PREFETCH_BYTES_ONE_ROW;
+  const int64_t ahead = (R > 1 ? PREFETCH_BYTES_ROWS : PREFETCH_BYTES_ONE_ROW) + (C > 1 ? C * in * int64_t(sizeof(W)) : 0);
   for (int64_t k = 0; k < in; k += LANES) {
     typename L::V w[C];
     for (int c = 0; c < C; ++c) __builtin_prefetch(reinterpret_cast<const char*>(weight + c * in + k) + ahead, 0, 3);
@@ -258,6 +267,16 @@ struct Product {
   }
 
   template <int C>
+  void columns_few(int64_t column) const {  // every row of up to 4, 3 at a time, 4 as 2 + 2 (FEW_ROWS)
+    switch (n) {
+      case 4: block<2, C>(0, column); block<2, C>(2, column); break;
+      case 3: block<3, C>(0, column); break;
+      case 2: block<2, C>(0, column); break;
+      case 1: block<1, C>(0, column); break;
+    }
+  }
+
+  template <int C>
   void columns(int64_t column) const {  // every row, L::rows (at most 4) at a time
     constexpr int R = L::rows;
     int64_t r = 0;
@@ -284,7 +303,7 @@ static Tensor rows_product_with(const Tensor& x, const Tensor& weight, const c10
   const int64_t grain = std::max<int64_t>(1, 4096 / in);
   if (n <= FEW_ROWS) {  // a few rows of x: one weight row at a time (FEW_ROWS_COLUMNS), the same sums
     at::parallel_for(0, out, grain, [&](int64_t first, int64_t last) {
-      for (int64_t column = first; column < last; ++column) product.template columns<FEW_ROWS_COLUMNS>(column);
+      for (int64_t column = first; column < last; ++column) product.template columns_few<FEW_ROWS_COLUMNS>(column);
     });
     return y;
   }
