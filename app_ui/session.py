@@ -12,8 +12,9 @@ Policies (docs/app.md, "Limits and failures"):
 - A conversation idle for `Visitors`' limit is emptied, or dropped by Gradio's session store;
   its next message is refused once with a message saying so, and the one after starts a new
   conversation.
-- A request runs for at most `time_budget_s` (app_ui/visitors.Limits): then it stops as Stop
-  would, and its answer says "cut at the time budget" (finish reason "time_budget").
+- A request runs for at most `time_budget_s` (app_ui/visitors.Limits) per answer it gives (an A/B
+  gives two): then it stops as Stop would, and its answer says "cut at the time budget" (finish
+  reason "time_budget").
 """
 
 from __future__ import annotations
@@ -104,17 +105,17 @@ class Session:
         """Nothing was ever said in it."""
         return not (self.started or self.turns or self.pending)
 
-    def begin(self, arrived: float) -> threading.Event:
-        """A new stop flag for a request that arrived at `arrived`: already set if Stop was
-        pressed since (while the request waited in the queue), and set when `time_budget_s`
-        runs out (its `reason` is then "time_budget")."""
+    def begin(self, arrived: float, answers: int = 1) -> threading.Event:
+        """A new stop flag for a request that arrived at `arrived` and gives `answers` answers (an
+        A/B two): already set if Stop was pressed since (while the request waited in the queue),
+        and set when `answers` x `time_budget_s` runs out (its `reason` is then "time_budget")."""
         self.stop = threading.Event()
         self.stop.reason = "stopped"
         if self.stopped_at >= arrived:
             self.stop.set()
         self.end_budget()
         if self.time_budget_s:
-            self.budget_timer = threading.Timer(self.time_budget_s, _out_of_time, [self.stop])
+            self.budget_timer = threading.Timer(answers * self.time_budget_s, _out_of_time, [self.stop])
             self.budget_timer.daemon = True
             self.budget_timer.start()
         return self.stop

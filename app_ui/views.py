@@ -324,7 +324,10 @@ def ab_markdown(result: ABResult | None, running: str | None = None, names: tupl
             return f"*Running the {names[AB_SIDES.index(running)]} side…*"
         return f"*Run a turn to compare {names[0]} and {names[1]}{'' if backends else ' decoding'}.*"
     if result.stopped:
-        return "**Stopped** before both sides finished; no speedup or comparison to report."
+        cut = any(side.stats is not None and side.stats.finish_reason == "time_budget"
+                  for side in (result.plain, result.speculative))
+        return (("**Cut at the server's time budget** (an A/B may take twice one answer's)" if cut else "**Stopped**")
+                + " before both sides finished; no speedup or comparison to report.")
     parts = []
     if result.decode_speedup is not None and backends:
         parts.append(f"**{names[1]}: {result.decode_speedup:.2f}×** the decode tokens/s of {names[0]}")

@@ -26,6 +26,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import zlib
 
 import httpx
@@ -446,6 +447,17 @@ def test_an_answer_ends_at_the_time_budget_and_says_so(server, held, monkeypatch
     answer, stats = Client(server.url, verbose=False).predict(message("HOLD, then tell me."), mode="plain",
                                                               max_new_tokens=50, api_name="/chat")
     assert stats["finish_reason"] == "time_budget" and 1 <= stats["new_tokens"] < 50, stats
+
+
+def test_an_ab_may_take_two_answers_time_and_a_cut_says_so(server, held, monkeypatch):
+    monkeypatch.setattr(server.visitors, "limits", dataclasses.replace(LIMITS, time_budget_s=1.0))
+    data = [{"text": "HOLD, then tell me.", "files": []}, None, *[v for name, v in SETTINGS.items() if name != "mode"]]
+    started = time.perf_counter()
+    kind, outputs = page_call(server.url, fn_index(server.demo, "ab_live"), data, "ab-budget")
+    assert kind == "complete", outputs
+    verdict, _, _, table = outputs
+    assert "Cut at the server's time budget" in verdict and "cut at the server's time budget" in str(table), outputs
+    assert time.perf_counter() - started >= 2.0  # the budget of two answers: the plain side was held past one
 
 
 def test_a_stopped_request_leaves_the_queue_at_once(server, held):
