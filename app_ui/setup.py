@@ -151,6 +151,8 @@ def _reader(name: str, wanted: type, meta):
 OTHER_VARIABLES = [("VLM_BACKEND_API_KEY", "the servers' API key (sent to them only)"),
                    ("VLM_NATIVE_LAYER=0", "decode with the Python layers, not the ones compiled from C++ "
                                           "(engine/fast_native.py)"),
+                   ("VLM_HUGE_PAGES=0", "the compiled layers' weights on the default 4 KB pages, not in one "
+                                        "buffer on 2 MB pages (engine/huge_pages.py)"),
                    ("VLM_LLAMACPP_NATIVE=0", "llama.cpp backends run the xllamacpp wheel's server even where "
                                              "llama.cpp was built for this CPU (engine/backends/llamacpp_native.py)"),
                    ("VLM_SPECULATIVE_CHAT_CACHE", "where --preset smol assembles its model (default "

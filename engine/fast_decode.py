@@ -48,13 +48,12 @@ states); its cache is then copied into the static one.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
-from engine import fast_native
+from engine import fast_native, huge_pages
 from engine.huge_pages import HugePageArena
 from engine.quantized import QUANTIZED, Int8Weight, Q4Weight, W8A8Weight, quantized_linear
 from engine.static_cache import StaticKVCache
@@ -160,10 +159,9 @@ def _cat(*tensors):
 
 
 def share(modules: list[torch.nn.Module], input_major: bool, arena: HugePageArena | None = None) -> torch.Tensor:
-    """The modules' weights side by side in one buffer, which each module's weight becomes a view
-    of (same values; the old storage is freed), in `arena` where there is one. Returns it (in, sum
-    out), as `linear` takes it: contiguous where input_major, else the transposed view of a (sum
-    out, in) buffer."""
+    """The modules' weights side by side in one buffer (in `arena` if any), which each module's weight
+    becomes a view of (same values; the old storage is freed). Returns it (in, sum out), as `linear`
+    takes it: contiguous where input_major, else the transposed view of a (sum out, in) buffer."""
     fused = torch.cat([module.weight for module in modules])  # (sum out, in)
     fused = fused.t().contiguous().t() if input_major else fused
     fused = arena.place(fused) if arena is not None and not input_major else fused
@@ -264,10 +262,8 @@ class FastStack:
     the final norm: what the target's forward and the drafter heads share."""
 
     @torch.no_grad()
-    def __init__(self, layers: torch.nn.ModuleList, config, rotary: torch.nn.Module, input_major: bool,
-                 arena: HugePageArena | None = None):
-        """layers: the model's decoder layers (their Linear weights become views of fused buffers,
-        in `arena` where there is one)."""
+    def __init__(self, layers: torch.nn.ModuleList, config, rotary: torch.nn.Module, input_major: bool, arena=None):
+        """layers: the model's decoder layers (their Linear weights become views of fused buffers, in `arena`)."""
         attn = layers[0].self_attn
         self.sizes = Attention(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, attn.scaling,
                                config.rms_norm_eps)
@@ -291,13 +287,6 @@ class FastStack:
                      _cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias),
                      share([attn.o_proj], input_major, arena), attn.o_proj.bias, layer.post_attention_layernorm.weight,
                      share([mlp.gate_proj, mlp.up_proj], input_major, arena), share([mlp.down_proj], input_major, arena))
-
-    @staticmethod
-    def weights(layers: torch.nn.ModuleList) -> list[torch.Tensor]:
-        """The Linear weights `_layer` shares, as they are now."""
-        return [layer.get_submodule(name).weight for layer in layers
-                for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """rms_norm of x (n, H) with this stack's eps: compiled where the stack is (one call,
@@ -360,17 +349,10 @@ class FastDecoder:
         self.final_norm = stack.norm.weight
         self.eps = config.rms_norm_eps
         self.input_major = default_input_major(self.final_norm) if input_major is None else input_major
-        arena = self._arena([*FastStack.weights(stack.layers), self.lm_head.weight])
+        streamed = not self.input_major and fast_native.layer() is not None  # the rows kernel's (out, in) rows
+        arena = huge_pages.arena_for([*huge_pages.linear_weights(stack.layers), self.lm_head.weight]) if streamed else None
         self.stack = FastStack(stack.layers, config, stack.rotary_emb, self.input_major, arena)
         self.head_weight = share([self.lm_head], self.input_major, arena)  # (H, V), or an Int8Weight
-
-    def _arena(self, weights: list[torch.Tensor]) -> HugePageArena | None:
-        """Where the compiled stack streams (out, in) weights on a CPU: one arena on 2 MB pages
-        for the layers' and the output layer's weights (engine/huge_pages.py)."""
-        cpu = all(w.device.type == "cpu" and w.is_floating_point() for w in weights)
-        if not cpu or self.input_major or fast_native.layer() is None or os.environ.get("VLM_HUGE_PAGES") == "0":
-            return None
-        return HugePageArena(HugePageArena.size_of(weights))
 
     @torch.no_grad()
     def quantize(self, quantization: str = "int8") -> None:

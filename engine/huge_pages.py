@@ -11,6 +11,7 @@ streamed 25.0-25.6 GB/s from 4 KB pages and 29.9-32.1 GB/s from 2 MB pages (docs
 from __future__ import annotations
 
 import mmap
+import os
 
 import torch
 
@@ -46,3 +47,18 @@ class HugePageArena:
         slot.copy_(tensor)
         self.used += -(-nbytes // ALIGN) * ALIGN
         return slot
+
+
+def arena_for(weights: list[torch.Tensor]) -> HugePageArena | None:
+    """An arena for `weights` where they are floats in CPU memory, unless VLM_HUGE_PAGES=0."""
+    if os.environ.get("VLM_HUGE_PAGES") == "0" or not all(w.device.type == "cpu" and w.is_floating_point()
+                                                          for w in weights):
+        return None
+    return HugePageArena(HugePageArena.size_of(weights))
+
+
+def linear_weights(layers: torch.nn.ModuleList) -> list[torch.Tensor]:
+    """The Linear weights of decoder layers that engine/fast_decode.py `FastStack` fuses."""
+    return [layer.get_submodule(name).weight for layer in layers
+            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
