@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import dataclasses
 import math
 import os
 import time
@@ -23,11 +22,11 @@ from pydantic import field_validator, model_validator
 from app_ui import queue_rules, views
 from app_ui.components import ab_names
 from app_ui.served import Served, served_of
-from app_ui.session import (Options, Session, Turn, answer, checked, drafter_for, messages_for, new_turn, question_of,
-                            read_message)
+from app_ui.session import (Options, Session, Turn, answer, checked, drafter_for, messages_for, name_budget_stop,
+                            new_turn, question_of, read_message)
 from app_ui.stop_lane import leave_queue
 from app_ui.visitors import Visitors
-from engine.ab import ABProgress, ABResult, Verdict, run_ab
+from engine.ab import ABProgress, run_ab
 from engine.backend import Backend
 from engine.engine import Engine, RequestError
 from engine.images import ImageError, load_image
@@ -285,24 +284,15 @@ def _ab_events(served: Served, message_value, session: Session, options: Options
     try:
         for event in run_ab(served.backend, messages, drafter, options.sampling(), options.decode(), stop,
                             options.max_image_tokens, against=ab_backend):
-            if not isinstance(event, ABProgress) and event.stopped and getattr(stop, "reason", None) == "time_budget":
-                event = out_of_time(event)
+            if not isinstance(event, ABProgress) and event.stopped:  # ab_markdown says why
+                for side in (event.plain, event.speculative):
+                    name_budget_stop(side.stats, stop)
             if not isinstance(event, ABProgress) and not event.stopped and event.plain.stats.speed_measured:
                 session.plain_tok_s, session.plain_question = event.plain.stats.decode_tok_s, question_of(turn)
             yield event
     finally:
         session.running = False
         session.end_budget()
-
-
-def out_of_time(result: ABResult) -> ABResult:
-    """An A/B the time budget cut: its unfinished sides end "time_budget", and the verdict says so."""
-    for side in (result.plain, result.speculative):
-        if side.stats is not None and side.stats.finish_reason == "stopped":
-            side.stats.finish_reason = "time_budget"
-    verdict = Verdict("Cut at the server's time budget (twice one answer's) before both sides finished: "
-                      "no speedup or comparison to report")
-    return dataclasses.replace(result, verdict=verdict)
 
 
 def ab_live(served: Served, message_value, session: Session, options: Options, arrived: float,

@@ -315,8 +315,7 @@ def answer(engine: Engine | Served, session: Session, turn: Turn, options: Optio
 def record(session: Session, turn: Turn, side: Side, history: list[Turn]) -> None:
     stats = side.stats
     session.end_budget()
-    if stats.finish_reason == "stopped" and getattr(session.stop, "reason", None) == "time_budget":
-        stats.finish_reason = "time_budget"
+    name_budget_stop(stats, session.stop)
     if stats.mode == "plain" and stats.finish_reason != "stopped" and stats.speed_measured:
         session.plain_tok_s, session.plain_question = stats.decode_tok_s, question_of(turn)
     turn.answer, turn.stats = side.text, stats
@@ -326,6 +325,12 @@ def record(session: Session, turn: Turn, side: Side, history: list[Turn]) -> Non
 def question_of(turn: Turn) -> tuple:
     """What makes two turns the same question: the text and the files' names."""
     return turn.text, tuple(os.path.basename(path) for path in turn.files)
+
+
+def name_budget_stop(stats, stop: threading.Event) -> None:
+    """An answer (Stats, or None if it never started) that the time budget stopped ends "time_budget", not "stopped"."""
+    if stats is not None and stats.finish_reason == "stopped" and getattr(stop, "reason", None) == "time_budget":
+        stats.finish_reason = "time_budget"
 
 
 def _out_of_time(stop: threading.Event) -> None:

@@ -54,7 +54,6 @@ import torch
 import torch.nn.functional as F
 
 from engine import fast_native, huge_pages
-from engine.huge_pages import HugePageArena
 from engine.quantized import QUANTIZED, Int8Weight, Q4Weight, W8A8Weight, quantized_linear
 from engine.static_cache import StaticKVCache
 from models.families import fast_text_types
@@ -158,7 +157,7 @@ def _cat(*tensors):
     return None if tensors[0] is None else torch.cat(tensors)
 
 
-def share(modules: list[torch.nn.Module], input_major: bool, arena: HugePageArena | None = None) -> torch.Tensor:
+def share(modules: list[torch.nn.Module], input_major: bool, arena: huge_pages.HugePageArena | None = None):
     """The modules' weights side by side in one buffer (in `arena` if any), which each module's weight
     becomes a view of (same values; the old storage is freed). Returns it (in, sum out), as `linear`
     takes it: contiguous where input_major, else the transposed view of a (sum out, in) buffer."""
@@ -280,7 +279,7 @@ class FastStack:
         self.layer_fn = decoder_layer  # the Python layer (measure/layer_costs.py times variants of it)
 
     @staticmethod
-    def _layer(layer, input_major: bool, arena: HugePageArena | None) -> Layer:
+    def _layer(layer, input_major: bool, arena: huge_pages.HugePageArena | None) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
         return Layer(layer.input_layernorm.weight,
                      share([attn.q_proj, attn.k_proj, attn.v_proj], input_major, arena),
@@ -350,7 +349,7 @@ class FastDecoder:
         self.eps = config.rms_norm_eps
         self.input_major = default_input_major(self.final_norm) if input_major is None else input_major
         streamed = not self.input_major and fast_native.layer() is not None  # the rows kernel's (out, in) rows
-        arena = huge_pages.arena_for([*huge_pages.linear_weights(stack.layers), self.lm_head.weight]) if streamed else None
+        arena = huge_pages.arena_for(stack.layers, self.lm_head.weight) if streamed else None
         self.stack = FastStack(stack.layers, config, stack.rotary_emb, self.input_major, arena)
         self.head_weight = share([self.lm_head], self.input_major, arena)  # (H, V), or an Int8Weight
 

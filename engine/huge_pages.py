@@ -42,23 +42,23 @@ class HugePageArena:
         """A contiguous copy of `tensor` in the arena (same shape, dtype and values)."""
         nbytes = tensor.numel() * tensor.element_size()
         if self.used + nbytes > self.buffer.numel():
-            raise ValueError(f"HugePageArena: {nbytes} bytes more do not fit ({self.used} of {self.buffer.numel()} used)")
+            raise ValueError(f"HugePageArena: {nbytes} bytes more do not fit "
+                             f"({self.used} of {self.buffer.numel()} used)")
         slot = self.buffer[self.used:self.used + nbytes].view(tensor.dtype).view(tensor.shape)
         slot.copy_(tensor)
         self.used += -(-nbytes // ALIGN) * ALIGN
         return slot
 
 
-def arena_for(weights: list[torch.Tensor]) -> HugePageArena | None:
-    """An arena for `weights` where they are floats in CPU memory, unless VLM_HUGE_PAGES=0."""
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # what engine/fast_decode.py `FastStack` fuses
+
+
+def arena_for(layers: torch.nn.ModuleList, head: torch.Tensor) -> HugePageArena | None:
+    """An arena for decoder layers' Linear weights and the output layer's `head`, where they are
+    floats in CPU memory, unless VLM_HUGE_PAGES=0."""
+    weights = [layer.get_submodule(name).weight for layer in layers for name in LINEARS] + [head]
     if os.environ.get("VLM_HUGE_PAGES") == "0" or not all(w.device.type == "cpu" and w.is_floating_point()
                                                           for w in weights):
         return None
     return HugePageArena(HugePageArena.size_of(weights))
-
-
-def linear_weights(layers: torch.nn.ModuleList) -> list[torch.Tensor]:
-    """The Linear weights of decoder layers that engine/fast_decode.py `FastStack` fuses."""
-    return [layer.get_submodule(name).weight for layer in layers
-            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
