@@ -153,6 +153,8 @@ OTHER_VARIABLES = [("VLM_BACKEND_API_KEY", "the servers' API key (sent to them o
                                           "(engine/fast_native.py)"),
                    ("VLM_HUGE_PAGES=0", "the compiled layers' weights on the default 4 KB pages, not in one "
                                         "buffer on 2 MB pages (engine/huge_pages.py)"),
+                   ("VLM_PACKED_WEIGHTS=0", "float32 weights that came from a GGUF file's 4-bit or 8-bit blocks "
+                                            "read as float32, not from those blocks (engine/packed.py; same answers)"),
                    ("VLM_LLAMACPP_NATIVE=0", "llama.cpp backends run the xllamacpp wheel's server even where "
                                              "llama.cpp was built for this CPU (engine/backends/llamacpp_native.py)"),
                    ("VLM_SPECULATIVE_CHAT_CACHE", "where --preset smol assembles its model (default "

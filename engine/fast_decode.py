@@ -20,11 +20,11 @@ fewer operations, over a StaticKVCache (engine/static_cache.py):
   16-bit weights the scale is applied after the cast back, as transformers does);
 - a pass writes its K/V into the cache's slots; attention reads slots 0 .. length - 1; for 16-bit
   weights on a CPU the cache and attention are float32 (`attention_dtype`);
-- with `--quantization int8` (`quantize`), the products and the output layer read int8
-  weights with per-row scales (engine/quantized.py, `Int8Weight`; the compiled rows kernel, or
-  torch's `_weight_int8pack_mm`): half the bytes; with `w8a8` the activations become int8 too
-  before each product (`W8A8Weight`: integer sums, VNNI in the compiled kernel); with `q4_0`
-  llama.cpp's Q4_0 weights (`Q4Weight`, engine/fast_q4.h) times the same int8 rows.
+- with `--quantization int8` (`quantize`), the products and the output layer read int8 weights
+  with per-row scales (engine/quantized.py `Int8Weight`): half the bytes; `w8a8` makes the
+  activations int8 too (`W8A8Weight`: VNNI), `q4_0` reads llama.cpp's Q4_0 (`Q4Weight`);
+- float32 weights that a GGUF file's Q4_1 / Q8_0 blocks gave are read from those blocks by the
+  compiled stack (engine/packed.py `PackedWeight`: the same bits, a fifth of the bytes).
 
 On a CPU the whole stack runs compiled where the machine can build it (engine/fast_native.py,
 engine/fast_layer.cpp: one call a pass; ATen's matrix products with the rest as loops, the same
@@ -48,13 +48,13 @@ states); its cache is then copied into the static one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
 
-from engine import fast_native, huge_pages
-from engine.quantized import QUANTIZED, Int8Weight, Q4Weight, W8A8Weight, quantized_linear
+from engine import fast_native, huge_pages, packed
+from engine.quantized import QUANTIZED, Int8Weight, Q4Weight, native_weight, quantized_linear
 from engine.static_cache import StaticKVCache
 from models.families import fast_text_types
 
@@ -101,7 +101,7 @@ def stack_unsupported(config, layers: torch.nn.ModuleList, rotary: torch.nn.Modu
 class Layer:
     """One decoder layer's weights: the fused products' weights are (in, out), what `linear`
     multiplies x (n, in) by (a transposed view where the buffer is nn.Linear's (out, in)), or
-    Int8Weight."""
+    engine/quantized.py's and engine/packed.py's kinds."""
 
     input_norm: torch.Tensor  # (H,)
     qkv_weight: torch.Tensor  # (H, (heads + 2 kv_heads) * D)
@@ -124,25 +124,17 @@ class Attention:
     eps: float  # the RMSNorms'
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Q4Weight,
+PRODUCTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # a Layer's products' weights
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Q4Weight | packed.PackedWeight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (n, in) times a weight (in, out) (plus bias): F.linear(x, weight.t(), bias) in the one
     matrix-product call F.linear would make (same kernel, same result), without its wrappers."""
+    weight = packed.values(weight)  # a PackedWeight's float32 values
     if isinstance(weight, (Int8Weight, Q4Weight)):
         return quantized_linear(x, weight, bias)
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
-
-
-def native_weight(native, weight: torch.Tensor | Int8Weight | Q4Weight):
-    """A product's weight as the compiled stack takes it (native.Weight): (in, out) values, and
-    the int8 scales of an Int8Weight (and a W8A8Weight's sums: int8 activations); a Q4Weight's
-    codes and block scales."""
-    if isinstance(weight, Q4Weight):
-        return native.Weight(weight.codes, weight.scales)
-    if isinstance(weight, Int8Weight):
-        sums = weight.sums if isinstance(weight, W8A8Weight) else None
-        return native.Weight(weight.values.t(), weight.scales, sums)
-    return native.Weight(weight)
 
 
 def native_layer(native, layer: Layer):
@@ -151,10 +143,6 @@ def native_layer(native, layer: Layer):
     values = {f.name: getattr(layer, f.name) for f in fields(Layer)}
     return native.Layer(**{name: native_weight(native, value) if name.endswith("_weight") else value
                            for name, value in values.items()})
-
-
-def _cat(*tensors):
-    return None if tensors[0] is None else torch.cat(tensors)
 
 
 def share(modules: list[torch.nn.Module], input_major: bool, arena: huge_pages.HugePageArena | None = None):
@@ -281,9 +269,9 @@ class FastStack:
     @staticmethod
     def _layer(layer, input_major: bool, arena: huge_pages.HugePageArena | None) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
+        qkv_bias = None if attn.q_proj.bias is None else torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
         return Layer(layer.input_layernorm.weight,
-                     share([attn.q_proj, attn.k_proj, attn.v_proj], input_major, arena),
-                     _cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias),
+                     share([attn.q_proj, attn.k_proj, attn.v_proj], input_major, arena), qkv_bias,
                      share([attn.o_proj], input_major, arena), attn.o_proj.bias, layer.post_attention_layernorm.weight,
                      share([mlp.gate_proj, mlp.up_proj], input_major, arena), share([mlp.down_proj], input_major, arena))
 
@@ -352,6 +340,13 @@ class FastDecoder:
         arena = huge_pages.arena_for(stack.layers, self.lm_head.weight) if streamed else None
         self.stack = FastStack(stack.layers, config, stack.rotary_emb, self.input_major, arena)
         self.head_weight = share([self.lm_head], self.input_major, arena)  # (H, V), or an Int8Weight
+        self.packed_bytes = self.pack() if streamed and self.stack.native is not None and packed.enabled() else 0
+
+    @torch.no_grad()
+    def pack(self) -> int:
+        """Passes read float32 weights from the GGUF blocks they came from (engine/packed.py); their bytes."""
+        self._convert(lambda weight: packed.pack(weight) or weight)
+        return packed.place([w for w in self.weights() if isinstance(w, packed.PackedWeight)])
 
     @torch.no_grad()
     def quantize(self, quantization: str = "int8") -> None:
@@ -359,12 +354,16 @@ class FastDecoder:
         weights (engine/quantized.py: `int8`; with int8 activations too, `w8a8`; llama.cpp's Q4_0
         weights times int8 activations, `q4_0`); the model's own weights stay for prefill
         (transformers' forward)."""
-        kind = QUANTIZED[quantization]
-        self.stack.layers = [Layer(layer.input_norm, kind.quantize(layer.qkv_weight), layer.qkv_bias,
-                                   kind.quantize(layer.o_weight), layer.o_bias, layer.post_norm,
-                                   kind.quantize(layer.gate_up_weight), kind.quantize(layer.down_weight))
+        self._convert(lambda weight: QUANTIZED[quantization].quantize(packed.values(weight)))
+        self.packed_bytes = 0
+
+    def weights(self) -> list:  # every product's weight: the layers' (PRODUCTS each), then the output layer's
+        return [getattr(layer, name) for layer in self.stack.layers for name in PRODUCTS] + [self.head_weight]
+
+    def _convert(self, convert) -> None:  # under no_grad: from __init__, pack or quantize
+        self.stack.layers = [replace(layer, **{name: convert(getattr(layer, name)) for name in PRODUCTS})
                              for layer in self.stack.layers]
-        self.head_weight = kind.quantize(self.head_weight)
+        self.head_weight = convert(self.head_weight)
 
     def forward(self, cache: StaticKVCache, token_ids: list[int], positions: torch.Tensor | range,
                 attention_mask: torch.Tensor | None, num_logits: int,

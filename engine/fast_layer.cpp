@@ -92,6 +92,49 @@ static inline float to_float(at::BFloat16 value) {  // its bits in the high half
   return result;
 }
 
+// Weights kept in ggml's blocks (engine/packed.py): 32 inputs a block, their values exactly as
+// gguf-py's dequantize makes them in float32, so a product over blocks gives the bits of the same
+// product over those float32 values (every load below yields the same 16 floats, then the same
+// multiply-adds in the same order), from a fifth (Q4_1) or a quarter (Q8_0) of the bytes.
+struct BlockQ4_1 {  // block_q4_1: value i = float(d) * q_i + float(m) (two roundings), q_i in 0 .. 15
+  at::Half d, m;
+  uint8_t qs[16];  // q_i in the low 4 bits of byte i, q_(16 + i) in its high 4 bits
+};
+struct BlockQ8_0 {  // block_q8_0: value i = float(d) * q_i, q_i in -128 .. 127
+  at::Half d;
+  int8_t qs[32];
+};
+static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "ggml's block sizes");
+template <typename W> constexpr bool is_block = std::is_same_v<W, BlockQ4_1> || std::is_same_v<W, BlockQ8_0>;
+
+// Where input k of a weight row starts, and the bytes of a row of `in` inputs, for each storage.
+template <typename W>
+static inline const W* row_of(const W* weight, int64_t row, int64_t in) {
+  return weight + row * (is_block<W> ? in / 32 : in);
+}
+template <typename W>
+static inline const char* address(const W* row, int64_t k) {
+  return reinterpret_cast<const char*>(is_block<W> ? row + k / 32 : row + k);
+}
+template <typename W>
+static inline int64_t row_bytes(int64_t in) { return (is_block<W> ? in / 32 : in) * int64_t(sizeof(W)); }
+
+// The 16 values of inputs k .. k + 15 (k a multiple of 16) of a block row, as floats, for the portable lanes.
+static inline void block_values(const BlockQ4_1* row, int64_t k, float out[16]) {
+  const BlockQ4_1& b = row[k / 32];
+  const float d = static_cast<float>(b.d), m = static_cast<float>(b.m);
+  const int shift = (k / 16) % 2 ? 4 : 0;
+  for (int i = 0; i < 16; ++i) {
+    const float scaled = d * static_cast<float>((b.qs[i] >> shift) & 15);
+    out[i] = scaled + m;
+  }
+}
+static inline void block_values(const BlockQ8_0* row, int64_t k, float out[16]) {
+  const BlockQ8_0& b = row[k / 32];
+  const float d = static_cast<float>(b.d);
+  for (int i = 0; i < 16; ++i) out[i] = d * static_cast<float>(b.qs[(k % 32) + i]);
+}
+
 // Each kind of lanes: its name, the block of rows x columns its registers hold, sum (halves added
 // pairwise: 8 + 8, 4 + 4, 2 + 2, 1 + 1) and, for the intrinsics, V (16 floats), zero, load (16
 // values of a weight or x, as floats) and fma (a * b + c, one rounding). The portable lanes are
@@ -128,6 +171,23 @@ struct Avx2Lanes {
     return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
   }
+  static V load(const BlockQ4_1* row, int64_t k) {
+    const BlockQ4_1& b = row[k / 32];
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
+    const __m128i codes = (k / 16) % 2 ? _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15))
+                                       : _mm_and_si128(bytes, _mm_set1_epi8(15));
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(b.d.x)), m = _mm256_set1_ps(_cvtsh_ss(b.m.x));
+    const __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+    const __m256 high = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
+    return {_mm256_add_ps(_mm256_mul_ps(low, d), m), _mm256_add_ps(_mm256_mul_ps(high, d), m)};
+  }
+  static V load(const BlockQ8_0* row, int64_t k) {
+    const BlockQ8_0& b = row[k / 32];
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + k % 32));
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(b.d.x));
+    return {_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d),
+            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))), d)};
+  }
   static V fma(V a, V b, V c) {
     return {_mm256_fmadd_ps(a.low, b.low, c.low), _mm256_fmadd_ps(a.high, b.high, c.high)};
   }
@@ -155,6 +215,30 @@ struct Avx512Lanes {
   static V load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static V load(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V load(const BlockQ4_1* row, int64_t k) {
+    const BlockQ4_1& b = row[k / 32];
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs)));
+    const __m512i codes = (k / 16) % 2 ? _mm512_srli_epi32(bytes, 4) : _mm512_and_si512(bytes, _mm512_set1_epi32(15));
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(codes), _mm512_set1_ps(_cvtsh_ss(b.d.x))),
+                         _mm512_set1_ps(_cvtsh_ss(b.m.x)));
+  }
+  static V load(const BlockQ8_0* row, int64_t k) {
+    const BlockQ8_0& b = row[k / 32];
+    const __m512i codes = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + k % 32)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(codes), _mm512_set1_ps(_cvtsh_ss(b.d.x)));
+  }
+  static void load_block(const BlockQ4_1& b, V& first, V& second) {  // inputs 0 .. 15 and 16 .. 31
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs)));
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(b.d.x)), m = _mm512_set1_ps(_cvtsh_ss(b.m.x));
+    first = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), d), m);
+    second = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d), m);
+  }
+  static void load_block(const BlockQ8_0& b, V& first, V& second) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs));
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(b.d.x));
+    first = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes))), d);
+    second = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1))), d);
   }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(V v) {
@@ -196,6 +280,9 @@ constexpr int FEW_ROWS_COLUMNS = 1;
 // layers 11.6-12.8 ms against 13.6-15.3 shared, the output head 3.5-4.2 against 4.4-5.1
 // (`columns_few`). 5 rows and more that way were slower than shared.
 constexpr int64_t FEW_ROWS = 4;
+// Weights in blocks (engine/packed.py) are made into floats once per weight row for this many rows
+// of x: the conversion, not the memory, is most of such a product's time.
+constexpr int BLOCKS_ROWS = 8;
 
 // out[r][c] = x row r (in floats) . weight row c (in of W), for R rows and C weight rows. Always
 // inlined: with GCC 12's own choice, 3 rows of the SmolLM2-135M shape's layers in bfloat16 took
@@ -206,11 +293,14 @@ __attribute__((always_inline)) static inline void dot_block_lanes(const float* x
   typename L::V sums[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) sums[r][c] = L::zero();
-  const int64_t ahead = (R > 1 ? PREFETCH_BYTES_ROWS : PREFETCH_BYTES_ONE_ROW) + (C > 1 ? C * in * int64_t(sizeof(W)) : 0);
+  const int64_t ahead = (R > 1 ? PREFETCH_BYTES_ROWS : PREFETCH_BYTES_ONE_ROW) + (C > 1 ? C * row_bytes<W>(in) : 0);
   for (int64_t k = 0; k < in; k += LANES) {
     typename L::V w[C];
-    for (int c = 0; c < C; ++c) __builtin_prefetch(reinterpret_cast<const char*>(weight + c * in + k) + ahead, 0, 3);
-    for (int c = 0; c < C; ++c) w[c] = L::load(weight + c * in + k);
+    for (int c = 0; c < C; ++c) __builtin_prefetch(address(row_of(weight, c, in), k) + ahead, 0, 3);
+    for (int c = 0; c < C; ++c) {
+      if constexpr (is_block<W>) w[c] = L::load(row_of(weight, c, in), k);
+      else w[c] = L::load(weight + c * in + k);
+    }
     for (int r = 0; r < R; ++r) {
       const typename L::V xs = L::load(x + r * in + k);
       for (int c = 0; c < C; ++c) sums[r][c] = L::fma(xs, w[c], sums[r][c]);
@@ -218,6 +308,43 @@ __attribute__((always_inline)) static inline void dot_block_lanes(const float* x
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) out[r][c] = L::sum(sums[r][c]);
+}
+
+// The 32 values of one block as two lanes' loads: one read of its bytes and scales where the lanes
+// have `load_block` (AVX-512), else two `load`s.
+template <typename L, typename W, typename = void>
+struct has_load_block : std::false_type {};
+template <typename L, typename W>
+struct has_load_block<L, W, std::void_t<decltype(L::load_block(std::declval<const W&>(), std::declval<typename L::V&>(),
+                                                               std::declval<typename L::V&>()))>> : std::true_type {};
+
+template <typename L, typename W>
+__attribute__((always_inline)) static inline void block_pair(const W* row, int64_t k, typename L::V& first,
+                                                             typename L::V& second) {
+  if constexpr (has_load_block<L, W>::value) {
+    L::load_block(row[k / 32], first, second);
+  } else {
+    first = L::load(row, k), second = L::load(row, k + 16);
+  }
+}
+
+// dot_block_lanes for weights in blocks: R rows of x against one weight row, a block (32 inputs,
+// two steps of 16 lanes) at a time, its values made once for all R rows. The multiply-adds are
+// dot_block_lanes' in the same order, so the sums are the same.
+template <typename L, int R, typename W>
+__attribute__((always_inline)) static inline void dot_rows_blocks(const float* x, const W* row, int64_t in,
+                                                                   float out[R][1]) {
+  typename L::V sums[R];
+  for (int r = 0; r < R; ++r) sums[r] = L::zero();
+  const int64_t ahead = R > 1 ? PREFETCH_BYTES_ROWS : PREFETCH_BYTES_ONE_ROW;
+  for (int64_t k = 0; k < in; k += 32) {
+    __builtin_prefetch(address(row, k) + ahead, 0, 3);
+    typename L::V first, second;
+    block_pair<L>(row, k, first, second);
+    for (int r = 0; r < R; ++r) sums[r] = L::fma(L::load(x + r * in + k), first, sums[r]);
+    for (int r = 0; r < R; ++r) sums[r] = L::fma(L::load(x + r * in + k + 16), second, sums[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r][0] = L::sum(sums[r]);
 }
 
 // dot_block_lanes, for the portable lanes the same loops over float arrays, written out for the
@@ -228,9 +355,14 @@ static inline void dot_block(const float* x, const W* weight, int64_t in, float 
     float sums[R][C][LANES] = {};
     for (int64_t k = 0; k < in; k += LANES) {
       float w[C][LANES];
-      for (int c = 0; c < C; ++c)
+      for (int c = 0; c < C; ++c) {
+        if constexpr (is_block<W>) {
+          block_values(row_of(weight, c, in), k, w[c]);
+        } else {
 #pragma omp simd
-        for (int i = 0; i < LANES; ++i) w[c][i] = to_float(weight[c * in + k + i]);
+          for (int i = 0; i < LANES; ++i) w[c][i] = to_float(weight[c * in + k + i]);
+        }
+      }
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c)
 #pragma omp simd
@@ -238,6 +370,8 @@ static inline void dot_block(const float* x, const W* weight, int64_t in, float 
     }
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) out[r][c] = PortableLanes::sum(sums[r][c]);
+  } else if constexpr (is_block<W> && C == 1) {
+    dot_rows_blocks<L, R, W>(x, weight, in, out);
   } else {
     dot_block_lanes<L, R, C, W>(x, weight, in, out);
   }
@@ -257,7 +391,7 @@ struct Product {
   template <int R, int C>
   void block(int64_t first, int64_t column) const {
     float sums[R][C];
-    dot_block<L, R, C, W>(x + first * in, weight + column * in, in, sums);
+    dot_block<L, R, C, W>(x + first * in, row_of(weight, column, in), in, sums);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) {
         const float scaled = scales ? sums[r][c] * static_cast<float>(scales[column + c]) : sums[r][c];
@@ -273,6 +407,20 @@ struct Product {
       case 3: block<3, C>(0, column); break;
       case 2: block<2, C>(0, column); break;
       case 1: block<1, C>(0, column); break;
+    }
+  }
+
+  void columns_blocks(int64_t column) const {  // weights in blocks: every row, up to BLOCKS_ROWS at a time
+    int64_t r = 0;
+    for (; r + BLOCKS_ROWS <= n; r += BLOCKS_ROWS) block<BLOCKS_ROWS, 1>(r, column);
+    switch (n - r) {
+      case 7: block<7, 1>(r, column); break;
+      case 6: block<6, 1>(r, column); break;
+      case 5: block<5, 1>(r, column); break;
+      case 4: block<4, 1>(r, column); break;
+      case 3: block<3, 1>(r, column); break;
+      case 2: block<2, 1>(r, column); break;
+      case 1: block<1, 1>(r, column); break;
     }
   }
 
@@ -301,6 +449,12 @@ static Tensor rows_product_with(const Tensor& x, const Tensor& weight, const c10
                                  bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
                                  reinterpret_cast<T*>(y.data_ptr()), n, in, out};
   const int64_t grain = std::max<int64_t>(1, 4096 / in);
+  if constexpr (is_block<W>) {  // one weight row at a time, its blocks' values made once for up to 8 rows
+    at::parallel_for(0, out, grain, [&](int64_t first, int64_t last) {
+      for (int64_t column = first; column < last; ++column) product.columns_blocks(column);
+    });
+    return y;
+  }
   if (n <= FEW_ROWS) {  // a few rows of x: one weight row at a time (FEW_ROWS_COLUMNS), the same sums
     at::parallel_for(0, out, grain, [&](int64_t first, int64_t last) {
       for (int64_t column = first; column < last; ++column) product.template columns_few<FEW_ROWS_COLUMNS>(column);
@@ -385,15 +539,29 @@ static Tensor q4_product(const Tensor& x, const Tensor& codes, const c10::option
   }
 }
 
+// x (n, in) float32 times a weight in ggml's blocks, (out, in / 32, 20) bytes of BlockQ4_1 or
+// (out, in / 32, 34) of BlockQ8_0 (engine/packed.py's PackedWeight), plus bias: the rows kernel, any
+// number of rows (each row's sums are the same whatever the rows beside it).
+static Tensor blocks_product(const Tensor& x, const Tensor& blocks, const c10::optional<Tensor>& bias) {
+  const int64_t bytes = blocks.size(2);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && (bytes == 20 || bytes == 34) &&
+                  x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == 32 * blocks.size(1) &&
+                  plain(bias, at::kFloat),
+              "blocks take float32 x (n, in) and (out, in / 32, 20) Q4_1 or (out, in / 32, 34) Q8_0 uint8 blocks");
+  if (bytes == 20) return rows_product<float, BlockQ4_1>(x, blocks, c10::nullopt, bias);
+  return rows_product<float, BlockQ8_0>(x, blocks, c10::nullopt, bias);
+}
+
 // x (n, in) times weight (in, out) (float, or int8 with scales (out,): fast_decode.Int8Weight's
 // values transposed), plus bias: the rows kernel where it applies (the weight a transposed view of
-// an (out, in) buffer, fast_decode.default_input_major), else ATen's.
+// an (out, in) buffer, fast_decode.default_input_major), else ATen's; or ggml blocks (blocks_product).
 static Tensor product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias,
                       const c10::optional<Tensor>& scales = c10::nullopt,
                       const c10::optional<Tensor>& sums = c10::nullopt) {
   const int64_t in = weight.size(0);
   const auto type = x.scalar_type();
   if (sums.has_value()) return int8_activations_product(x, weight, bias, scales, *sums);
+  if (weight.dim() == 3) return blocks_product(x, weight, bias);
   if (weight.scalar_type() == at::kByte) return q4_product(x, weight, bias, scales);
   if (x.size(0) <= ROWS_KERNEL_MAX && in % 16 == 0 && weight.stride(0) == 1 && weight.stride(1) == in &&
       plain(bias, type) && plain(scales, type) && scales.has_value() == (weight.scalar_type() == at::kChar) &&
@@ -434,7 +602,7 @@ void use_rows_kernel(const std::string& name) {
 // (engine/quantized.py's Int8Weight transposed) with their per-output scales (out,), and for int8
 // activations (W8A8Weight) the values' row sums; or Q4Weight's codes and block scales.
 struct Weight {
-  Tensor values;  // (in, out), a transposed view of an (out, in) buffer for the rows kernel; q4_0: codes
+  Tensor values;  // (in, out), a transposed view of an (out, in) buffer for the rows kernel; q4_0: codes; or ggml blocks (out, in / 32, bytes)
   c10::optional<Tensor> scales;  // (out,) for int8 values; q4_0: (out, blocks) float16; else none
   c10::optional<Tensor> sums;  // (out,) int32 for int8 activations, else none
 };

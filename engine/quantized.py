@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.packed import PackedWeight
+
 QUANTIZE_ROWS = 4096  # rows of a weight quantized at once (a 2048-wide block: 32 MB of float32)
 
 
@@ -187,3 +189,17 @@ def quantized_linear(x: torch.Tensor, weight: Int8Weight | Q4Weight, bias: torch
 
 
 QUANTIZED = {"int8": Int8Weight, "w8a8": W8A8Weight, "q4_0": Q4Weight}  # --quantization: the fast path's weights
+
+
+def native_weight(native, weight):
+    """A product's weight as the compiled stack takes it (native.Weight): (in, out) values, and
+    the int8 scales of an Int8Weight (and a W8A8Weight's sums: int8 activations); a Q4Weight's
+    codes and block scales; a PackedWeight's blocks."""
+    if isinstance(weight, PackedWeight):
+        return native.Weight(weight.blocks)
+    if isinstance(weight, Q4Weight):
+        return native.Weight(weight.codes, weight.scales)
+    if isinstance(weight, Int8Weight):
+        sums = weight.sums if isinstance(weight, W8A8Weight) else None
+        return native.Weight(weight.values.t(), weight.scales, sums)
+    return native.Weight(weight)

@@ -245,8 +245,10 @@ def weight_bytes(target) -> int:
     """Bytes of the weights a decode step of this engine uses: the language model's parameters and
     its output layer (not the vision tower and connector: they run at prefill only), each product
     that the fast path reads quantized (`--quantization int8|w8a8|q4_0`: engine/quantized.py,
-    Int8Weight, W8A8Weight, Q4Weight) counted at its stored size (values or codes, scales, sums).
+    Int8Weight, W8A8Weight, Q4Weight) counted at its stored size (values or codes, scales, sums), and
+    each it reads from GGUF blocks (engine/packed.py, PackedWeight) at the blocks' size.
     Like gguf_weight_bytes, the whole embedding counts (a step reads one row of it: bytes_read)."""
+    from engine.packed import PackedWeight
     from engine.quantized import Int8Weight, Q4Weight
 
     decoder = list(target.model.get_decoder().parameters())  # the vision tower and connector run at prefill only
@@ -263,7 +265,9 @@ def weight_bytes(target) -> int:
                       for w in quantized) * size
     stored = sum(t.numel() * t.element_size() for w in quantized for t in vars(w).values()
                  if isinstance(t, torch.Tensor))
-    return total - unquantized + stored
+    blocks = [w for w in products if isinstance(w, PackedWeight)]
+    unpacked = sum(w.weight.numel() * w.weight.element_size() for w in blocks)
+    return total - unquantized + stored - unpacked + sum(w.nbytes for w in blocks)
 
 
 def bytes_read(target) -> int:
