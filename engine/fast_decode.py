@@ -131,6 +131,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Q4Weight | packe
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (n, in) times a weight (in, out) (plus bias): F.linear(x, weight.t(), bias) in the one
     matrix-product call F.linear would make (same kernel, same result), without its wrappers."""
+    if isinstance(weight, packed.Adapted):
+        return linear(x, weight.base, bias) + linear(linear(x, weight.down), weight.up)
     weight = packed.values(weight)  # a PackedWeight's float32 values
     if isinstance(weight, (Int8Weight, Q4Weight)):
         return quantized_linear(x, weight, bias)

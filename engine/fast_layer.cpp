@@ -605,11 +605,16 @@ struct Weight {
   Tensor values;  // (in, out), a transposed view of an (out, in) buffer for the rows kernel; q4_0: codes; or ggml blocks (out, in / 32, bytes)
   c10::optional<Tensor> scales;  // (out,) for int8 values; q4_0: (out, blocks) float16; else none
   c10::optional<Tensor> sums;  // (out,) int32 for int8 activations, else none
+  c10::optional<Tensor> down;  // a low-rank update's (in, rank) float32, a transposed view of (rank, in); or none
+  c10::optional<Tensor> up;  // its (rank, out), a transposed view of (out, rank)
 };
 
 // fast_decode.linear: x (n, in) times weight, plus bias.
 static Tensor linear(const Tensor& x, const Weight& weight, const c10::optional<Tensor>& bias) {
-  return product(x, weight.values, bias, weight.scales, weight.sums);
+  Tensor y = product(x, weight.values, bias, weight.scales, weight.sums);
+  if (weight.down.has_value())  // plus (x down) up: two more products of the rows kernel, row by row
+    y.add_(product(product(x, *weight.down, c10::nullopt), *weight.up, c10::nullopt));
+  return y;
 }
 
 // One decoder layer's weights: fast_decode.Layer, field for field (the Python class builds it by
@@ -1001,8 +1006,10 @@ std::vector<int64_t> argmax_rows(const Tensor& logits) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   py::class_<Weight>(m, "Weight")
-      .def(py::init<Tensor, c10::optional<Tensor>, c10::optional<Tensor>>(), py::arg("values"),
-           py::arg("scales") = c10::nullopt, py::arg("sums") = c10::nullopt);
+      .def(py::init<Tensor, c10::optional<Tensor>, c10::optional<Tensor>, c10::optional<Tensor>,
+                    c10::optional<Tensor>>(),
+           py::arg("values"), py::arg("scales") = c10::nullopt, py::arg("sums") = c10::nullopt,
+           py::arg("down") = c10::nullopt, py::arg("up") = c10::nullopt);
   py::class_<Layer>(m, "Layer")
       .def(py::init<Tensor, Weight, c10::optional<Tensor>, Weight, c10::optional<Tensor>, Tensor, Weight, Weight>(),
            py::arg("input_norm"), py::arg("qkv_weight"), py::arg("qkv_bias"), py::arg("o_weight"), py::arg("o_bias"),

@@ -22,7 +22,7 @@ compiled stack (engine/fast_decode.py); VLM_PACKED_WEIGHTS=0 keeps them float32 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,6 +44,16 @@ class PackedWeight:
         return self.blocks.numel()
 
 
+@dataclass
+class Adapted:
+    """A PackedWeight plus a low-rank update computed on its own: x (n, in) gives
+    x base + (x down) up, never a merged weight (the merged values are not in any blocks)."""
+
+    base: PackedWeight
+    down: torch.Tensor  # (in, rank) float32, a transposed view of a (rank, in) buffer; rank a multiple of 16
+    up: torch.Tensor  # (rank, out) float32, a transposed view of an (out, rank) buffer
+
+
 def enabled() -> bool:
     return os.environ.get("VLM_PACKED_WEIGHTS") != "0"
 
@@ -62,6 +72,38 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
         if blocks is not None:
             return PackedWeight(weight, blocks.reshape(rows.shape[0], -1, FORMATS[format]), format)
     return None
+
+
+def adapt(layers: list, deltas: dict[str, torch.Tensor]) -> list | None:
+    """fast_decode's Layers (packed) with the low-rank updates of models/picture_weights.py (`deltas`:
+    {"...layers.<i>.<self_attn|mlp>.<name>_proj.lora_A": (rank, in), "...lora_B": (out, rank)}) as
+    Adapted weights, fused as the layers fuse their projections; None unless every updated
+    product's weight is packed."""
+    import re
+
+    parts = {}  # (layer, projection) -> (lora_A, lora_B)
+    for key, tensor in deltas.items():
+        found = re.search(r"layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)_proj\.lora_([AB])$", key)
+        parts.setdefault((int(found[1]), found[2]), {})[found[3]] = tensor.float()
+    fused = {"qkv_weight": ("q", "k", "v"), "o_weight": ("o",), "gate_up_weight": ("gate", "up"), "down_weight": ("down",)}
+    adapted = []
+    for index, layer in enumerate(layers):
+        changes = {}
+        for name, projections in fused.items():
+            updates = [parts.get((index, p)) for p in projections]
+            if not any(updates):
+                continue
+            base = getattr(layer, name)
+            if not isinstance(base, PackedWeight) or not all(updates):
+                return None
+            down = torch.cat([u["A"] for u in updates])  # (sum rank, in)
+            up = torch.block_diag(*[u["B"] for u in updates])  # (out, sum rank)
+            rank = -(-down.shape[0] // 16) * 16  # zero rows and columns: the rows kernel's 16 lanes
+            down = torch.cat([down, down.new_zeros(rank - down.shape[0], down.shape[1])])
+            up = torch.cat([up, up.new_zeros(up.shape[0], rank - up.shape[1])], dim=1)
+            changes[name] = Adapted(base, down.t(), up.t())
+        adapted.append(replace(layer, **changes))
+    return adapted
 
 
 def values(weight):
@@ -99,19 +141,26 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _codes(values: torch.Tensor, d: torch.Tensor, offset: torch.Tensor | None, low: int, high: int):
-    """Per block (n, 32): codes q with d * q (+ offset) == values bit for bit, trying the rounded
-    quotient and its two neighbours; (codes, blocks where every value has one)."""
+    """Per block (n, 32): codes q with d * q (+ offset) == values bit for bit, the rounded quotient
+    or, where it misses, one of its two neighbours; (codes, blocks where every value has one)."""
     base = values if offset is None else values - offset
-    guess = torch.nan_to_num(base / d, nan=0.0, posinf=0.0, neginf=0.0).round()
-    codes = torch.zeros_like(values)
-    found = torch.zeros(values.shape, dtype=torch.bool)
-    for step in (0.0, -1.0, 1.0):
-        q = (guess + step).clamp(low, high)
-        rebuilt = d * q if offset is None else d * q + offset
-        new = _same_bits(rebuilt, values) & ~found
-        codes = torch.where(new, q, codes)
-        found |= new
+    codes = torch.nan_to_num(base / d, nan=0.0, posinf=0.0, neginf=0.0).round_().clamp_(low, high)
+    found = _same_bits(_rebuilt(codes, d, offset), values)
+    missed = (~found.all(dim=1)).nonzero().squeeze(1)  # blocks to look at again: few, if any
+    if missed.numel():
+        part, part_found = codes[missed], found[missed]
+        part_d, part_offset = d[missed], None if offset is None else offset[missed]
+        for step in (-1.0, 1.0):
+            q = (codes[missed] + step).clamp(low, high)
+            new = _same_bits(_rebuilt(q, part_d, part_offset), values[missed]) & ~part_found
+            part, part_found = torch.where(new, q, part), part_found | new
+        codes[missed], found[missed] = part, part_found
     return codes, found.all(dim=1)
+
+
+def _rebuilt(codes: torch.Tensor, d: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """gguf-py's dequantize: float32 d * q, then + offset (two roundings)."""
+    return d * codes if offset is None else d * codes + offset
 
 
 def _find(values: torch.Tensor, estimate: torch.Tensor, offset: torch.Tensor | None, low: int, high: int):

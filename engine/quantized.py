@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.packed import PackedWeight
+from engine.packed import Adapted, PackedWeight
 
 QUANTIZE_ROWS = 4096  # rows of a weight quantized at once (a 2048-wide block: 32 MB of float32)
 
@@ -194,7 +194,9 @@ QUANTIZED = {"int8": Int8Weight, "w8a8": W8A8Weight, "q4_0": Q4Weight}  # --quan
 def native_weight(native, weight):
     """A product's weight as the compiled stack takes it (native.Weight): (in, out) values, and
     the int8 scales of an Int8Weight (and a W8A8Weight's sums: int8 activations); a Q4Weight's
-    codes and block scales; a PackedWeight's blocks."""
+    codes and block scales; a PackedWeight's blocks (and an Adapted one's low-rank update)."""
+    if isinstance(weight, Adapted):
+        return native.Weight(weight.base.blocks, down=weight.down, up=weight.up)
     if isinstance(weight, PackedWeight):
         return native.Weight(weight.blocks)
     if isinstance(weight, Q4Weight):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import fast_native
+from engine import fast_native, packed
 from engine.linear_attention_rollback import runner_for
 from engine.runner import Runner
 from models import picture_weights
@@ -68,8 +68,21 @@ def load_target(name: str, options: LoadOptions = LoadOptions()) -> Target:
     if options.quantization in FAST_QUANTIZATIONS:
         for runner in runners:
             quantize_fast(runner, name, options.quantization)
+    elif deltas is not None:
+        adapt_packed(runners, name, deltas)
     return Target(name, vlm.model, vlm.processor, vlm.family, runners[0], vlm.placeholder_ids,
                   runners[1] if len(runners) > 1 else None)
+
+
+def adapt_packed(runners: list[Runner], name: str, deltas: dict) -> None:
+    """Where the text runner reads its weights from GGUF blocks (engine/packed.py), the picture
+    runner reads the same blocks and adds the picture weights' low-rank updates on their own
+    (packed.Adapted), instead of streaming merged float32 weights: the same sums, reordered."""
+    text, pictures = (runner.fast for runner in runners)
+    adapted = packed.adapt(text.stack.layers, deltas) if text is not None and pictures is not None else None
+    if adapted is not None:
+        pictures.stack.layers = adapted
+        log.info("%s: the picture weights are low-rank updates over the text weights' blocks", name)
 
 
 def quantize_fast(runner: Runner, name: str, quantization: str = "int8") -> None:

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType, quants
 from engine import fast_decode, fast_native, packed
 from engine.fast_decode import FastDecoder
 from engine.runner import Runner
+from tests.test_fast_decode import prompt_of
 from tests.test_fast_native import NO_COMPILER, passes
 
 QTYPES = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
@@ -131,3 +132,45 @@ def test_quantizing_a_packed_model_starts_from_its_float32_values(zoo):
     reference.quantize("int8")
     assert decoder.packed_bytes == 0
     assert torch.equal(decoder.stack.layers[1].down_weight.values, reference.stack.layers[1].down_weight.values)
+
+
+@NO_COMPILER
+def test_picture_weights_over_blocks_are_low_rank_updates_that_verify_bitwise(zoo, one_thread):
+    """A picture runner over packed text weights (engine/target.py adapt_packed): the same blocks plus
+    each update (x down) up on its own; what the merged weights compute, to float rounding; its
+    verify passes bitwise its decode passes; its Python reference the same to float rounding."""
+    from engine.target import adapt_packed
+    from models.picture_weights import picture_model
+
+    target = gguf_model(zoo.target("qwen2_vl"))
+    generator = torch.Generator().manual_seed(3)
+    deltas = {}
+    for index, layer in enumerate(fast_decode.text_stack(target.model).layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                     "mlp.up_proj", "mlp.down_proj"):
+            weight = layer.get_submodule(name).weight
+            key = f"model.language_model.layers.{index}.{name}"
+            deltas[f"{key}.lora_A"] = torch.randn(3, weight.shape[1], generator=generator) * 0.3
+            deltas[f"{key}.lora_B"] = torch.randn(weight.shape[0], 3, generator=generator) * 0.3
+    merged = copy.copy(target)
+    merged.model = picture_model(target.model, deltas)
+    runners = [Runner(model, target.family) for model in (copy.deepcopy(target.model), merged.model)]
+    for runner in runners:
+        runner.fast = FastDecoder(runner.model, input_major=False)
+    reference = passes(runners[1], merged)  # the merged float32 weights
+    adapt_packed(runners, "tiny", deltas)
+    layers = runners[1].fast.stack.layers
+    assert all(isinstance(getattr(layer, name), packed.Adapted) for layer in layers for name in fast_decode.PRODUCTS)
+    assert layers[0].qkv_weight.down.shape == (64, 16)  # ranks 3 + 3 + 3, padded to 16 lanes
+    assert layers[0].qkv_weight.base is runners[0].fast.stack.layers[0].qkv_weight  # the text runner's blocks
+    adapted = passes(runners[1], merged)
+    for new, old in zip(adapted, reference):
+        torch.testing.assert_close(new, old, atol=5e-5, rtol=5e-5)
+    logits, state = runners[1].prefill(prompt_of(merged, 1).target_inputs)
+    one_by_one = [runners[1].extend(state, [token]) for token in (5, 9, 11, 7)]
+    runners[1].rollback(state, 4)
+    together = runners[1].extend(state, [5, 9, 11, 7])
+    assert torch.equal(bits(torch.cat(one_by_one)), bits(together))
+    runners[1].fast.stack.native = None  # the Python reference, same weights
+    for new, old in zip(passes(runners[1], merged), adapted):
+        torch.testing.assert_close(new, old, atol=5e-5, rtol=5e-5)

@@ -66,10 +66,11 @@ def write_tiny_gguf(path) -> None:
     writer.add_chat_template(SMOLLM2_TEMPLATE)
     rng = np.random.default_rng(0)
 
-    def tensor(name, *shape, scale=0.05):
-        writer.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+    def tensor(name, *shape, scale=0.05, qtype=gguf.GGMLQuantizationType.Q4_1):  # as the real file: Q4_1 layers
+        values = (rng.standard_normal(shape) * scale).astype(np.float32)
+        writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
 
-    tensor("token_embd.weight", len(tokens), HIDDEN, scale=0.5)
+    tensor("token_embd.weight", len(tokens), HIDDEN, scale=0.5, qtype=gguf.GGMLQuantizationType.Q8_0)  # and embedding
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))  # not zero: the logits are compared
     head_dim = HIDDEN // HEADS
     for i in range(LAYERS):
@@ -340,6 +341,12 @@ def test_picture_adapters_become_picture_weights_that_only_picture_conversations
     target = load_target(str(assembled), LoadOptions(dtype="float32"))
     assert target.picture_runner is not None and target.runner_for(0) is target.runner
     assert target.runner_for(1) is target.picture_runner
+    if target.runner.fast is not None and target.runner.fast.stack.native is not None:
+        # Q4_1 layers, as the real file's: the text runner reads their blocks (engine/packed.py), the
+        # picture runner the same blocks plus the low-rank updates on their own
+        from engine.packed import Adapted, PackedWeight
+        assert isinstance(target.runner.fast.stack.layers[0].qkv_weight, PackedWeight)
+        assert all(isinstance(layer.gate_up_weight, Adapted) for layer in target.picture_runner.fast.stack.layers)
     with torch.no_grad():
         assert torch.equal(target.model(input_ids=ids).logits, base)  # the folder's weights: the language model's
         assert torch.allclose(target.model_for(1)(input_ids=ids).logits, hooked, atol=1e-4, rtol=1e-4)
