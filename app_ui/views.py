@@ -36,7 +36,7 @@ NOT_REPORTED = "not reported by this server"  # a statistic the backend cannot m
 AB_SIDES = ("plain", "speculative")  # the A/B tab's sides, unless it compares two backends
 FINISH_REASONS = {"stop_token": "end of answer", "max_new_tokens": "max new tokens reached", "stopped": "stopped",
                   "context": "the model's context is full",
-                  "time_budget": "cut at the server's time budget for one answer"}
+                  "time_budget": "cut at the server's time budget"}  # one answer's, or an A/B's (twice that)
 
 
 class Throttle:
