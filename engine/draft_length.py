@@ -13,10 +13,8 @@ given that the ones before it were (with one a for every position, 1 + a + ... +
     rate(k) = E[tokens](k) / (d(k) + t(k+1) + o)
 
 k = 0 is a plain step (rate 1 / (t(1) + o)): chosen when no draft pays for itself ("drafting
-paused"), with one token drafted after PROBE_EVERY plain steps so that acceptance is still
-measured; a probe whose token is rejected doubles the steps to the next, up to PROBE_MAX (each
-costs a draft step, a longer pass and the drafter's catching up: on the smol demo's text turns,
-where EAGLE-3 accepts 0.1-0.3, probes every 16 steps cost a few per cent). A fixed k is kept as asked unless its drafts are nearly all rejected (acceptance
+paused"), with one token drafted every PROBE_EVERY plain steps so that acceptance is still
+measured. A fixed k is kept as asked unless its drafts are nearly all rejected (acceptance
 estimate under FIXED_FLOOR after THIN_EVIDENCE tokens judged): then it is paused the same way.
 That decision reads the answer's tokens only, never timings, so a seeded sampled answer at a
 fixed k is reproducible.
@@ -64,7 +62,6 @@ from engine.stats import PAUSED, REFERENCE
 WINDOW = 15
 PRIOR_SLOPE = 0.1
 PROBE_EVERY = 16
-PROBE_MAX = 64  # a probe whose token was rejected doubles the plain steps to the next one, up to this
 FIRST_K = 4  # before anything is measured
 THIN_EVIDENCE = 16
 OPTIMISM = 1.0  # standard errors added to the acceptance estimate before choosing k
@@ -263,9 +260,6 @@ class DraftLength:
         self.seen = RequestAcceptance(self.costs.history, drafter, num_images)
         self.tree = False  # whether the latest drafted round was a tree
         self.plain_rounds = 0  # rounds in a row that drafting has been paused
-        self.probe_every = PROBE_EVERY  # plain steps between probes while paused (doubled by a rejected probe)
-        self.to_probe = PROBE_EVERY  # paused rounds left until the next probe
-        self.paused_choice: Choice | None = None  # the cost rule's choice that paused drafting
         self.costs.begin_request()
         self.k, self.reason = (0, "plain decoding") if drafter is None else (draft_tokens or FIRST_K, "")
         if drafter is not None and adaptive:
@@ -290,9 +284,6 @@ class DraftLength:
         if depth:
             self.tree = tree
             self.seen.record(depth, num_accepted)
-            if self.plain_rounds:  # a probe: the next in probe_every rounds, twice as many if it was rejected
-                self.probe_every = self.probe_every if num_accepted else min(2 * self.probe_every, PROBE_MAX)
-                self.to_probe = self.probe_every
         if self.drafter is None:
             return self.k
         if self.adaptive:
@@ -313,10 +304,6 @@ class DraftLength:
                 self._paused(None)
             else:
                 self.k, self.reason, self.plain_rounds = self.fixed, f"draft length {self.fixed} (fixed)", 0
-                self.probe_every = self.to_probe = PROBE_EVERY
-            return
-        if self.plain_rounds and self.to_probe > 1:  # paused, no probe due: only a probe brings new
-            self._paused(self.paused_choice)  # evidence (and the costs move slowly)
             return
         estimate = self.seen.by_position(self.positions)
         choice = best_k(self.costs, self.drafter, estimate, self.max_k, self.tree, self.fixed)
@@ -342,7 +329,7 @@ class DraftLength:
         else:
             self._paused(choice)
             return
-        self.plain_rounds, self.probe_every, self.to_probe = 0, PROBE_EVERY, PROBE_EVERY
+        self.plain_rounds = 0
         if self.costs.needs_reference():
             self.k, self.reason = 0, REFERENCE
 
@@ -352,17 +339,14 @@ class DraftLength:
             f"draft length {self.k}: the fastest at the measured costs and acceptance ({choice.gain:.2f}× plain expected)"
 
     def _paused(self, choice: Choice | None) -> None:
-        """Plain steps, and 1 token every `probe_every` (PROBE_EVERY, doubled after each rejected probe
-        up to PROBE_MAX); `choice`: the cost rule's (None: a fixed k rejected)."""
+        """Plain steps, and 1 token every PROBE_EVERY; `choice`: the cost rule's (None: a fixed k rejected)."""
         self.plain_rounds += 1
-        self.to_probe -= 1
-        self.paused_choice = choice
-        probe = self.to_probe <= 0
+        probe = self.plain_rounds % PROBE_EVERY == 0
         self.k = 1 if probe else 0
         why = (f"draft length {self.fixed}: almost every drafted token was rejected" if choice is None else
                f"the best draft length was {choice.gain:.2f}× plain expected")
         self.reason = (f"{PAUSED}; " + ("drafting 1 token to see whether it pays again" if probe else
-                                        f"{why}; 1 token is tried again in {self.probe_every} steps"))
+                                        f"{why}; 1 token is tried again every {PROBE_EVERY} steps"))
 
 
 def _adaptive(k: int) -> str:

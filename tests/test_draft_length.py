@@ -13,7 +13,7 @@ import torch
 import engine.draft_length
 import engine.loop
 from engine.acceptance import Counts
-from engine.draft_length import (FIRST_K, PROBE_EVERY, PROBE_MAX, REFERENCE_EVERY, THIN_COSTS, Curve, DraftLength, PassCosts, Round,
+from engine.draft_length import (FIRST_K, PROBE_EVERY, REFERENCE_EVERY, THIN_COSTS, Curve, DraftLength, PassCosts, Round,
                                  best_k, expected_tokens)
 from engine.loop import DecodeSettings, generate
 from engine.sampling import SamplingSettings
@@ -140,11 +140,9 @@ def test_a_weak_drafter_stops_drafting_and_costs_at_most_a_few_percent(monkeypat
     stop = next(c for c in stats.draft_length_changes if c["k"] == 0 and c["reason"].startswith(PAUSED))
     assert stop["token"] < 20  # when and why
     assert stats.drafting_paused and stats.summary().startswith(PAUSED) is False and PAUSED in stats.summary()
-    # after a few one-token rounds while the evidence is thin, probes: PROBE_EVERY rounds apart, twice
-    # as many after each rejected one, up to PROBE_MAX (PROBE_EVERY again once drafting resumed)
+    # after a few one-token rounds while the evidence is thin, a probe every PROBE_EVERY rounds
     probes = [i for i, k in enumerate(stats.draft_lengths) if k == 1 and i > 2 * PROBE_EVERY]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert len(probes) >= 3 and all(PROBE_EVERY <= gap <= PROBE_MAX for gap in gaps) and PROBE_MAX in gaps, gaps
+    assert len(probes) >= 5 and all(b - a >= PROBE_EVERY - 1 for a, b in zip(probes, probes[1:]))
 
 
 @pytest.mark.parametrize("acceptance", [0.9, 0.8, 0.6])
