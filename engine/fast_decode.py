@@ -48,13 +48,13 @@ states); its cache is then copied into the static one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from engine import fast_native, huge_pages, packed
-from engine.quantized import QUANTIZED, Int8Weight, Q4Weight, native_weight, quantized_linear
+from engine.quantized import QUANTIZED, Int8Weight, Q4Weight, native_layer, native_weight, quantized_linear
 from engine.static_cache import StaticKVCache
 from models.families import fast_text_types
 
@@ -124,7 +124,9 @@ class Attention:
     eps: float  # the RMSNorms'
 
 
-PRODUCTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # a Layer's products' weights
+FUSED = {"qkv_weight": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_weight": ("self_attn.o_proj",),
+         "gate_up_weight": ("mlp.gate_proj", "mlp.up_proj"), "down_weight": ("mlp.down_proj",)}  # a Layer's product
+PRODUCTS = tuple(FUSED)  # weights, and the decoder layer's Linear modules each fuses (FastStack._layer)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Q4Weight | packed.PackedWeight,
@@ -137,14 +139,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Q4Weight | packe
     if isinstance(weight, (Int8Weight, Q4Weight)):
         return quantized_linear(x, weight, bias)
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
-
-
-def native_layer(native, layer: Layer):
-    """A layer's weights as the compiled stack takes them: native.Layer, this Layer's fields by name
-    (engine/fast_layer.cpp), each product's weight a native.Weight."""
-    values = {f.name: getattr(layer, f.name) for f in fields(Layer)}
-    return native.Layer(**{name: native_weight(native, value) if name.endswith("_weight") else value
-                           for name, value in values.items()})
 
 
 def share(modules: list[torch.nn.Module], input_major: bool, arena: huge_pages.HugePageArena | None = None):
@@ -270,12 +264,12 @@ class FastStack:
 
     @staticmethod
     def _layer(layer, input_major: bool, arena: huge_pages.HugePageArena | None) -> Layer:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
+        products = {name: share([layer.get_submodule(module) for module in modules], input_major, arena)
+                    for name, modules in FUSED.items()}
         qkv_bias = None if attn.q_proj.bias is None else torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
-        return Layer(layer.input_layernorm.weight,
-                     share([attn.q_proj, attn.k_proj, attn.v_proj], input_major, arena), qkv_bias,
-                     share([attn.o_proj], input_major, arena), attn.o_proj.bias, layer.post_attention_layernorm.weight,
-                     share([mlp.gate_proj, mlp.up_proj], input_major, arena), share([mlp.down_proj], input_major, arena))
+        return Layer(input_norm=layer.input_layernorm.weight, qkv_bias=qkv_bias, o_bias=attn.o_proj.bias,
+                     post_norm=layer.post_attention_layernorm.weight, **products)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """rms_norm of x (n, H) with this stack's eps: compiled where the stack is (one call,
@@ -284,7 +278,7 @@ class FastStack:
                                                                                                   self.sizes.eps)
 
     def _native_layers(self) -> list:
-        """The layers' weights as the compiled stack takes them (`native_layer`), made once for the
+        """The layers' weights as the compiled stack takes them (quantized.py `native_layer`), made once for the
         current `layers`."""
         if getattr(self, "_packed_for", None) is not self.layers:
             self._packed = [native_layer(self.native, layer) for layer in self.layers]
@@ -339,16 +333,23 @@ class FastDecoder:
         self.eps = config.rms_norm_eps
         self.input_major = default_input_major(self.final_norm) if input_major is None else input_major
         streamed = not self.input_major and fast_native.layer() is not None  # the rows kernel's (out, in) rows
-        arena = huge_pages.arena_for(stack.layers, self.lm_head.weight) if streamed else None
+        weights = [layer.get_submodule(name).weight for layer in stack.layers for names in FUSED.values()
+                   for name in names] + [self.lm_head.weight]
+        arena = huge_pages.arena_for(weights) if streamed and all(w.is_floating_point() for w in weights) else None
         self.stack = FastStack(stack.layers, config, stack.rotary_emb, self.input_major, arena)
         self.head_weight = share([self.lm_head], self.input_major, arena)  # (H, V), or an Int8Weight
-        self.packed_bytes = self.pack() if streamed and self.stack.native is not None and packed.enabled() else 0
+        if streamed and self.stack.native is not None and packed.enabled():
+            self.pack()
 
     @torch.no_grad()
-    def pack(self) -> int:
-        """Passes read float32 weights from the GGUF blocks they came from (engine/packed.py); their bytes."""
+    def pack(self) -> None:
+        """Passes read float32 weights from the GGUF blocks they came from (engine/packed.py)."""
         self._convert(lambda weight: packed.pack(weight) or weight)
-        return packed.place([w for w in self.weights() if isinstance(w, packed.PackedWeight)])
+        packed.place([w for w in self.weights() if isinstance(w, packed.PackedWeight)])
+
+    @property
+    def packed_bytes(self) -> int:  # the bytes of the weights read from blocks (0: none)
+        return sum(w.nbytes for w in self.weights() if isinstance(w, packed.PackedWeight))
 
     @torch.no_grad()
     def quantize(self, quantization: str = "int8") -> None:
@@ -357,7 +358,6 @@ class FastDecoder:
         weights times int8 activations, `q4_0`); the model's own weights stay for prefill
         (transformers' forward)."""
         self._convert(lambda weight: QUANTIZED[quantization].quantize(packed.values(weight)))
-        self.packed_bytes = 0
 
     def weights(self) -> list:  # every product's weight: the layers' (PRODUCTS each), then the output layer's
         return [getattr(layer, name) for layer in self.stack.layers for name in PRODUCTS] + [self.head_weight]

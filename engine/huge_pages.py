@@ -50,22 +50,8 @@ class HugePageArena:
         return slot
 
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # what engine/fast_decode.py `FastStack` fuses
-
-
-def arena_for_tensors(tensors: list[torch.Tensor]) -> HugePageArena | None:
-    """An arena for these CPU tensors, unless VLM_HUGE_PAGES=0 or there are none."""
+def arena_for(tensors: list[torch.Tensor]) -> HugePageArena | None:
+    """An arena for these tensors where they are all in CPU memory, unless VLM_HUGE_PAGES=0 or there are none."""
     if os.environ.get("VLM_HUGE_PAGES") == "0" or not tensors or any(t.device.type != "cpu" for t in tensors):
         return None
     return HugePageArena(HugePageArena.size_of(tensors))
-
-
-def arena_for(layers: torch.nn.ModuleList, head: torch.Tensor) -> HugePageArena | None:
-    """An arena for decoder layers' Linear weights and the output layer's `head`, where they are
-    floats in CPU memory, unless VLM_HUGE_PAGES=0."""
-    weights = [layer.get_submodule(name).weight for layer in layers for name in LINEARS] + [head]
-    if os.environ.get("VLM_HUGE_PAGES") == "0" or not all(w.device.type == "cpu" and w.is_floating_point()
-                                                          for w in weights):
-        return None
-    return HugePageArena(HugePageArena.size_of(weights))

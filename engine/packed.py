@@ -22,9 +22,12 @@ compiled stack (engine/fast_decode.py); VLM_PACKED_WEIGHTS=0 keeps them float32 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, replace
 
 import torch
+
+from engine import huge_pages
 
 BLOCK = 32
 FORMATS = {"q4_1": 20, "q8_0": 34}  # bytes a block, ggml's block_q4_1 and block_q8_0
@@ -74,18 +77,15 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     return None
 
 
-def adapt(layers: list, deltas: dict[str, torch.Tensor]) -> list | None:
+def adapt(layers: list, deltas: dict[str, torch.Tensor], fused: dict[str, tuple[str, ...]]) -> list | None:
     """fast_decode's Layers (packed) with the low-rank updates of models/picture_weights.py (`deltas`:
-    {"...layers.<i>.<self_attn|mlp>.<name>_proj.lora_A": (rank, in), "...lora_B": (out, rank)}) as
-    Adapted weights, fused as the layers fuse their projections; None unless every updated
-    product's weight is packed."""
-    import re
-
-    parts = {}  # (layer, projection) -> (lora_A, lora_B)
+    {"...layers.<i>.self_attn.q_proj.lora_A": (rank, in), "...lora_B": (out, rank)}) as Adapted
+    weights, fused as the layers fuse their projections (`fused`: fast_decode.FUSED); None unless
+    every updated product's weight is packed."""
+    parts = {}  # (layer, projection) -> {"A": lora_A, "B": lora_B}
     for key, tensor in deltas.items():
-        found = re.search(r"layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)_proj\.lora_([AB])$", key)
+        found = re.search(r"layers\.(\d+)\.((?:self_attn|mlp)\.[a-z_]+_proj)\.lora_([AB])$", key)
         parts.setdefault((int(found[1]), found[2]), {})[found[3]] = tensor.float()
-    fused = {"qkv_weight": ("q", "k", "v"), "o_weight": ("o",), "gate_up_weight": ("gate", "up"), "down_weight": ("down",)}
     adapted = []
     for index, layer in enumerate(layers):
         changes = {}
@@ -111,14 +111,11 @@ def values(weight):
     return weight.weight if isinstance(weight, PackedWeight) else weight
 
 
-def place(weights: list[PackedWeight]) -> int:
-    """Move the weights' blocks onto 2 MB pages (engine/huge_pages.py) in one buffer; their bytes."""
-    from engine import huge_pages
-
-    arena = huge_pages.arena_for_tensors([w.blocks for w in weights])
+def place(weights: list[PackedWeight]) -> None:
+    """Move the weights' blocks onto 2 MB pages (engine/huge_pages.py), in one buffer."""
+    arena = huge_pages.arena_for([w.blocks for w in weights])
     for weight in weights:
         weight.blocks = arena.place(weight.blocks) if arena is not None else weight.blocks
-    return sum(w.nbytes for w in weights)
 
 
 def unpack(blocks: torch.Tensor, format: str) -> torch.Tensor:

@@ -24,7 +24,7 @@ int8 weights and activations are symmetric: a row's largest |value| becomes 127 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -205,3 +205,11 @@ def native_weight(native, weight):
         sums = weight.sums if isinstance(weight, W8A8Weight) else None
         return native.Weight(weight.values.t(), weight.scales, sums)
     return native.Weight(weight)
+
+
+def native_layer(native, layer):
+    """A fast_decode.Layer as the compiled stack takes it: native.Layer, the Layer's fields by name
+    (engine/fast_layer.cpp), each product's weight a native.Weight."""
+    values = {f.name: getattr(layer, f.name) for f in fields(layer)}
+    return native.Layer(**{name: native_weight(native, value) if name.endswith("_weight") else value
+                           for name, value in values.items()})

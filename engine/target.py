@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import fast_native, packed
+from engine.fast_decode import FUSED
 from engine.linear_attention_rollback import runner_for
 from engine.runner import Runner
 from models import picture_weights
@@ -79,9 +80,11 @@ def adapt_packed(runners: list[Runner], name: str, deltas: dict) -> None:
     runner reads the same blocks and adds the picture weights' low-rank updates on their own
     (packed.Adapted), instead of streaming merged float32 weights: the same sums, reordered."""
     text, pictures = (runner.fast for runner in runners)
-    adapted = packed.adapt(text.stack.layers, deltas) if text is not None and pictures is not None else None
+    adapted = packed.adapt(text.stack.layers, deltas, FUSED) if text is not None and pictures is not None else None
     if adapted is not None:
         pictures.stack.layers = adapted
+        if isinstance(text.head_weight, packed.PackedWeight):  # the same output layer (picture weights never change it)
+            pictures.head_weight = text.head_weight
         log.info("%s: the picture weights are low-rank updates over the text weights' blocks", name)
 
 
