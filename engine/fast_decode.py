@@ -126,7 +126,7 @@ class Attention:
 
 FUSED = {"qkv_weight": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_weight": ("self_attn.o_proj",),
          "gate_up_weight": ("mlp.gate_proj", "mlp.up_proj"), "down_weight": ("mlp.down_proj",)}  # a Layer's product
-PRODUCTS = tuple(FUSED)  # weights, and the decoder layer's Linear modules each fuses (FastStack._layer)
+PRODUCTS = tuple(FUSED)  # weights, and the decoder layer's Linear modules each fuses (FastStack.layer_weights)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Q4Weight | packed.PackedWeight,
@@ -250,7 +250,7 @@ class FastStack:
         attn = layers[0].self_attn
         self.sizes = Attention(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, attn.scaling,
                                config.rms_norm_eps)
-        self.layers = [self._layer(layer, input_major, arena) for layer in layers]
+        self.layers = [self.layer_weights(layer, input_major, arena) for layer in layers]
         self.sizes_args = (self.sizes.heads, self.sizes.kv_heads, self.sizes.head_dim, self.sizes.scaling,
                            self.sizes.eps)  # the compiled stack's last arguments
         norm = layers[0].input_layernorm.weight
@@ -263,7 +263,7 @@ class FastStack:
         self.layer_fn = decoder_layer  # the Python layer (measure/layer_costs.py times variants of it)
 
     @staticmethod
-    def _layer(layer, input_major: bool, arena: huge_pages.HugePageArena | None) -> Layer:
+    def layer_weights(layer, input_major: bool, arena: huge_pages.HugePageArena | None = None) -> Layer:  # llama's
         attn = layer.self_attn
         products = {name: share([layer.get_submodule(module) for module in modules], input_major, arena)
                     for name, modules in FUSED.items()}

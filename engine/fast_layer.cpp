@@ -868,22 +868,35 @@ static Tensor add_residual(Tensor y, const Tensor& x) {
   return y;
 }
 
+// A llama-style layer's attention and MLP over `input` (n, width), the normed rows q, k and v read,
+// at slots start .. start + n - 1 of keys / values, float (1, kv_heads, capacity, D); the
+// attention's output joins `residual` (n, H) of T. fast_decode.decoder_layer's arithmetic, step for
+// step, after its input norm.
+template <typename T>
+static Tensor attention_and_mlp(const Tensor& input, const Tensor& residual, const Layer& w, const Tensor& cos,
+                                const Tensor& signed_sin, Tensor& keys, Tensor& values, int64_t start,
+                                const Tensor& mask, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling,
+                                double eps) {
+  const int64_t n = input.size(0), end = start + n;
+  Tensor qkv = linear(input, w.qkv_weight, w.qkv_bias);  // (n, q + 2 kv)
+  Tensor queries = at::empty({1, heads, n, head_dim}, keys.options());
+  rotate_and_write<T>(qkv, cos, signed_sin, queries, keys, values, start, heads, kv_heads, head_dim);
+  Tensor attended = at::empty({n, heads * head_dim}, keys.options());
+  attend(queries.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(2), n, end, mask,
+         heads, kv_heads, head_dim, static_cast<float>(scaling), attended.data_ptr<float>());
+  Tensor h = add_residual<T>(linear(attended.to(residual.scalar_type()), w.o_weight, w.o_bias), residual);
+  Tensor gate_up = linear(rms_norm_rows<T>(h, w.post_norm, eps), w.gate_up_weight, c10::nullopt);  // (n, 2 I)
+  return add_residual<T>(linear(silu_times_up<T>(gate_up), w.down_weight, c10::nullopt), h);
+}
+
 // One decoder layer over x (n, H) of T at slots start .. start + n - 1 of keys / values, float (1,
 // kv_heads, capacity, D): fast_decode.decoder_layer's arithmetic, step for step.
 template <typename T>
 static Tensor fused_layer(const Tensor& x, const Layer& w, const Tensor& cos, const Tensor& signed_sin, Tensor& keys,
                           Tensor& values, int64_t start, const Tensor& mask, int64_t heads, int64_t kv_heads,
                           int64_t head_dim, double scaling, double eps) {
-  const int64_t n = x.size(0), end = start + n;
-  Tensor qkv = linear(rms_norm_rows<T>(x, w.input_norm, eps), w.qkv_weight, w.qkv_bias);  // (n, q + 2 kv)
-  Tensor queries = at::empty({1, heads, n, head_dim}, keys.options());
-  rotate_and_write<T>(qkv, cos, signed_sin, queries, keys, values, start, heads, kv_heads, head_dim);
-  Tensor attended = at::empty({n, heads * head_dim}, keys.options());
-  attend(queries.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(2), n, end, mask,
-         heads, kv_heads, head_dim, static_cast<float>(scaling), attended.data_ptr<float>());
-  Tensor h = add_residual<T>(linear(attended.to(x.scalar_type()), w.o_weight, w.o_bias), x);
-  Tensor gate_up = linear(rms_norm_rows<T>(h, w.post_norm, eps), w.gate_up_weight, c10::nullopt);  // (n, 2 I)
-  return add_residual<T>(linear(silu_times_up<T>(gate_up), w.down_weight, c10::nullopt), h);
+  return attention_and_mlp<T>(rms_norm_rows<T>(x, w.input_norm, eps), x, w, cos, signed_sin, keys, values, start,
+                              mask, heads, kv_heads, head_dim, scaling, eps);
 }
 
 // Every layer of a pass: x (n, H) of float32, bfloat16 or float16 at slots start .. start + n - 1;
@@ -925,6 +938,38 @@ std::vector<Tensor> stack(Tensor x, const std::vector<Layer>& layers, const Tens
   }
   out[0] = x;
   return out;
+}
+
+// EAGLE-3's layer (models/eagle3.py Eagle3.forward) over embeds and hidden (n, H) of T at slots start
+// .. start + n - 1 of one float32 cache layer (1, kv_heads, capacity, D): q, k and v read
+// [layer.input_norm(embeds), hidden_norm(hidden)] (n, 2 H), the residual is hidden (or its normed
+// rows where normed_residual); then the layer's MLP. mask: None (every slot visible) or (1, 1, n,
+// start + n), bool or additive float32. Returns the layer's output h (n, H), before the final norm.
+Tensor eagle3_layer(const Tensor& embeds, const Tensor& hidden, const Tensor& hidden_norm, const Layer& layer,
+                    const Tensor& cos, const Tensor& signed_sin, Tensor keys, Tensor values, int64_t start,
+                    const c10::optional<Tensor>& mask, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                    double scaling, double eps, bool normed_residual) {
+  const int64_t n = embeds.size(0);
+  const auto type = embeds.scalar_type();
+  TORCH_CHECK(hidden.scalar_type() == type && (type == at::kFloat || type == at::kBFloat16),
+              "the compiled EAGLE-3 layer takes float32 or bfloat16 embeds and hidden rows of one dtype");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.is_contiguous() && values.is_contiguous(),
+              "the compiled EAGLE-3 layer takes a contiguous float32 cache");
+  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous(), "cos and signed_sin must be contiguous");
+  TORCH_CHECK(!mask.has_value() || mask->scalar_type() == at::kBool || mask->scalar_type() == at::kFloat,
+              "the mask must be bool or float32");
+  const Tensor rows_mask = mask.has_value() ? mask->reshape({n, start + n}).contiguous() : Tensor();
+  const Tensor embed_rows = embeds.contiguous(), hidden_rows = hidden.contiguous();
+  if (type == at::kFloat) {
+    const Tensor normed = rms_norm_rows<float>(hidden_rows, hidden_norm, eps);
+    const Tensor input = at::cat({rms_norm_rows<float>(embed_rows, layer.input_norm, eps), normed}, 1);
+    return attention_and_mlp<float>(input, normed_residual ? normed : hidden_rows, layer, cos, signed_sin, keys,
+                                    values, start, rows_mask, heads, kv_heads, head_dim, scaling, eps);
+  }
+  const Tensor normed = rms_norm_rows<at::BFloat16>(hidden_rows, hidden_norm, eps);
+  const Tensor input = at::cat({rms_norm_rows<at::BFloat16>(embed_rows, layer.input_norm, eps), normed}, 1);
+  return attention_and_mlp<at::BFloat16>(input, normed_residual ? normed : hidden_rows, layer, cos, signed_sin, keys,
+                                         values, start, rows_mask, heads, kv_heads, head_dim, scaling, eps);
 }
 
 // fast_decode.rms_norm over x (n, H) (the final norm), in the same loop as the layers'.
@@ -1016,6 +1061,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("post_norm"), py::arg("gate_up_weight"), py::arg("down_weight"));
   m.def("embed", &embed);
   m.def("stack", &stack);
+  m.def("eagle3_layer", &eagle3_layer);
   m.def("rms_norm", &rms_norm);
   m.def("logits", &logits);
   m.attr("rows_kernel_max") = ROWS_KERNEL_MAX;

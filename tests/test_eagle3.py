@@ -13,6 +13,7 @@ the EAGLE-3 layer over all entries without a cache).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -20,11 +21,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine import fast_native
+from engine import fast_heads, fast_native
 from engine.drafters.registry import load_drafter
 from engine.engine import Engine
 from engine.rows_kernel import RowsKernelLinear
-from models import tiny
+from models import eagle3 as eagle3_checkpoint, tiny
 from engine.target import load_target
 from models.loading import LoadError
 from tests.conftest import MODEL_OPTIONS
@@ -254,19 +255,59 @@ def test_eagle3_forced_acceptance_matches_reference(zoo, family, fmt, num_images
 
 @pytest.mark.skipif(fast_native.layer() is None, reason="no compiled module on this machine")
 def test_eagle3_products_run_in_the_rows_kernel_with_the_modules_results(zoo):
-    """On a CPU with the compiled module, every Linear of a loaded EAGLE-3 layer computes its
+    """On a CPU with the compiled module, every Linear of a loaded EAGLE-3 checkpoint computes its
     products of up to the rows kernel's most rows there (ATen's one-row 16-bit products read the
-    weight slowly): the same values as nn.Linear's within float rounding, and the drafter says so."""
-    drafter = zoo.drafter("qwen2_5_vl", "specforge")
+    weight slowly): the same values as nn.Linear's within float rounding. The layer's own run in
+    one compiled call where it is covered (below); Qwen3-VL's interleaved M-RoPE keeps the module's
+    forward, and the drafter says why."""
+    drafter = zoo.drafter("qwen3_vl", "specforge")
+    assert "interleaved M-RoPE" in drafter.fast_fallback and drafter.layer is drafter.module
     linears = [m for m in drafter.module.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 9 and all(type(m) is RowsKernelLinear for m in linears)  # fc, q k v o, 3 MLP, lm_head
-    assert "rows kernel" in drafter.fast_fallback
     generator = torch.Generator().manual_seed(0)
     for linear in linears:
         for rows in (1, 5, fast_native.layer().rows_kernel_max + 1):
             x = torch.randn(1, rows, linear.in_features, generator=generator)
             torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias),
                                        rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(fast_native.layer() is None, reason="no compiled module on this machine")
+@pytest.mark.parametrize("family, fmt", [c for c in CASES if c.values[0] != "qwen3_vl"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=("float32", "bfloat16"))
+def test_compiled_eagle3_layer_is_the_modules_forward(zoo, family, fmt, dtype):
+    """fast_heads.FastEagle3 (the layer in one compiled call over a StaticKVCache layer) against the
+    module's forward over its KVCache: 5 causal entries, then 3 under a tree-like mask, then the
+    cache cropped to 6 and 2 more; h and the draft logits equal within float rounding (in bfloat16,
+    the module's attention accumulates in SDPA's order, the compiled one in float32 in its own)."""
+    loaded = zoo.drafter(family, fmt)
+    assert loaded.fast_fallback is None and isinstance(loaded.layer, fast_heads.FastEagle3)
+    module = copy.deepcopy(loaded.module).to(dtype)
+    fast = fast_heads.FastEagle3(module)
+    expected_cache, cache = eagle3_checkpoint.KVCache(), fast.new_cache(8)
+    width, mrope = module.config.hidden_size, module.config.mrope_section is not None
+    generator = torch.Generator().manual_seed(0)
+    relative = 1e-5 if dtype == torch.float32 else 2e-2  # of the values' norm: 16-bit rounding of each step
+    tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    for first, n, keep in ((0, 5, None), (5, 3, None), (6, 2, 6)):
+        if keep is not None:
+            expected_cache.crop(keep), cache.crop(keep)
+        embeds, hidden = (torch.randn(1, n, width, generator=generator).to(dtype) for _ in range(2))
+        positions = torch.arange(first, first + n)[None]
+        if mrope:  # three rows that differ, as after an image
+            positions = torch.stack([positions, positions + 2, positions // 2])
+        mask = None
+        if first == 5:
+            mask = torch.cat([torch.ones(n, first, dtype=torch.bool), tree_mask], dim=1)[None, None]
+        elif first:
+            mask = torch.ones(n, first + n, dtype=torch.bool).tril(first)[None, None]
+        with torch.inference_mode():
+            expected = module(embeds, hidden, positions, expected_cache, mask)
+            got = fast(embeds, hidden, positions, cache, mask)
+            for fast_rows, module_rows in ((got, expected), (fast.draft_logits(got[0]), module.draft_logits(got[0]))):
+                error = (fast_rows.float() - module_rows.float()).norm() / module_rows.float().norm()
+                assert error < relative, (first, float(error))
+        assert len(cache) == len(expected_cache) == first + n
 
 
 def test_d2t_places_draft_ids_at_target_ids(zoo):

@@ -23,6 +23,8 @@ at prompt positions where the target merged image features, which get the target
 embedding (what SpecForge trains on; vLLM gives the placeholder's embedding there). Logits are
 over the draft vocabulary, placed at target ids d + d2t[d]; every other id is -inf.
 
+The layer runs in one compiled call (engine/fast_heads.py FastEagle3) where it is covered, else
+in the module's forward; its products, and fc's and the output head's, in the rows kernel.
 One KV cache. Entries 0 .. T-1 read the target's rows and are never undone; draft entries are
 cropped at the next round, whatever was accepted, and the accepted tokens' entries are
 recomputed from the target's rows of the verify pass (`pending`, engine/drafters/target_session.py).
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import fast_heads
 from engine.drafters.base import Draft, DraftBuilder
 from engine.drafters.target_head import full_vocabulary, module_dtype, require_hidden
 from engine.drafters.target_session import ChainedHeadSession, tokens_from
@@ -100,23 +103,28 @@ def load(name: str, config: checkpoint.Eagle3Config, target, options) -> Eagle3D
         raise LoadError(f"EAGLE-3 drafter {name!r} maps draft ids to target ids {int(target_ids.min())} .. "
                         f"{int(target_ids.max())} (d2t), outside the target's vocabulary of {target.vocab_size}")
     layers = config.target_layers(target.model.config.get_text_config().num_hidden_layers)
-    drafter = Eagle3Drafter(name, module, target, layers)
-    if RowsKernelLinear.swap_into(module):
-        drafter.fast_fallback = "an EAGLE-3 layer: its own PyTorch forward, its products in the rows kernel"
-    return drafter
+    return Eagle3Drafter(name, module, target, layers)
 
 
 class Eagle3Drafter:
     kind = "eagle3"
-    fast_fallback = "an EAGLE-3 layer: its own PyTorch forward (no fast path written)"
 
     def __init__(self, name: str, module: checkpoint.Eagle3, target, layers: tuple[int, ...]):
         self.name, self.module, self.family, self.layers = name, module, target.family, layers
+        self.fast_fallback = fast_heads.eagle3_unsupported(module)  # None: the layer runs compiled
+        # the layer: compiled (fast_heads.FastEagle3), or the module's forward, its products in the rows kernel
+        self.layer = fast_heads.FastEagle3(module) if self.fast_fallback is None else module
+        RowsKernelLinear.swap_into(module)  # fc and the output head (and the module's layer where it runs)
+        self.draft_logits = module.draft_logits if self.fast_fallback else self.layer.draft_logits  # (n, draft V)
         self.reads = TargetReads(hidden_layers=tuple(dict.fromkeys((0, *layers))))
         self.target_embedding = target.model.get_input_embeddings()
         self.dtype = next(module.parameters()).dtype
         self.target_ids = module.target_ids()  # (draft vocab,)
         self.vocab_size = target.vocab_size
+
+    def new_cache(self, num_tokens: int):
+        """An empty cache of the layer's kind for a context of about num_tokens entries."""
+        return self.layer.new_cache(num_tokens) if self.fast_fallback is None else checkpoint.KVCache()
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """(n, H) the checkpoint's embeddings of token ids (the target's table where it has none)."""
@@ -126,7 +134,7 @@ class Eagle3Drafter:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(n, V) float32 target-vocabulary logits of pre-norm rows h (n, H)."""
-        return full_vocabulary(self.module.draft_logits(h).float(), self.target_ids, self.vocab_size)
+        return full_vocabulary(self.draft_logits(h).float(), self.target_ids, self.vocab_size)
 
     @torch.inference_mode()
     def begin(self, prompt: Prompt, target: CacheState) -> Eagle3Session:
@@ -140,7 +148,7 @@ class Eagle3Session(ChainedHeadSession):
         self.drafter, self.module = drafter, drafter.module
         self.prompt_ids = prompt.input_ids
         self.prompt_embeds = self._prompt_embeds(target.hidden[0])  # (S, H)
-        self.cache = checkpoint.KVCache()
+        self.cache = drafter.new_cache(len(self.prompt_ids))
         self.context_len = 0  # entries that read the target's rows (0 .. context_len - 1)
 
     def _prompt_embeds(self, merged: torch.Tensor) -> torch.Tensor:
@@ -185,7 +193,7 @@ class Eagle3Session(ChainedHeadSession):
         n = len(embeds)
         mask = causal_mask(n, len(self.cache), embeds.device) if len(self.cache) and n > 1 else None
         positions = self.positions(first, first + n)
-        return self.module(embeds[None], hidden[None], positions, self.cache, mask)[0]
+        return self.drafter.layer(embeds[None], hidden[None], positions, self.cache, mask)[0]
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.drafter.logits(out)
@@ -195,5 +203,5 @@ class Eagle3Session(ChainedHeadSession):
         position of token T + level, each seeing `seen` (n, cached + n)."""
         positions = self.positions(self.context_len + level, self.context_len + level + 1)
         positions = positions.expand(*positions.shape[:-1], len(token_ids))
-        return self.module(self.embed_tokens(token_ids)[None], self.module.feedback(parent_out)[None], positions,
-                           self.cache, seen.to(parent_out.device)[None, None])[0]
+        return self.drafter.layer(self.embed_tokens(token_ids)[None], self.module.feedback(parent_out)[None],
+                                  positions, self.cache, seen.to(parent_out.device)[None, None])[0]
