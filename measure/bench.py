@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -185,8 +186,10 @@ def summarize(row: Row, plain: Row, costs: dict) -> dict:
 
 
 def _by_position(runs: list[Measurement]) -> list[float] | None:
-    drafted = [sum(x) for x in zip(*[r.drafted_by_position for r in runs if r.drafted_by_position])]
-    accepted = [sum(x) for x in zip(*[r.accepted_by_position for r in runs if r.accepted_by_position])]
+    """Acceptance at each draft position over the runs: a position's accepted drafts over its drafts,
+    in every run that drafted that far (runs whose drafts were all shorter count nothing there)."""
+    drafted = [sum(x) for x in itertools.zip_longest(*[r.drafted_by_position for r in runs], fillvalue=0)]
+    accepted = [sum(x) for x in itertools.zip_longest(*[r.accepted_by_position for r in runs], fillvalue=0)]
     return [a / d for a, d in zip(accepted, drafted)] or None
 
 

@@ -85,3 +85,16 @@ def test_acceptance_gives_the_bench_fixed_k_rows_figures(zoo, tmp_path):
     keys = ("drafter", "acceptance", "tokens_per_forward", "identical_to_plain", "accepted_by_position")
     assert len(fixed) == 2 and [{k: r[k] for k in keys} for r in rows] == [{k: r[k] for k in keys} for r in fixed]
     assert all(r["identical_to_plain"] == 2 and r["acceptance"] is not None for r in rows)
+
+
+def test_acceptance_by_position_counts_every_run_that_drafted_that_far():
+    """A run whose drafts were all one token long (drafting paused, one-token probes) does not cut
+    the other runs' later positions: each position is its accepted drafts over its drafts."""
+    from measure.bench import _by_position
+    from measure.bench_rows import Measurement
+
+    long = Measurement(0, drafted_by_position=[4, 4, 2], accepted_by_position=[3, 2, 1])
+    short = Measurement(1, drafted_by_position=[4], accepted_by_position=[1])
+    plain = Measurement(2)
+    assert _by_position([long, short, plain]) == [4 / 8, 2 / 4, 1 / 2]
+    assert _by_position([plain]) is None
