@@ -263,7 +263,7 @@ class FastStack:
         self.layer_fn = decoder_layer  # the Python layer (measure/layer_costs.py times variants of it)
 
     @staticmethod
-    def layer_weights(layer, input_major: bool, arena: huge_pages.HugePageArena | None = None) -> Layer:  # llama's
+    def layer_weights(layer, input_major: bool, arena: huge_pages.HugePageArena | None = None) -> Layer:
         attn = layer.self_attn
         products = {name: share([layer.get_submodule(module) for module in modules], input_major, arena)
                     for name, modules in FUSED.items()}

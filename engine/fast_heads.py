@@ -147,7 +147,7 @@ class FastEagle3:
 
     def new_cache(self, num_tokens: int) -> Eagle3Cache:
         """An empty cache with room for num_tokens entries and some headroom (it grows beyond)."""
-        heads, kv_heads, head_dim = self.sizes[:3]
+        _, kv_heads, head_dim = self.sizes[:3]
         return Eagle3Cache(StaticKVCache(1, kv_heads, head_dim, num_tokens + HEADROOM, self.cache_dtype,
                                          self.hidden_norm.device))
 

@@ -940,6 +940,18 @@ std::vector<Tensor> stack(Tensor x, const std::vector<Layer>& layers, const Tens
   return out;
 }
 
+// EAGLE-3's layer over rows of T: its two input norms, then attention_and_mlp with its own residual.
+template <typename T>
+static Tensor eagle3_rows(const Tensor& embeds, const Tensor& hidden, const Tensor& hidden_norm, const Layer& layer,
+                          const Tensor& cos, const Tensor& signed_sin, Tensor& keys, Tensor& values, int64_t start,
+                          const Tensor& mask, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling,
+                          double eps, bool normed_residual) {
+  const Tensor normed = rms_norm_rows<T>(hidden, hidden_norm, eps);
+  const Tensor input = at::cat({rms_norm_rows<T>(embeds, layer.input_norm, eps), normed}, 1);  // (n, 2 H)
+  return attention_and_mlp<T>(input, normed_residual ? normed : hidden, layer, cos, signed_sin, keys, values, start,
+                              mask, heads, kv_heads, head_dim, scaling, eps);
+}
+
 // EAGLE-3's layer (models/eagle3.py Eagle3.forward) over embeds and hidden (n, H) of T at slots start
 // .. start + n - 1 of one float32 cache layer (1, kv_heads, capacity, D): q, k and v read
 // [layer.input_norm(embeds), hidden_norm(hidden)] (n, 2 H), the residual is hidden (or its normed
@@ -959,17 +971,9 @@ Tensor eagle3_layer(const Tensor& embeds, const Tensor& hidden, const Tensor& hi
   TORCH_CHECK(!mask.has_value() || mask->scalar_type() == at::kBool || mask->scalar_type() == at::kFloat,
               "the mask must be bool or float32");
   const Tensor rows_mask = mask.has_value() ? mask->reshape({n, start + n}).contiguous() : Tensor();
-  const Tensor embed_rows = embeds.contiguous(), hidden_rows = hidden.contiguous();
-  if (type == at::kFloat) {
-    const Tensor normed = rms_norm_rows<float>(hidden_rows, hidden_norm, eps);
-    const Tensor input = at::cat({rms_norm_rows<float>(embed_rows, layer.input_norm, eps), normed}, 1);
-    return attention_and_mlp<float>(input, normed_residual ? normed : hidden_rows, layer, cos, signed_sin, keys,
-                                    values, start, rows_mask, heads, kv_heads, head_dim, scaling, eps);
-  }
-  const Tensor normed = rms_norm_rows<at::BFloat16>(hidden_rows, hidden_norm, eps);
-  const Tensor input = at::cat({rms_norm_rows<at::BFloat16>(embed_rows, layer.input_norm, eps), normed}, 1);
-  return attention_and_mlp<at::BFloat16>(input, normed_residual ? normed : hidden_rows, layer, cos, signed_sin, keys,
-                                         values, start, rows_mask, heads, kv_heads, head_dim, scaling, eps);
+  const auto rows = type == at::kFloat ? &eagle3_rows<float> : &eagle3_rows<at::BFloat16>;
+  return rows(embeds.contiguous(), hidden.contiguous(), hidden_norm, layer, cos, signed_sin, keys, values, start,
+              rows_mask, heads, kv_heads, head_dim, scaling, eps, normed_residual);
 }
 
 // fast_decode.rms_norm over x (n, H) (the final norm), in the same loop as the layers'.
