@@ -739,9 +739,12 @@ static inline __m512 sum_each(const __m512 vectors[16]) {
 }
 
 // attend_row for D a multiple of 16, in 16 lanes: the scores 16 slots at a time (each slot's dot
-// product lane by lane over D, then `sum_each`), their exp 16 at a time (`exp_lanes`, the total
-// summed per lane, then the lanes), the values in slot order. Slot s sits in lane s % 16 wherever
-// the pass ends, so a verify pass's row sums exactly as its decode pass does.
+// product lane by lane over D, then `sum_each`), their exp 16 at a time (`exp_lanes`), the values
+// in slot order. The total of the weights is summed over the row's nonzero weights alone, packed
+// in slot order (`_mm512_mask_compressstoreu_ps`): the i-th nonzero weight sits in lane i % 16,
+// whatever slot it came from. A tree node's row (its path's slots scattered among other branches'
+// hidden ones) therefore adds its weights in the same lanes as its path's decode row, where the
+// same slots are contiguous; so does a verify row whatever slots after its own the pass holds.
 static void attend_row_lanes(const float* q, const float* k, const float* v, int64_t end, const bool* allowed,
                              const float* added, float scaling, int64_t D, float* weights, float* o) {
   const int64_t chunks = D / 16;
@@ -769,13 +772,28 @@ static void attend_row_lanes(const float* q, const float* k, const float* v, int
   }
   const __m512 largest = _mm512_set1_ps(_mm512_reduce_max_ps(top));
   __m512 totals = _mm512_setzero_ps();
+  __m512 pending = _mm512_setzero_ps();  // the nonzero weights not yet added, in lanes 0 .. kept - 1
+  int kept = 0;
   for (int64_t first = 0; first < end; first += 16) {
     const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, end - first)) - 1u);
     const __m512 e = _mm512_maskz_mov_ps(live, exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, weights + first),
                                                                         largest)));
     _mm512_mask_storeu_ps(weights + first, live, e);
-    totals = _mm512_add_ps(totals, e);
+    // Append this chunk's nonzero weights after the pending ones; each full 16 goes to the totals.
+    const __mmask16 nonzero = _mm512_cmp_ps_mask(e, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+    alignas(64) float packed[32];
+    _mm512_store_ps(packed, pending);
+    _mm512_mask_compressstoreu_ps(packed + kept, nonzero, e);
+    kept += __builtin_popcount(nonzero);
+    if (kept >= 16) {
+      totals = _mm512_add_ps(totals, _mm512_load_ps(packed));
+      kept -= 16;
+      pending = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << kept) - 1u), packed + 16);
+    } else {
+      pending = _mm512_load_ps(packed);
+    }
   }
+  totals = _mm512_add_ps(totals, _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << kept) - 1u), pending));
   __m512 out[8];  // D <= 128 in registers; wider heads go through o
   const bool in_registers = chunks <= 8;
   for (int64_t c = 0; c < chunks; ++c) {

@@ -204,6 +204,37 @@ def assert_verify_is_decode(runner, target, rows: int) -> None:
     assert all(torch.equal(before, keys[0, :, :state.cache_len]) for before, keys in zip(cache, state.cache.keys))
 
 
+
+@NO_COMPILER
+@pytest.mark.parametrize("lanes", (True, False))
+@pytest.mark.parametrize("dtype, int8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_a_tree_row_is_bitwise_its_paths_decode_row(zoo, dtype, int8, lanes):
+    """A draft tree whose path comes after a 20-node decoy branch: the path's entries sit 20 cache
+    slots further on than plain decoding puts them, among the decoy's hidden slots. Each path row's
+    logits are bitwise the decode pass of that path's token, so attention's sums must not depend on
+    a key's cache slot (the AVX-512 lanes once added each weight into lane slot % 16); with the
+    lanes and with the loops."""
+    native = fast_native.layer()
+    target = bitwise_target(zoo, dtype)
+    runner = Runner(target.model, target.family)
+    if int8:
+        runner.fast.quantize()
+    prompt = prompt_of(target, 1).target_inputs
+    generator = torch.Generator().manual_seed(20)
+    decoy, path = (torch.randint(16, 200, (count,), generator=generator).tolist() for count in (20, 4))
+    try:
+        native.use_lanes_math(lanes)
+        logits, state = runner.prefill(prompt)
+        root = int(logits.argmax())
+        parents = [-1, *range(0, 20), 0, 21, 22, 23]  # root; the decoy root-d1-...-d20; the path root-p1-...-p4
+        tree = runner.extend_tree(state, [root, *decoy, *path], parents)
+        path_rows = tree[[0, 21, 22, 23, 24]]
+        _, state = runner.prefill(prompt)
+        decode_rows = torch.cat([runner.extend(state, [token]) for token in (root, *path)])
+    finally:
+        native.use_lanes_math(True)
+    assert torch.equal(path_rows, decode_rows)
+
 @NO_COMPILER
 @pytest.mark.parametrize("dtype, int8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 def test_passes_that_keep_hidden_rows_for_a_drafter_give_the_plain_logits(zoo, dtype, int8, one_thread):
