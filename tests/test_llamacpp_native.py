@@ -23,12 +23,27 @@ needs_native = pytest.mark.skipif(NATIVE is None, reason="llama.cpp is not built
                                                          "(python -m engine.backends.llamacpp_native)")
 
 
-def test_the_options_name_the_cpus_features_and_keep_amx_and_march_native_off():
-    options = cmake_options({"avx2", "fma", "avx512f", "avx512_vnni", "amx_int8", "amx_tile"})
-    assert {"-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=OFF",
-            "-DGGML_NATIVE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_TILE=OFF", "-DLLAMA_CURL=OFF"} <= set(options)
-    assert not any("AMX" in o and o.endswith("=ON") for o in options)  # the GCC 12 tileloadd miscompile
+def test_the_build_has_everything_the_cpu_has_and_a_folder_per_feature_set():
+    options = cmake_options()
+    assert {"-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF"} <= set(options)
+    assert not any("AMX" in option for option in options)  # -march=native decides, AMX included
     assert build_dir({"avx2"}) != build_dir({"avx2", "avx512f"})  # each feature set builds its own
+    assert build_dir({"avx512f", "avx512_vnni"}) != build_dir({"avx512f", "avx512_vnni", "amx_tile", "amx_int8"})
+
+
+def test_the_amx_tile_configuration_is_patched_once_and_an_unknown_source_is_refused(tmp_path):
+    """The pinned source's stack-built tile configuration (GCC 12 drops its stores) becomes a static
+    one, once; a source without the text the patch expects is refused with the reason."""
+    source = tmp_path / llamacpp_native.AMX_SOURCE
+    source.parent.mkdir(parents=True)
+    pinned, patched = llamacpp_native.AMX_TILE_CONFIG
+    source.write_text("inline void ggml_tile_config_init(void) {\n" + pinned + "\n}\n")
+    for _ in range(2):
+        llamacpp_native.patch_source(tmp_path)
+        assert source.read_text().count("static tile_config_t tc") == 1 and pinned not in source.read_text()
+    source.write_text("upstream changed this file\n")
+    with pytest.raises(llamacpp_native.BuildError, match="not the pinned source"):
+        llamacpp_native.patch_source(tmp_path)
 
 
 def test_a_binary_is_found_only_where_built_and_executable(tmp_path, monkeypatch):

@@ -12,13 +12,17 @@ models/gguf.py) compiled for the machine it runs on. The build goes to
 built for, so a machine with other features builds its own and never runs a binary that would
 die on an instruction it lacks.
 
-The features are passed one by one (`GGML_NATIVE=OFF`, `GGML_AVX512=ON`, ...) from
-/proc/cpuinfo instead of `-march=native`, with AMX off: with GCC 12 this llama.cpp's AMX tile
-kernel is miscompiled (the tile configuration's stores are dropped: any pass over two or more
-tokens on Q8_0 / Q4 weights dies with SIGILL at `tileloadd`; upstream ggml-org/llama.cpp#26954),
-and `-march=native` would switch it back on after any `-mno-amx-*` in CMAKE_C_FLAGS (ggml adds
-its architecture flags last). AMX speeds up prompt processing, not one-token decoding, so the
-decode figures lose nothing. The web UI is not built (it would be downloaded at configure time).
+It is built with `GGML_NATIVE=ON` (`-march=native`: everything this CPU has, AMX included), as
+llama.cpp's users build it. AMX matters for decoding too: with it ggml repacks Q4_0 / Q4_1 / Q8_0
+weights at load and decodes 1.7-2.3x faster (measured on an Intel Xeon, docs/llamacpp.md). One
+trap is patched out of the pinned source first (`AMX_TILE_CONFIG`): GCC 12 drops the stores of
+ggml's AMX tile configuration, built on the stack (`ggml_tile_config_init` in
+ggml-cpu/amx/mmq.cpp), so any pass over two or more tokens on Q8_0 / Q4 weights died with SIGILL
+at `tileloadd`. The patch keeps the configuration in static storage and asks for the tile-data
+permission in each thread that loads it (the same fix as upstream's open ggml-org/llama.cpp#26954,
+written here). After building, `check_whole` runs `llama-bench -p 512 -n 8` on a small Q8_0 GGUF:
+a build whose multi-token passes die is refused with that reason, never used as a slower anchor.
+The web UI is not built (it would be downloaded at configure time).
 """
 
 from __future__ import annotations
@@ -37,12 +41,23 @@ from models.gguf import CACHE, converted, xllamacpp_sdist, xllamacpp_version
 
 TARGETS = ("llama-server", "llama-bench")
 QUANTIZE = "llama-quantize"
-# /proc/cpuinfo flag -> ggml's CMake option (ggml/CMakeLists.txt), each ON where the CPU has it.
-FEATURES = {"sse4_2": "GGML_SSE42", "avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C", "bmi2": "GGML_BMI2",
-            "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI",
-            "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16"}
-OFF = ("BUILD_SHARED_LIBS", "GGML_NATIVE", "GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16", "LLAMA_CURL", "LLAMA_OPENSSL",
-       "LLAMA_BUILD_TESTS", "LLAMA_BUILD_EXAMPLES", "LLAMA_USE_PREBUILT_UI", "LLAMA_BUILD_UI")
+# /proc/cpuinfo flags that change what -march=native compiles (they name the build's folder).
+FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512vbmi",
+            "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
+OFF = ("BUILD_SHARED_LIBS", "LLAMA_CURL", "LLAMA_OPENSSL", "LLAMA_BUILD_TESTS", "LLAMA_BUILD_EXAMPLES",
+       "LLAMA_USE_PREBUILT_UI", "LLAMA_BUILD_UI")
+# The AMX tile configuration as the pinned source builds it (on the stack: GCC 12 drops its stores), and
+# as the patched source builds it (static storage; the tile-data permission asked for in each thread).
+AMX_TILE_CONFIG = ("""    alignas(64) tile_config_t tc = {};
+    tc.palette_id = 1;""", """    // Patched by vlm-speculative-chat (engine/backends/llamacpp_native.py): the configuration in static
+    // storage, which the compiler must keep (GCC 12 dropped the stores into a stack copy), and the
+    // tile-data permission asked for in this thread before its first tile instruction.
+#if defined(__linux__)
+    syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */);
+#endif
+    alignas(64) static tile_config_t tc = {};
+    tc.palette_id = 1;""")
+AMX_SOURCE = "ggml/src/ggml-cpu/amx/mmq.cpp"
 
 
 class BuildError(RuntimeError):
@@ -62,18 +77,17 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     return set()
 
 
-def cmake_options(flags: set[str]) -> list[str]:
-    """The configure options for a CPU with these flags (AMX and -march=native off: module doc)."""
-    options = [f"-D{option}=ON" for flag, option in FEATURES.items() if flag in flags]
-    options += [f"-D{option}=OFF" for flag, option in FEATURES.items() if flag not in flags]
-    return ["-DCMAKE_BUILD_TYPE=Release", *options, *(f"-D{option}=OFF" for option in OFF)]  # BUILD_SHARED_LIBS off:
-    # static binaries, so the two copied out of the build tree run on their own
+def cmake_options() -> list[str]:
+    """The configure options: everything this CPU has (`-march=native`, AMX included: module doc)."""
+    return ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", *(f"-D{option}=OFF" for option in OFF)]  # BUILD_SHARED_LIBS
+    # off: static binaries, so the two copied out of the build tree run on their own
 
 
 def build_dir(flags: set[str] | None = None, cache: Path = CACHE) -> Path:
     """Where the build for this CPU's features and the installed xllamacpp's version goes."""
-    options = cmake_options(cpu_flags() if flags is None else flags)
-    features = hashlib.sha256(" ".join(options).encode()).hexdigest()[:12]
+    flags = cpu_flags() if flags is None else flags
+    named = [*cmake_options(), *sorted(flag for flag in FEATURES if flag in flags), *AMX_TILE_CONFIG]
+    features = hashlib.sha256(" ".join(named).encode()).hexdigest()[:12]
     return cache / f"llama.cpp-native-{xllamacpp_version()}-{features}"
 
 
@@ -97,8 +111,10 @@ def build(cache: Path = CACHE, jobs: int = 2, log=print, targets: tuple[str, ...
     started = time.monotonic()
     log(f"Building {', '.join(missing)} of llama.cpp {xllamacpp_version()} for this CPU in {work} "
         "(about 20 min on 2 cores for all) ...")
-    _run(["cmake", "-S", str(source), "-B", str(work), *cmake_options(cpu_flags())], "configure")
+    _run(["cmake", "-S", str(source), "-B", str(work), *cmake_options()], "configure")
     _run(["cmake", "--build", str(work), f"-j{jobs}", "--target", *missing], "build")
+    if "llama-bench" in missing:
+        check_whole(work / "bin" / "llama-bench", cache)
     (out / "bin").mkdir(parents=True, exist_ok=True)
     for name in missing:
         shutil.copy2(work / "bin" / name, out / "bin" / f"{name}.partial")
@@ -130,11 +146,39 @@ def quantized_gguf(src: str | os.PathLike, kind: str, cache: Path = CACHE) -> Pa
     return path
 
 
+def check_whole(bench: Path, cache: Path = CACHE) -> None:
+    """Refuse a build whose passes over many tokens die (the AMX trap: module doc): `llama-bench -p 512
+    -n 8` on the demo's own SmolLM2 Q4_1 file (a type ggml's AMX code repacks)."""
+    from models.demo.smol import fetch_gguf
+
+    gguf = fetch_gguf()
+    done = subprocess.run([str(bench), "-m", str(gguf), "-p", "512", "-n", "8", "-t", "2", "-r", "1"],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BuildError(f"the build's llama-bench -p 512 -n 8 failed (exit {done.returncode}: {last}); "
+                         "a build whose multi-token passes die is not used")
+
+
+def patch_source(tree: Path) -> None:
+    """Apply AMX_TILE_CONFIG to the source tree (once; a source without the expected text is refused)."""
+    path = tree / AMX_SOURCE
+    text = path.read_text()
+    pinned, patched = AMX_TILE_CONFIG
+    if patched in text:
+        return
+    if text.count(pinned) != 1:
+        raise BuildError(f"{AMX_SOURCE} is not the pinned source this build patches (its AMX tile configuration "
+                         "was not found): update AMX_TILE_CONFIG in engine/backends/llamacpp_native.py")
+    path.write_text(text.replace(pinned, patched))
+
+
 def _source_tree(cache: Path, log) -> Path:
-    """llama.cpp's whole source tree from the sdist, extracted once."""
+    """llama.cpp's whole source tree from the sdist, extracted once and patched (AMX_TILE_CONFIG)."""
     version = xllamacpp_version()
     tree = cache / f"llama.cpp-source-{version}"
     if (tree / "CMakeLists.txt").is_file():
+        patch_source(tree)
         return tree
     log(f"Extracting llama.cpp's source from xllamacpp {version}'s sdist ...")
     prefix = f"xllamacpp-{version}/thirdparty/llama.cpp/"
@@ -145,6 +189,7 @@ def _source_tree(cache: Path, log) -> Path:
         for member in members:
             member.name = member.name[len(prefix):]
         archive.extractall(partial, members=members, filter="data")
+    patch_source(partial)
     partial.rename(tree)
     return tree
 
