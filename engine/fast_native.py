@@ -30,6 +30,7 @@ import re
 import sys
 from pathlib import Path
 
+from engine.schema import switches
 from engine.tree import MAX_VERIFY_ROWS
 
 SOURCE = Path(__file__).with_name("fast_layer.cpp")
@@ -57,9 +58,10 @@ def unavailable() -> str | None:
 
 @functools.cache
 def _build():
-    if os.environ.get("VLM_NATIVE_LAYER", "1") == "0":
+    switch = switches()
+    if not switch.native_layer:
         return None, "turned off (VLM_NATIVE_LAYER=0)"
-    flags = FLAGS + (["-mno-avx512f"] if os.environ.get("VLM_NATIVE_AVX2") == "1" else [])  # measure/as_avx2.py
+    flags = FLAGS + (["-mno-avx512f"] if switch.native_avx2 else [])  # measure/as_avx2.py
     try:
         import torch
         from torch.utils.cpp_extension import load
