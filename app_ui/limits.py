@@ -1,5 +1,5 @@
 """The bounds on what a public server's visitors may hold (docs/security.md), each with its
-environment variable, read by engine/settings.py `from_environ` (the one reader of every variable).
+environment variable, read by engine/schema.py `from_environ` (the one reader of every variable).
 app_ui/visitors.py and app_ui/guard.py hold them."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from engine.settings import from_environ, setting
+from engine.schema import from_environ, setting
 
 MB = 1024 * 1024
 

@@ -5,7 +5,7 @@ flag wins over its variable. The model and load flags (--preset, --model, --draf
 --device, ...) and their VLM_* variables are made from one schema (engine/load_settings.py);
 the app's own are `AppSettings` below (--host, --port, --share, --no-browser, --max-images,
 --backend, --ab-backend, --image-backend), schema fields of the same kind; every variable of both is read by
-engine/settings.py `from_environ`. `python app.py --help` lists every flag and every variable.
+engine/schema.py `from_environ`. `python app.py --help` lists every flag and every variable.
 
 A bad value, of a flag or a variable, raises SetupError naming it (app.py prints one line).
 """
@@ -22,7 +22,8 @@ from app_ui.visitors import Limits
 from engine.build import EngineSpec, spec_from_args
 from engine.engine import Ceilings, ceiling_variable
 from engine.load_settings import add_model_flags, check_variables, variables
-from engine.settings import flag, from_environ, read_variable, setting, specs_of
+from engine.schema import from_environ, read_variable, setting, specs_of, switch_variables
+from engine.settings import flag
 from models.loading import LoadError
 
 
@@ -65,7 +66,7 @@ MAX_IMAGES = 64
 @dataclass(frozen=True)
 class AppSettings:
     """The app's own settings, after the load settings (engine/load_settings.py): each a flag (`--`
-    and dashes) and its variable, read by engine/settings.py `from_environ` (the one reader)."""
+    and dashes) and its variable, read by engine/schema.py `from_environ` (the one reader)."""
 
     host: str = setting("127.0.0.1", "the address to serve on (default: 127.0.0.1; 0.0.0.0 on a Space)",
                         env="VLM_HOST")
@@ -143,20 +144,13 @@ def app_parser(environ=os.environ) -> argparse.ArgumentParser:
 
 
 def _reader(name: str, wanted: type, meta):
-    """A flag's type: its text read as its variable's is (engine/settings.py `read_variable`), named by the flag."""
+    """A flag's type: its text read as its variable's is (engine/schema.py `read_variable`), named by the flag."""
     return lambda text: read_variable(name, text, wanted, meta, SetupError)
 
 
-# The variables outside the schemas (engine/load_settings.py, AppSettings): (variable, what it gives).
+# The variables outside the schemas (engine/load_settings.py, AppSettings, engine/schema.py Switches):
+# (variable, what it gives). The smol demo's cache is read in models/, which imports nothing of the engine.
 OTHER_VARIABLES = [("VLM_BACKEND_API_KEY", "the servers' API key (sent to them only)"),
-                   ("VLM_NATIVE_LAYER=0", "decode with the Python layers, not the ones compiled from C++ "
-                                          "(engine/fast_native.py)"),
-                   ("VLM_HUGE_PAGES=0", "the compiled layers' weights on the default 4 KB pages, not in one "
-                                        "buffer on 2 MB pages (engine/huge_pages.py)"),
-                   ("VLM_PACKED_WEIGHTS=0", "float32 weights that came from a GGUF file's 4-bit or 8-bit blocks "
-                                            "read as float32, not from those blocks (engine/packed.py; same answers)"),
-                   ("VLM_LLAMACPP_NATIVE=0", "llama.cpp backends run the xllamacpp wheel's server even where "
-                                             "llama.cpp was built for this CPU (engine/backends/llamacpp_native.py)"),
                    ("VLM_SPECULATIVE_CHAT_CACHE", "where --preset smol assembles its model (default "
                                                   "$XDG_CACHE_HOME/vlm-speculative-chat or ~/.cache/...)"),
                    ("GRADIO_SERVER_NAME, GRADIO_SERVER_PORT", "host and port, after VLM_HOST and VLM_PORT"),
@@ -165,13 +159,15 @@ OTHER_VARIABLES = [("VLM_BACKEND_API_KEY", "the servers' API key (sent to them o
 
 def environment_help() -> str:
     """The environment list of `python app.py --help`: every variable and the flag it gives, then
-    the public server's bounds (a request's ceilings, engine/engine.py; the visitors' limits,
-    app_ui/visitors.py; docs/security.md) with their defaults."""
+    the process's switches (engine/schema.py Switches), then the public server's bounds (a request's
+    ceilings, engine/settings.py; the visitors' limits, app_ui/limits.py; docs/security.md) with
+    their defaults."""
     ceilings = [(ceiling_variable(f.name), f"a request's {f.name} at most (default {f.default})")
                 for f in fields(Ceilings)]
     limits = [(f"VLM_{f.name.upper()}", f"the visitors' limit {f.name} (default {f.default:,})") for f in fields(Limits)]
     decoding = [("VLM_DECODE_SLOTS", "images decoded at once (default 2, or 1 on a 2-core machine)")]
-    rows = [*variables(), *variables(AppSettings), *OTHER_VARIABLES, *ceilings, *limits, *decoding]
+    rows = [*variables(), *variables(AppSettings), *switch_variables(), *OTHER_VARIABLES, *ceilings, *limits,
+            *decoding]
     return "environment variables (a flag wins over its variable; VLM_DRAFTER may list several drafters,\n" \
            "separated by commas):\n" + "\n".join(f"  {variable:<40} {what}" for variable, what in rows)
 

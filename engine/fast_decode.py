@@ -207,29 +207,29 @@ class RotaryTable:
 
 
 def decoder_layer(layer: Layer, sizes: Attention, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                  keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None) -> torch.Tensor:
-    """One llama-style decoder layer over x (n, H) at slots start .. start + n - 1 of a cache
-    layer's keys / values (1, kv_heads, capacity, D), which it writes; attends to slots
-    0 .. start + n - 1 under mask (None, or (1, 1, n, start + n): bool, True = attend, or
-    additive in the cache's dtype). cos, signed_sin (n, 1, D) from RotaryTable. Attention runs
-    in the cache's dtype (float32 for 16-bit weights on a CPU: `attention_dtype`). Returns the
-    layer's output (n, H)."""
+                  keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None,
+                  left_out=frozenset()) -> torch.Tensor:
+    """One llama-style decoder layer over x (n, H) at slots start .. start + n - 1 of a cache layer's keys / values
+    (1, kv_heads, capacity, D), which it writes; attends to slots 0 .. start + n - 1 under mask (None, or
+    (1, 1, n, start + n): bool, True = attend, or additive in the cache's dtype). cos, signed_sin (n, 1, D) from
+    RotaryTable. Attention runs in the cache's dtype (float32 for 16-bit weights on a CPU: `attention_dtype`).
+    Returns the layer's output (n, H). left_out: measure/layer_costs.py's PARTS to skip (the engine skips none)."""
     n, end = len(x), start + len(x)
     q_width, kv_width = sizes.heads * sizes.head_dim, sizes.kv_heads * sizes.head_dim
-    qkv = linear(rms_norm(x, layer.input_norm, sizes.eps), layer.qkv_weight, layer.qkv_bias)  # (n, q + 2 kv)
+    norm = (lambda x, weight, eps: x) if "norm" in left_out else rms_norm
+    qkv = linear(norm(x, layer.input_norm, sizes.eps), layer.qkv_weight, layer.qkv_bias)  # (n, q + 2 kv)
     qk = qkv[:, :q_width + kv_width].view(n, sizes.heads + sizes.kv_heads, sizes.head_dim)
-    qk = qk * cos + qk.roll(sizes.head_dim // 2, -1) * signed_sin  # roll by half: the halves swapped
-    keys[0, :, start:end] = qk[:, sizes.heads:].transpose(0, 1)
-    values[0, :, start:end] = qkv[:, q_width + kv_width:].view(n, sizes.kv_heads, sizes.head_dim).transpose(0, 1)
-    queries = qk[:, :sizes.heads].transpose(0, 1)[None]  # (1, heads, n, D)
-    if queries.dtype != keys.dtype:
-        queries = queries.to(keys.dtype)
-    attended = F.scaled_dot_product_attention(queries, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
-                                              scale=sizes.scaling, enable_gqa=True)  # (1, heads, n, D)
-    attended = attended.view(n, q_width) if n == 1 else attended[0].transpose(0, 1).reshape(n, q_width)
+    qk = qk if "rotary" in left_out else qk * cos + qk.roll(sizes.head_dim // 2, -1) * signed_sin  # roll: halves swap
+    if "write" not in left_out:
+        keys[0, :, start:end] = qk[:, sizes.heads:].transpose(0, 1)
+        values[0, :, start:end] = qkv[:, q_width + kv_width:].view(n, sizes.kv_heads, sizes.head_dim).transpose(0, 1)
+    queries = qk[:, :sizes.heads].transpose(0, 1)[None].to(keys.dtype)  # (1, heads, n, D), a copy only when it differs
+    attended = queries if "attention" in left_out else F.scaled_dot_product_attention(  # (1, heads, n, D)
+        queries, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=sizes.scaling, enable_gqa=True)
+    attended = attended.reshape(n, q_width) if n == 1 else attended[0].transpose(0, 1).reshape(n, q_width)
     x = x + linear(attended.to(x.dtype), layer.o_weight, layer.o_bias)
-    gate, up = linear(rms_norm(x, layer.post_norm, sizes.eps), layer.gate_up_weight).chunk(2, dim=-1)
-    return x + linear(F.silu(gate) * up, layer.down_weight)
+    gate, up = linear(norm(x, layer.post_norm, sizes.eps), layer.gate_up_weight).chunk(2, dim=-1)
+    return x + linear(gate if "silu" in left_out else F.silu(gate) * up, layer.down_weight)
 
 
 def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -73,7 +73,9 @@ static Tensor aten_product(const Tensor& x, const Tensor& weight, const c10::opt
 // weight is read once for all the rows: a 5-row bfloat16 product costs about 1.5 one-row products
 // here, against 5.6 for oneDNN's (docs/performance.md). The 16 lanes are one AVX-512 register, two
 // AVX2 registers, or an array the compiler vectorizes (other CPUs): the same operations in the same
-// order, so all three give the same bits and an answer does not depend on the CPU's vector width.
+// order, so all three give the same bits and a product does not depend on the CPU's vector width
+// (the attention and SiLU below do: an AVX-512 build sums them in lanes, others in plain loops, so
+// an answer's bits may differ between builds; docs/performance.md, "Exactness").
 // It takes up to ROWS_KERNEL_MAX rows, the most a verify pass has (engine/tree.py MAX_VERIFY_ROWS,
 // given by engine/fast_native.py): every pass the settings allow. Longer passes (a drafter head's
 // prompt, which no pass is compared with) and other shapes: ATen's product, faster there.

@@ -9,8 +9,9 @@ in its own kernel (each row summed alone, so a verify pass is bitwise its decode
 intrinsics, or on other CPUs the same sums in code the compiler vectorizes, bitwise equal),
 longer ones (a drafter head's prompt pass, compared with no other pass) in ATen's; the final
 norm and output layer in one more call (`logits`). torch's extension loader compiles it with the
-machine's C++ compiler and ninja the first time (about 30 s, said on stderr; then cached under
-~/.cache/torch_extensions, built again when the source, its flags, torch or the CPU changes).
+machine's C++ compiler and ninja the first time (222 s on 2 cores at load average 8, said on
+stderr; then cached under ~/.cache/torch_extensions, built again when the source, its flags,
+torch or the CPU changes).
 Where it cannot be built (no compiler, a read-only home) or with `VLM_NATIVE_LAYER=0` (then
 nothing is built), the Python layer runs on its own weight layout and `unavailable()` says why.
 int8 weights (`--quantization int8`) run compiled too (the rows kernel reads their int8 values
@@ -30,6 +31,7 @@ import re
 import sys
 from pathlib import Path
 
+from engine.schema import switches
 from engine.tree import MAX_VERIFY_ROWS
 
 SOURCE = Path(__file__).with_name("fast_layer.cpp")
@@ -57,16 +59,17 @@ def unavailable() -> str | None:
 
 @functools.cache
 def _build():
-    if os.environ.get("VLM_NATIVE_LAYER", "1") == "0":
+    switch = switches()
+    if not switch.native_layer:
         return None, "turned off (VLM_NATIVE_LAYER=0)"
-    flags = FLAGS + (["-mno-avx512f"] if os.environ.get("VLM_NATIVE_AVX2") == "1" else [])  # measure/as_avx2.py
+    flags = FLAGS + (["-mno-avx512f"] if switch.native_avx2 else [])  # measure/as_avx2.py
     try:
         import torch
         from torch.utils.cpp_extension import load
 
         name = f"{NAME}_{re.sub(r'[^A-Za-z0-9]', '_', torch.__version__)}_{_machine()}_{_source(flags)}"
         if not _built(name):
-            print("Compiling the fast decode path (engine/fast_layer.cpp) for this machine: about 30 s ...",
+            print("Compiling the fast decode path (engine/fast_layer.cpp) for this machine, once: minutes ...",
                   file=sys.stderr, flush=True)
         return load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     verbose=False), None

@@ -11,9 +11,10 @@ streamed 25.0-25.6 GB/s from 4 KB pages and 29.9-32.1 GB/s from 2 MB pages (docs
 from __future__ import annotations
 
 import mmap
-import os
 
 import torch
+
+from engine.schema import switches
 
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each weight starts on a cache line
@@ -52,6 +53,6 @@ class HugePageArena:
 
 def arena_for(tensors: list[torch.Tensor]) -> HugePageArena | None:
     """An arena for these tensors where they are all in CPU memory, unless VLM_HUGE_PAGES=0 or there are none."""
-    if os.environ.get("VLM_HUGE_PAGES") == "0" or not tensors or any(t.device.type != "cpu" for t in tensors):
+    if not switches().huge_pages or not tensors or any(t.device.type != "cpu" for t in tensors):
         return None
     return HugePageArena(HugePageArena.size_of(tensors))

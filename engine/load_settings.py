@@ -17,7 +17,8 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine.settings import MAX_COUNT, MAX_COUNT_TEXT, TRUE, Spec, environ_values, flag, setting, specs_of  # noqa: F401
+from engine.schema import Spec, environ_values, setting, specs_of
+from engine.settings import MAX_COUNT, MAX_COUNT_TEXT, flag
 from models.loading import DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError, LoadOptions
 from models.presets import DEFAULT_PRESET, PRESETS
 

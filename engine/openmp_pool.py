@@ -5,8 +5,9 @@ each thread that starts a parallel region gets a pool of its own. Once the pools
 threads than there are CPUs, libgomp stops spin-waiting between regions (its "throttled" spin
 count), so every region of every pool wakes a sleeping thread. On the project's 2-core machine,
 after the main thread had computed, a 192 -> 576 one-row product on another thread took 49-75 us
-against 8-10 us (`python -m measure.omp_probe`), and the demo model decoded 3x slower on the
-engine's worker thread (engine/worker.py) than on the main thread (docs/performance.md).
+against 8-10 us (a one-off probe, `measure/omp_probe.py`, removed on 7 December: in git at
+961223e), and the demo model decoded 3x slower on the engine's worker thread (engine/worker.py)
+than on the main thread (docs/performance.md).
 The main thread's pool is idle by then (it loaded the model), so it gives it back
 (`omp_pause_resource_all`, OpenMP 5.0); the next parallel region on that thread makes a new one.
 """

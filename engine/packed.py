@@ -21,13 +21,13 @@ compiled stack (engine/fast_decode.py); VLM_PACKED_WEIGHTS=0 keeps them float32 
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, replace
 
 import torch
 
 from engine import huge_pages
+from engine.schema import switches
 
 BLOCK = 32
 FORMATS = {"q4_1": 20, "q8_0": 34}  # bytes a block, ggml's block_q4_1 and block_q8_0
@@ -58,7 +58,7 @@ class Adapted:
 
 
 def enabled() -> bool:
-    return os.environ.get("VLM_PACKED_WEIGHTS") != "0"
+    return switches().packed_weights
 
 
 def pack(weight: torch.Tensor) -> PackedWeight | None:

@@ -24,18 +24,9 @@ def rows_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 class RowsKernelLinear(torch.nn.Linear):
-    """An nn.Linear whose products run through `rows_product`; same parameters."""
-
-    @classmethod
-    def swap_into(cls, module: torch.nn.Module) -> int:
-        """Every nn.Linear under `module` becomes one, on a CPU where the compiled module builds;
-        returns how many."""
-        if fast_native.layer() is None:
-            return 0
-        linears = [m for m in module.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
-        for linear in linears:
-            linear.__class__ = cls
-        return len(linears)
+    """An nn.Linear whose products run through `rows_product` (the compiled rows kernel where it
+    builds and takes the pass, else ATen's); same parameters. A module that is to use it is built
+    with it (models/eagle3.py `load(..., linear=RowsKernelLinear)`), never converted afterwards."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = rows_product(x.reshape(-1, self.in_features), self.weight, self.bias)

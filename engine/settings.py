@@ -14,8 +14,9 @@ server's ceiling (`ceiling`, its variable `ceiling_env`) may be lower, a UI rang
 docs/settings.md lists them (tests/test_settings.py checks that page against this schema).
 
 Every environment variable of every schema (these settings' ceilings, the load settings of
-engine/load_settings.py, the visitors' limits of app_ui/visitors.py) is read by one function,
-`environ_values` / `from_environ`, from the field's `env` and its range.
+engine/load_settings.py, the visitors' limits of app_ui/limits.py, the process's switches) is read
+by one function, engine/schema.py `environ_values` / `from_environ`, from the field's `env` and its
+range; `Spec` and `setting` are defined there too, in a module that imports nothing of the engine.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, make_dataclass, replace
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Any, get_type_hints
 
 from engine.loop import DecodeSettings
 from engine.sampling import SamplingSettings
+from engine.schema import Spec, from_environ, setting
 from engine.tree import MAX_DRAFT_NODES
 
 MODES = ("speculative", "plain")
@@ -37,34 +38,10 @@ MODES = ("speculative", "plain")
 # answer's statistics could not be sent).
 MAX_COUNT, MAX_COUNT_TEXT = 2**20, "2**20"
 CHARS_PER_TOKEN = 16  # a text may be this many characters per token of context, checked before tokenizing
-TRUE = ("1", "true", "yes", "on")  # a switch's variable is on with one of these
 
 
 class RequestError(ValueError):
     """The request cannot be answered as sent (a setting out of range, too many images...); says why."""
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One setting's metadata."""
-
-    help: str
-    label: str = ""  # the app's control (a request setting; a load setting has none)
-    low: float | None = None  # the least value (None: no bound)
-    high: float | None = None  # the most value the engine takes
-    above_low: bool = False  # the least value itself is refused ("over 0")
-    low_means: str = ""  # what the least value means, quoted in messages: "0 (greedy)"
-    high_text: str = ""  # the most value as messages write it ("2**63 - 1")
-    choices: tuple[str, ...] = ()  # the allowed values (the drafter's are the engine's)
-    ui: tuple[float, float, float] | None = None  # the sidebar's (least, most, step) when narrower than the range
-    env: str | None = None  # the environment variable that gives the default (`environ_values`)
-    cli: bool = True  # a flag of `python -m engine` made from this field (else the CLI has its own: --drafter)
-    ceiling: int | None = None  # a public server's default most value (`Ceilings`), under `high`
-    ceiling_env: str | None = None  # ...and the variable that sets it (at most `high`)
-
-
-def setting(default: Any, help: str, label: str = "", **spec) -> Any:
-    return field(default=default, metadata={"spec": Spec(help, label, **spec)})
 
 
 @dataclass(frozen=True)
@@ -87,7 +64,9 @@ class Settings:
                            high=1, above_low=True, ui=(0.05, 1, 0.05))
     max_new_tokens: int = setting(256, "the answer's most tokens", "Max new tokens", low=1, high=4096,
                                   ui=(1, 1024, 1), ceiling=4096, ceiling_env="VLM_MAX_NEW_TOKENS")
-    seed: int = setting(0, "the sampler's seed (with temperature over 0)", "Seed", low=0,
+    seed: int = setting(0, "the sampler's seed (with temperature over 0): the same settings give the same answer "
+                        "again at a fixed draft_tokens; with draft_tokens 0 (k chosen from measured cost) the answer can depend on "
+                        "the machine's load, which changes k and so the random numbers drawn", "Seed", low=0,
                         high=2**63 - 1, high_text="2**63 - 1")
     system_prompt: str = setting("", "an instruction placed before the conversation", "System prompt (optional)")
     max_image_tokens: int | None = setting(None, "at most about this many tokens per image (0: the model's processor's "
@@ -243,62 +222,6 @@ def control(name: str) -> dict:
     elif meta.low is not None and meta.high is not None and not meta.choices:
         shown["range"] = (meta.low, meta.high, 1 if kind(name) is int else None)
     return shown
-
-
-# --- the environment: one reader for every schema's variables -------------------------------------------
-
-def specs_of(cls) -> list[tuple[str, type, Spec]]:
-    """(name, type, metadata) of every field of the dataclass `cls` that carries a Spec, in order
-    (an optional's type is its non-None one; a list's is list)."""
-    hints = get_type_hints(cls)
-    rows = []
-    for f in fields(cls):
-        if "spec" in f.metadata:
-            hint = next(a for a in get_args(hints[f.name]) or (hints[f.name],) if a is not type(None))
-            rows.append((f.name, get_origin(hint) or hint, f.metadata["spec"]))
-    return rows
-
-
-def read_variable(variable: str, text: str, wanted: type, meta: Spec, error: type[Exception] = ValueError):
-    """The variable's text as the setting's type (`error` naming the variable when it is not of its
-    kind or out of the Spec's range): a switch is on with one of TRUE; a list is one item (commas
-    separate several, as in a flag's value); a number is whole for an int, finite for a float."""
-    if wanted is bool:
-        return text.lower() in TRUE
-    if wanted is list:
-        return [text]
-    if wanted not in (int, float):
-        return text
-    try:
-        number = wanted(text)
-    except ValueError:
-        raise error(f"{variable}: {text!r} is not a {'whole ' if wanted is int else ''}number") from None
-    if not math.isfinite(number):
-        raise error(f"{variable}: {text!r} is not a finite number")
-    if meta.low is not None and number < meta.low:
-        raise error(f"{variable}: {text} is under {meta.low:g}")
-    if meta.high is not None and number > meta.high:
-        raise error(f"{variable}: {text} is over {meta.high_text or f'{meta.high:g}'}"[:200])
-    return number
-
-
-def environ_values(cls, environ: Mapping[str, str] | None = os.environ,
-                   error: type[Exception] = ValueError) -> dict[str, Any]:
-    """{field: value} of each field of the dataclass `cls` whose Spec names a variable that is set
-    (not empty) in `environ`, read by `read_variable`."""
-    values = {}
-    for name, wanted, meta in specs_of(cls):
-        text = (environ or {}).get(meta.env) if meta.env else None
-        if text:
-            values[name] = read_variable(meta.env, text, wanted, meta, error)
-    return values
-
-
-def from_environ(cls, environ: Mapping[str, str] | None = os.environ, error: type[Exception] = ValueError,
-                 **defaults):
-    """An instance of the dataclass `cls`: each field from its variable when set, else from
-    `defaults`, else its own default; `error` names a bad variable (one line)."""
-    return cls(**{**defaults, **environ_values(cls, environ, error)})
 
 
 def _ceiling(name: str):

@@ -10,8 +10,10 @@ Rows (all on the same requests, greedy, streamed): this engine plain; this engin
 drafter; transformers `generate()` plain; `generate(assistant_model=...)` with each drafter
 that is its own model (text LM, VLM); `generate(prompt_lookup_num_tokens=k)`. Rows are interleaved request by request
 (the order rotates) so machine drift hits all rows alike; one warm-up request per row is
-left out of the figures. `speedup_vs_plain` is the per-request ratio of decode tok/s to this
-engine's plain row. `limit` is the speedup the row's measured tokens per target forward
+left out of the figures. Each column's aggregation over a row's requests: first token, whole
+answer and decode tok/s the median; mean k and tokens per target forward the mean; acceptance
+pooled (every accepted draft token over every drafted one); `speedup_vs_plain` the per-request
+ratio of decode tok/s to this engine's plain row, its min, median and max. `limit` is the speedup the row's measured tokens per target forward
 would give if each round cost what the cost model says: k draft steps plus one target pass
 over k+1 tokens (for the k each round drafted), against one target pass over 1 token (all
 measured here). The draft length is chosen from cost unless `--draft-tokens K` fixes it;

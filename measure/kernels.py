@@ -4,20 +4,16 @@ SmolVLM-256M and Qwen2.5-VL-3B, for each candidate kernel (docs/performance.md, 
 rows").
 
     python -m measure.kernels [--shapes smolvlm,3b] [--rows 1,2,3,5,9] [--threads 1,2]
-                              [--kinds in,out,packed,ip-in,upcast,int8] [--rounds 5] [--cold-mb 300]
+                              [--kinds in,out,compiled,int8] [--rounds 5] [--cold-mb 300]
 
-Kinds: `in` today's fast path (F.linear on an input-major weight, (in, out) contiguous); `out`
-F.linear on nn.Linear's (out, in); `packed[:N]` oneDNN's packed weight for batches of N rows
-(`mkldnn._reorder_linear_weight` + `mkldnn._linear_pointwise`, what inductor's freezing uses for
-bf16 linears; a second copy of the weight); `ip` / `ip-in` oneDNN's inner product
-(`_linear_pointwise`, packed's kernel) on the dense (out, in) / input-major weight, no copy;
-`rows` n one-row products on the input-major weight; `upcast` today's kernel for one row,
-`upcast_linear` for more (float32 products over column blocks of the input-major weight upcast
-into a cache-sized tile); `upcast:KB` upcast_linear for every n with tiles of KB; `in-nodnnl` /
-`out-nodnnl` F.linear with oneDNN switched off (torch's own bf16 kernels); `int8` the fast path's
-`--quantization int8` (half the bytes: a reference, not a bf16 kernel); `compiled` the compiled
-stack's rows kernel on the (out, in) weight (engine/fast_layer.cpp: AVX-512 where this CPU has it);
-`compiled:avx2` / `compiled:portable` the kernels CPUs without AVX-512 run (the same sums).
+Kinds: `in` torch's F.linear on an input-major weight ((in, out) contiguous: the Python layer's
+layout, engine/fast_decode.py, where the compiled stack is not built); `out` F.linear on
+nn.Linear's (out, in); `compiled` the compiled stack's rows kernel on the (out, in) weight
+(engine/fast_layer.cpp: AVX-512 where this CPU has it), `compiled:avx2` / `compiled:portable` the
+kernels CPUs without AVX-512 run (the same sums); `int8` the fast path's `--quantization int8`
+(half the bytes: a reference, not a bf16 kernel). The kinds tried and rejected on the way to the
+rows kernel (oneDNN's packed weights and inner product, upcast tiles: docs/performance.md, "What
+was tried") are no longer here.
 
 Each product reads a weight the CPU has not just read: every kind holds copies of its weight
 totalling `--cold-mb` (more than this CPU's 260 MB L3 with the other kinds' copies read in
@@ -49,41 +45,13 @@ SHAPES = {  # name: (out, in)
 }
 
 
-def without_onednn(product):
-    def run(x):
-        enabled = torch._C._get_mkldnn_enabled()
-        torch._C._set_mkldnn_enabled(False)
-        try:
-            return product(x)
-        finally:
-            torch._C._set_mkldnn_enabled(enabled)
-    return run
-
-
 def make(kind: str, weight: torch.Tensor):
     """kind's product x (n, in) -> y (n, out) for a bfloat16 weight (out, in), over its own copy."""
-    reads_input_major = kind in ("in", "in-nodnnl", "rows", "ip-in") or kind.startswith("upcast")
-    input_major = weight.t().contiguous().t() if reads_input_major else None  # (out, in), stored (in, out)
     if kind == "in":
+        input_major = weight.t().contiguous().t()  # (out, in), stored (in, out)
         return lambda x: F.linear(x, input_major)
     if kind == "out":
         return lambda x, w=weight.clone(): F.linear(x, w)
-    if kind == "in-nodnnl":
-        return without_onednn(lambda x: F.linear(x, input_major))
-    if kind == "out-nodnnl":
-        return without_onednn(lambda x, w=weight.clone(): F.linear(x, w))
-    if kind.startswith("packed"):  # packed:N packs for a batch of N rows (default 1)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.clone(), int(kind.partition(":")[2] or 1))
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    if kind in ("ip", "ip-in"):  # oneDNN's inner product (packed's kernel) on the dense weight, no copy
-        dense = weight.clone() if kind == "ip" else input_major
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], "")
-    if kind == "rows":
-        return lambda x: torch.cat([F.linear(x[i:i + 1], input_major) for i in range(len(x))])
-    if kind == "upcast":  # F.linear for one row, upcast_linear for more
-        return lambda x: F.linear(x, input_major) if len(x) == 1 else upcast_linear(x, input_major)
-    if kind.startswith("upcast:"):  # upcast_linear for every n, tiles of KB of float32
-        return lambda x, size=int(kind.partition(":")[2]) * 1024: upcast_linear(x, input_major, size)
     if kind == "int8":
         return lambda x, w=quantized.Int8Weight.quantize(weight.t()): fast_decode.linear(x, w)
     if kind.startswith("compiled"):  # compiled:NAME, one of the build's rows kernels
@@ -103,23 +71,6 @@ def make(kind: str, weight: torch.Tensor):
                 native.use_rows_kernel(in_use)
         return product
     raise SystemExit(f"unknown kind {kind!r}")
-
-
-def upcast_linear(x: torch.Tensor, weight: torch.Tensor, block_bytes: int = 4 << 20) -> torch.Tensor:
-    """F.linear for x (n, in) and a bf16 weight (out, in) stored input-major, in float32: block by
-    block of output columns, the weight's block is upcast into a float32 tile of about
-    `block_bytes` (kept in the CPU's cache) and multiplied there (MKL sgemm). Returns (n, out) bf16."""
-    columns = weight.t()  # (in, out) contiguous
-    width, out = columns.shape
-    block = min(out, max(16, block_bytes // (4 * width) // 16 * 16))
-    tile = torch.empty(width * block)
-    rows, y = x.float(), torch.empty(len(x), out)
-    for start in range(0, out, block):
-        stop = min(start + block, out)
-        upcast = tile[:width * (stop - start)].view(width, stop - start)
-        upcast.copy_(columns[:, start:stop])
-        torch.mm(rows, upcast, out=y[:, start:stop])
-    return y.to(x.dtype)
 
 
 def weight_bytes(kind: str, weight: torch.Tensor) -> int:
@@ -167,9 +118,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="smolvlm,3b", help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--rows", default="1,2,3,5,9")
     parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--kinds", default="in,out,packed,ip-in,upcast,int8",
-                        help="the first is the baseline of the ratios; of in, out, in-nodnnl, out-nodnnl, "
-                             "packed[:N], rows, upcast[:KB], int8")
+    parser.add_argument("--kinds", default="in,out,compiled,int8",
+                        help="the first is the baseline of the ratios; of in, out, compiled[:KERNEL], int8")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cold-mb", type=float, default=300, help="each kind's copies of a weight, MB")
     args = parser.parse_args(argv)

@@ -7,8 +7,9 @@ one process, interleaved round by round, 20 passes of one token after a 64-token
 - `compiled`: the fast path's pass as the engine runs it (`Runner.extend`, then a rollback)
   with the compiled stack (engine/fast_native.py), where this machine builds it;
 - `full`: the same pass with the Python layer (engine/fast_decode.decoder_layer);
-- `without X`: the Python layer's pass with one part of every decoder layer left out (its output
-  replaced by its input, so the products still run on tensors of the same shapes): `norm` (both
+- `without X`: the Python layer's pass with one part of every decoder layer left out (the
+  reference layer's own `left_out`: its output replaced by its input, so the products still run
+  on tensors of the same shapes): `norm` (both
   RMSNorms), `rotary`, `write` (the K/V cache writes), `attention` (SDPA), `silu` (SiLU and the
   gate product), and `all` of them;
 - `products`: the pass's matrix products alone, the same weights in the same order, with inputs
@@ -20,41 +21,23 @@ Prints each variant's median ms per pass and what leaving the part out saved. Th
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from engine import fast_decode, quantized
-from engine.fast_decode import linear, rms_norm
+from engine.fast_decode import linear
 
-PARTS = ("norm", "rotary", "write", "attention", "silu")
+PARTS = ("norm", "rotary", "write", "attention", "silu")  # what engine/fast_decode.decoder_layer can leave out
 
 
 def layer_without(parts: set[str]):
     """engine/fast_decode.decoder_layer with `parts` left out (same products, same shapes)."""
-    def layer_fn(layer, sizes, x, cos, signed_sin, keys, values, start, mask):
-        n, end = len(x), start + len(x)
-        q_width, kv_width = sizes.heads * sizes.head_dim, sizes.kv_heads * sizes.head_dim
-        qkv = linear(x if "norm" in parts else rms_norm(x, layer.input_norm, sizes.eps), layer.qkv_weight,
-                     layer.qkv_bias)
-        qk = qkv[:, :q_width + kv_width].view(n, sizes.heads + sizes.kv_heads, sizes.head_dim)
-        if "rotary" not in parts:
-            qk = qk * cos + qk.roll(sizes.head_dim // 2, -1) * signed_sin
-        if "write" not in parts:
-            keys[0, :, start:end] = qk[:, sizes.heads:].transpose(0, 1)
-            values[0, :, start:end] = qkv[:, q_width + kv_width:].view(n, sizes.kv_heads, -1).transpose(0, 1)
-        queries = qk[:, :sizes.heads].transpose(0, 1)[None].to(keys.dtype)
-        attended = queries if "attention" in parts else F.scaled_dot_product_attention(
-            queries, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=sizes.scaling, enable_gqa=True)
-        x = x + linear(attended[0].transpose(0, 1).reshape(n, q_width).to(x.dtype), layer.o_weight, layer.o_bias)
-        gate, up = linear(x if "norm" in parts else rms_norm(x, layer.post_norm, sizes.eps),
-                          layer.gate_up_weight).chunk(2, dim=-1)
-        return x + linear(gate if "silu" in parts else F.silu(gate) * up, layer.down_weight)
-    return layer_fn
+    return functools.partial(fast_decode.decoder_layer, left_out=frozenset(parts))
 
 
 def products_of(decoder: fast_decode.FastDecoder):

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
 SPECFORGE_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 SPECULATORS_ARCHITECTURES = ("Eagle3Speculator",)
@@ -175,31 +176,19 @@ def _speculators_config(raw: dict) -> Eagle3Config:
 # The module: parameter names are SpecForge's (speculators' `layers.0.` is renamed on load).
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, width: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(width))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-
-
 class Attention(nn.Module):
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, linear: type[nn.Linear] = nn.Linear):
         super().__init__()
         heads, kv_heads, head_dim, width = (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                                             2 * config.hidden_size)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(width, heads * head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(width, kv_heads * head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(width, kv_heads * head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=False)
+        self.q_proj = linear(width, heads * head_dim, bias=config.attention_bias)
+        self.k_proj = linear(width, kv_heads * head_dim, bias=config.attention_bias)
+        self.v_proj = linear(width, kv_heads * head_dim, bias=config.attention_bias)
+        self.o_proj = linear(heads * head_dim, config.hidden_size, bias=False)
         if config.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.q_norm = LlamaRMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -211,7 +200,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(bsz, n, self.kv_heads, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = (rotate(t.transpose(1, 2), cos[:, None], sin[:, None]) for t in (q, k))
+        q, k = (apply_rotary(t.transpose(1, 2), cos[:, None], sin[:, None]) for t in (q, k))
         if cache is not None:
             k, v = cache.append(k, v)
         groups = self.heads // self.kv_heads
@@ -220,19 +209,19 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(bsz, n, -1))
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated as transformers' `apply_rotary_pos_emb` rotates q and k (its rotate_half)."""
+    return x * cos + rotate_half(x) * sin
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, linear: type[nn.Linear] = nn.Linear):
         super().__init__()
         from transformers.activations import ACT2FN
 
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -240,31 +229,35 @@ class MLP(nn.Module):
 
 
 class MidLayer(nn.Module):
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, linear: type[nn.Linear] = nn.Linear):
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, linear)
+        self.mlp = MLP(config, linear)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm_before_residual = config.norm_before_residual
 
 
 class Eagle3(nn.Module):
-    def __init__(self, config: Eagle3Config, own_embedding: bool = True):
+    """The EAGLE-3 layer. `linear`: the class of its products (nn.Linear, or a subclass with the
+    same parameters whose forward computes the same product elsewhere: the engine passes
+    engine/rows_kernel.py's RowsKernelLinear)."""
+
+    def __init__(self, config: Eagle3Config, own_embedding: bool = True, linear: type[nn.Linear] = nn.Linear):
         super().__init__()
         self.config = config
         width = 3 * config.target_hidden_size
         if own_embedding:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         if config.norm_before_fc:
-            self.input_norm = RMSNorm(width, config.rms_norm_eps)
+            self.input_norm = LlamaRMSNorm(width, config.rms_norm_eps)
         if config.fc_norm:
-            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps) for _ in range(3))
-        self.fc = nn.Linear(width, config.hidden_size, bias=False)
-        self.midlayer = MidLayer(config)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(config.target_hidden_size, config.rms_norm_eps) for _ in range(3))
+        self.fc = linear(width, config.hidden_size, bias=False)
+        self.midlayer = MidLayer(config, linear)
+        self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
@@ -400,10 +393,12 @@ def read_weights(name: str, config: Eagle3Config) -> dict[str, torch.Tensor]:
     return renamed
 
 
-def load(name: str, config: Eagle3Config, dtype=torch.float32, device="cpu") -> Eagle3:
-    """The module of checkpoint `name`; FormatError naming missing, unexpected or mis-shaped weights."""
+def load(name: str, config: Eagle3Config, dtype=torch.float32, device="cpu",
+         linear: type[nn.Linear] = nn.Linear) -> Eagle3:
+    """The module of checkpoint `name` (its products of class `linear`: Eagle3); FormatError naming
+    missing, unexpected or mis-shaped weights."""
     weights = read_weights(name, config)
-    module = Eagle3(config, own_embedding="embed_tokens.weight" in weights)
+    module = Eagle3(config, own_embedding="embed_tokens.weight" in weights, linear=linear)
     expected = module.state_dict()
     weights.setdefault("d2t", expected["d2t"])  # no mapping: the draft vocabulary is the target's
     weights.setdefault("t2d", expected["t2d"])

@@ -333,3 +333,22 @@ def test_interleaved_measures_take_turns_within_each_round():
     results = interleaved(2, ("plain", "replay"), lambda round_index, side: calls.append((round_index, side)) or side)
     assert calls == [(0, "plain"), (0, "replay"), (1, "plain"), (1, "replay")]
     assert results == {"plain": ["plain", "plain"], "replay": ["replay", "replay"]}
+
+
+def test_the_docs_table_names_every_constant_of_the_rule_with_its_value():
+    """docs/draft-length.md's "Every constant of the rule": each module-level constant of
+    engine/draft_length.py, engine/acceptance.py and engine/auto.py, with its value."""
+    import importlib
+    import re
+
+    from tests.conftest import ROOT
+
+    with open(f"{ROOT}/docs/draft-length.md", encoding="utf-8") as page:
+        rows = dict(re.findall(r"^\| `(\w+\.\w+)` \| ([^|]+) \|", page.read(), re.M))
+    constants = {}
+    for name in ("draft_length", "acceptance", "auto"):
+        module = importlib.import_module(f"engine.{name}")
+        constants |= {f"{name}.{key}": value for key, value in vars(module).items()
+                      if re.fullmatch(r"[A-Z][A-Z0-9_]+", key) and isinstance(value, (int, float))}
+    assert len(constants) >= 18 and set(rows) == set(constants)
+    assert all(float(rows[name]) == value for name, value in constants.items()), rows

@@ -485,7 +485,7 @@ def test_auto_dtype_runs_a_large_module_in_bfloat16_where_the_cpu_has_it(monkeyp
     larger one in bfloat16 where the CPU computes in bfloat16, else float32; greedy answers equal
     plain decoding either way (the target verifies every token)."""
     from engine.drafters import target_head
-    from models.demo.train_drafters import DEFAULT_TARGET
+    from models.demo.drafter_data import DEFAULT_TARGET
 
     target = load_target(DEFAULT_TARGET, MODEL_OPTIONS)
     folder = os.path.join(os.path.dirname(__file__), "..", "assets", "demo", "eagle3_drafter")
@@ -532,7 +532,7 @@ def test_train_eagle3_feature_loss_is_the_fed_back_rows_distance_from_g():
     the chains whose token c + s is an answer token."""
     from models import eagle3
     from models.demo import world
-    from models.demo.train_drafters import TargetPass
+    from models.demo.drafter_data import TargetPass
     from models.demo.train_eagle3 import DEFAULT_TARGET, draft_vocabulary, eagle3_losses, specforge_config
     from models.processors import load_processor
     from transformers import AutoModelForImageTextToText
@@ -573,7 +573,7 @@ def test_train_eagle3_soft_labels_are_the_targets_distribution_over_the_draft_vo
     logits at the draft vocabulary's ids, in their order."""
     from models import eagle3
     from models.demo import world
-    from models.demo.train_drafters import TargetPass
+    from models.demo.drafter_data import TargetPass
     from models.demo.train_eagle3 import DEFAULT_TARGET, draft_vocabulary, eagle3_losses, specforge_config
     from models.processors import load_processor
     from transformers import AutoModelForImageTextToText

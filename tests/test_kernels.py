@@ -8,15 +8,14 @@ import torch
 from engine import fast_native
 from measure import kernels
 
-KINDS = ("in", "out", "in-nodnnl", "out-nodnnl", "packed", "packed:5", "ip", "ip-in", "rows", "upcast",
-         "upcast:16") + tuple(f"compiled:{name}" for name in (fast_native.layer().rows_kernels_built()
+KINDS = ("in", "out") + tuple(f"compiled:{name}" for name in (fast_native.layer().rows_kernels_built()
                                                                if fast_native.layer() is not None else ()))
 
 
 def test_every_kind_computes_the_bfloat16_product(one_thread):
     torch.manual_seed(0)
     # compiled: groups of 4 (AVX-512, portable) or 2 (AVX2) outputs and one tail output, 3 blocks of
-    # 16 inputs; upcast:16 (16 KB tiles): blocks of 80 columns, the last of 21
+    # 16 inputs
     weight = torch.randn(101, 48).bfloat16()
     for n in (1, 5):
         x = torch.randn(n, 48).bfloat16()

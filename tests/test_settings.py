@@ -11,6 +11,7 @@ import pytest
 from app_ui import layout, setup
 from engine import load_settings
 from engine import settings as schema
+from engine.schema import specs_of
 from engine.__main__ import main, parse_args
 from tests.conftest import ROOT
 from tests.helpers import reference_engine
@@ -95,12 +96,12 @@ def test_the_security_page_lists_every_ceiling_and_limit_with_its_variable():
         meta = schema.spec(option.name)
         row = next(line for line in rows if line.startswith(f"| `{option.name}` |"))
         assert f" to {meta.ceiling}" in row and f"`{meta.ceiling_env}`" in row, row
-    for name, _, meta in schema.specs_of(Limits):
+    for name, _, meta in specs_of(Limits):
         assert any(f"`{meta.env}`" in line for line in rows), meta.env
 
 
 def test_every_variable_is_read_by_one_reader_with_one_kind_of_message():
-    """engine/settings.py `environ_values` reads the load settings', the ceilings' and the visitors'
+    """engine/schema.py `environ_values` reads the load settings', the ceilings' and the visitors'
     variables alike: a number of the field's kind, in its range, named in one line."""
     from app_ui.visitors import Limits
 
@@ -159,6 +160,32 @@ def test_the_apps_help_lists_every_variable_the_code_reads(capsys):
     read |= {meta.env for _, _, meta in load_settings.specs()}
     assert {"VLM_DECODE_SLOTS", "VLM_TIME_BUDGET_S", "VLM_MAX_DRAFT_TREE", "VLM_BACKEND_API_KEY"} <= read
     assert not [name for name in read if not re.search(rf"^  (.*, )?{name}\b", listing, re.M)]
+
+
+def test_the_switches_are_schema_fields_read_by_the_one_reader_and_listed_by_help(capsys):
+    """engine/schema.py Switches: each switch's variable, set to its other value, turns it over
+    (read by `from_environ`, "0" off and "1" on); `python app.py --help` and docs/settings.md list
+    each with its help; the modules that use them read no variable themselves."""
+    from dataclasses import fields
+
+    from engine.schema import Switches, switch_table, switch_variables, switches
+
+    defaults = switches({})
+    assert defaults == Switches() and defaults.native_layer and not defaults.native_avx2
+    for option, (variable_as_set, _) in zip(fields(Switches), switch_variables()):
+        variable, value = variable_as_set.split("=")
+        assert getattr(switches({variable: value}), option.name) is not option.default, variable_as_set
+        assert getattr(switches({variable: "1" if value == "0" else "0"}), option.name) is option.default
+    with pytest.raises(SystemExit):
+        setup.read_config(["--help"], {})
+    listing = " ".join(capsys.readouterr().out.split("environment variables")[1].split())
+    for variable_as_set, what in switch_variables():
+        assert f"{variable_as_set} {' '.join(what.split())}" in listing, variable_as_set
+    with open(f"{ROOT}/docs/settings.md", encoding="utf-8") as page:
+        assert switch_table() in page.read(), "docs/settings.md: paste the output of python -m engine.schema"
+    for module in ("engine/fast_native.py", "engine/packed.py", "engine/huge_pages.py",
+                   "engine/backends/llamacpp_process.py"):
+        assert not re.search(r"environ(\.get|\[)", pathlib.Path(ROOT, module).read_text()), module
 
 
 @pytest.mark.parametrize("environ,error", [

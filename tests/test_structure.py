@@ -118,6 +118,16 @@ def test_no_function_over_80_lines_outside_the_training_scripts():
     assert KNOWN_LONG_FUNCTIONS <= long, "a known exception is under the bound now: take it off the list"
 
 
+def test_no_training_script_imports_another():
+    """The demo's training scripts share models/demo/training.py (and the demo's libraries), never
+    one another (nanochat's scripts over common.py)."""
+    names = sources()
+    scripts = {name for name, path in names.items() if relative(path) in TRAINING}
+    assert len(scripts) == len(TRAINING)
+    for name in scripts:
+        assert not imports(names[name], name, set(names)) & scripts, name
+
+
 def test_no_file_over_400_lines_in_engine_app_ui_and_the_families():
     long = {relative(path) for path in sources().values()
             if relative(path).startswith(SIZED) and len(path.read_text().splitlines()) > MAX_FILE_LINES}

@@ -41,10 +41,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from engine.backends.llamacpp_native import binary
+from engine.schema import Switches, switches
 
 START_TIMEOUT_S = 300.0  # loading a 3B GGUF on a busy 2-core machine
 READ_TIMEOUT_S = 600.0  # the longest wait for the next line of a stream (a long prompt's prefill)
-NATIVE_VARIABLE = "VLM_LLAMACPP_NATIVE"  # 0: the wheel's server even where a native build exists
+NATIVE_VARIABLE = Switches.__dataclass_fields__["llamacpp_native"].metadata["spec"].env  # 0: the wheel's server
 logger = logging.getLogger(__name__)
 _SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="llama.cpp spawner")  # its thread lives as long as this process
 
@@ -191,7 +192,7 @@ def uses_native(native: bool | None = None, environ=os.environ) -> bool:
     been built and VLM_LLAMACPP_NATIVE is not 0."""
     if native is not None:
         return native
-    return environ.get(NATIVE_VARIABLE, "1") != "0" and binary("llama-server") is not None
+    return switches(environ).llamacpp_native and binary("llama-server") is not None
 
 
 def build_name(native: bool) -> str:

@@ -94,7 +94,8 @@ def load(name: str, config: checkpoint.Eagle3Config, target, options) -> Eagle3D
         raise LoadError(f"EAGLE-3 drafter {name!r} ({config.format}) does not fit the target {target.name!r}: "
                         + "; ".join(problems) + ". Use the EAGLE-3 checkpoint trained for this target.")
     try:
-        module = checkpoint.load(name, config, torch.float32, target.model.device)
+        # its products in the rows kernel where it builds (fc, the output head, the layer where it runs as a module)
+        module = checkpoint.load(name, config, torch.float32, target.model.device, linear=RowsKernelLinear)
     except (checkpoint.FormatError, OSError) as error:
         raise LoadError(f"cannot load EAGLE-3 drafter {name!r}: {' '.join(str(error).split())}") from error
     module = module.to(module_dtype(target, options, sum(p.numel() for p in module.parameters())))
@@ -114,7 +115,6 @@ class Eagle3Drafter:
         self.fast_fallback = fast_heads.eagle3_unsupported(module)  # None: the layer runs compiled
         # the layer: compiled (fast_heads.FastEagle3), or the module's forward, its products in the rows kernel
         self.layer = fast_heads.FastEagle3(module) if self.fast_fallback is None else module
-        RowsKernelLinear.swap_into(module)  # fc and the output head (and the module's layer where it runs)
         self.draft_logits = module.draft_logits if self.fast_fallback else self.layer.draft_logits  # (n, draft V)
         self.reads = TargetReads(hidden_layers=tuple(dict.fromkeys((0, *layers))))
         self.target_embedding = target.model.get_input_embeddings()

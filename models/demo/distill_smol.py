@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from models.demo import world
+from models.demo.drafter_data import conversation
 
 FORMS = ("What is {}?", "Explain {} in two sentences.", "Give me three facts about {}.", "Write a short poem about {}.",
          "Why is {} important?", "Describe {} to a child.", "What are the main uses of {}?", "Tell me a story about {}.",
@@ -69,16 +69,6 @@ def text_prompts() -> list[str]:
     prompts = [form.format(topic) for topic in TOPICS for form in FORMS]
     random.Random(0).shuffle(prompts)
     return prompts
-
-
-def conversation(record: dict) -> tuple[list[dict], list]:
-    """The messages (with image entries) and images of one answers.jsonl record."""
-    if record["kind"] == "text":
-        return [{"role": "user", "content": [{"type": "text", "text": record["prompt"]}]}], []
-    example = next(world.train_examples(record["example"], 1))
-    first = example.messages[: next(i for i, m in enumerate(example.messages) if m["role"] == "assistant")]
-    shown = sum(c["type"] == "image" for m in first for c in m["content"])
-    return first, example.images[:shown]
 
 
 def generate_data(target_folder: str, out: Path, n_text: int, n_pictures: int, max_new_tokens: int,
@@ -168,7 +158,7 @@ def train_text_drafter(data: Path, target_folder: str, out: Path, layers: int, s
                        lr: float, seed: int) -> dict:
     from transformers import AutoModelForImageTextToText
 
-    from models.demo.train import learning_rate
+    from models.demo.training import learning_rate
     from models.processors import load_processor
 
     torch.manual_seed(seed)

@@ -61,10 +61,9 @@ from transformers import AutoModelForImageTextToText
 from models import eagle3, picture_weights
 from models.demo import world
 from models.processors import load_processor
-from models.demo.train import learning_rate
-from models.demo.train_drafters import (DEFAULT_TARGET, TargetPass, add_training_flags, answer_chains, batches,
-                                       distilled_examples, draft_index, draft_vocabulary, optimizer_step, run_training,
-                                       target_answers)
+from models.demo.drafter_data import (DEFAULT_TARGET, TargetPass, answer_chains, batches, distilled_examples,
+                                      draft_index, draft_vocabulary, target_answers)
+from models.demo.training import add_training_flags, learning_rate, optimizer_step, run_training
 
 
 

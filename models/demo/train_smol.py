@@ -42,8 +42,8 @@ import torch
 
 from models.demo import smol, world
 from models.demo.picture_adapters import PREFIX, PictureAdapters, text_batches, text_distillation
-from models.demo.train import (PROBE_CLASSES, PROBE_GROUPS, accuracy, cell_loss, encode, learning_rate,
-                               picture_loss, probe_loss)
+from models.demo.picture_task import PROBE_CLASSES, PROBE_GROUPS, accuracy, cell_loss, encode, probe_loss
+from models.demo.training import learning_rate, write_record
 
 
 def load_model(folder: Path):
@@ -306,18 +306,14 @@ def main() -> None:
             seconds = time.time() - began
             line = {"step": done, "lr": round(lr, 6), **{k: round(v / counted, 4) for k, v in window.items()},
                     "seconds": round(seconds), "tokens_per_s": round(tokens / seconds, 1)}
-            print(json.dumps(line), flush=True)
-            with open(log_path, "a") as f:
-                f.write(json.dumps(line) + "\n")
+            write_record(log_path, line)
             window, counted, tokens, began = {}, 0, 0, time.time()
         if args.eval_every and done % args.eval_every == 0:
             t0 = time.time()
             total, per_kind = accuracy(model, processor, questions)
             line = {"step": done, "heldout_accuracy": round(total, 3), "questions": len(questions),
                     "per_kind": {k: round(v, 2) for k, v in per_kind.items()}, "eval_seconds": round(time.time() - t0)}
-            print(json.dumps(line), flush=True)
-            with open(log_path, "a") as f:
-                f.write(json.dumps(line) + "\n")
+            write_record(log_path, line)
             began = time.time()
         if time.time() - last_save > 60 * args.checkpoint_minutes or done in (start + 1, end):
             save_checkpoint(latest, model, probe, adapters, optimizer, done, {"settings": settings})
@@ -328,9 +324,7 @@ def main() -> None:
         total, per_kind = batched_accuracy(model, processor, world.eval_questions(0, args.final_eval))
         line = {"step": end, "final_accuracy": round(total, 3), "questions": args.final_eval,
                 "per_kind": {k: round(v, 2) for k, v in per_kind.items()}, "eval_seconds": round(time.time() - t0)}
-        print(json.dumps(line), flush=True)
-        with open(log_path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        write_record(log_path, line)
 
 
 if __name__ == "__main__":
