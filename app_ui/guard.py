@@ -16,6 +16,7 @@ does not exist.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -26,7 +27,7 @@ import time
 
 import anyio
 
-from app_ui import queue_rules
+from app_ui import queue_rules, routes
 from app_ui.visitors import MB, Visitor, Visitors
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,10 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        unrouted = routes.refusal(scope["method"], scope["path"], _blocks(scope))  # routes by name, the rest 404
+        if unrouted:
+            logger.info("refused %s", unrouted)
+            return await refuse(send, 404, unrouted)
         path, headers = scope["path"].rstrip("/"), dict(scope.get("headers") or [])
         client = self.client(scope, headers)
         cookie = _COOKIE_VALUE.search(headers.get(b"cookie", b""))
@@ -60,10 +65,8 @@ class Guard:
         download = next((scope["path"].split(route, 1)[1] for route in FILE_ROUTES if route in scope["path"]), None)
         if download is not None and not self.may_download(download, visitor):
             return await refuse(send, 404, NO_SUCH_FILE)
-        if path.endswith("/deep_link") or "deep_link=" in scope.get("query_string", b"").decode("latin-1"):
+        if "deep_link=" in scope.get("query_string", b"").decode("latin-1"):
             return await refuse(send, 404, "deep links are off on this server: each visitor's conversation is private")
-        if "/monitoring" in path:
-            return await refuse(send, 404, "monitoring is off on this server")
         if b"transfer-encoding" in headers:  # a body of unknown length: not taken
             return await refuse(send, 411, "a request body needs a Content-Length")
         length = headers.get(b"content-length", b"0")
@@ -89,12 +92,16 @@ class Guard:
             if body is None:
                 return await refuse(send, 413, f"the request is over the limit of {limit / MB:.0f} MB")
             refusal, request = await anyio.to_thread.run_sync(self.check_body, body, visitor)
-            blocks = _blocks(scope)
-            answer = request is not None and queue_rules.generates(blocks, self.group, path, request)
-            if answer and not refusal:
-                session_hash = request.get("session_hash") if isinstance(request.get("session_hash"), str) else None
-                refusal = queue_rules.refusal(blocks, self.group, session_hash, client,
-                                              self.visitors.limits.answers_per_client)
+            blocks, answer = _blocks(scope), False
+            try:
+                answer = request is not None and queue_rules.generates(blocks, self.group, path, request)
+                if answer and not refusal:
+                    session_hash = request.get("session_hash") if isinstance(request.get("session_hash"), str) else None
+                    refusal = queue_rules.refusal(blocks, self.group, session_hash, client,
+                                                  self.visitors.limits.answers_per_client)
+            except queue_rules.QueueUnreadable as error:  # its bounds cannot be checked: refused
+                logger.error("%s", error)
+                refusal = "the server cannot check its queue's bounds now, so it takes no requests; try later"
             if refusal:
                 logger.info("refused %s from %s: %s", path, client, refusal)
                 return await refuse_json(send, refusal)
@@ -102,7 +109,8 @@ class Guard:
                 return await self.app(scope, _replay(body), send)
             finally:
                 if answer:
-                    queue_rules.interleave(blocks, self.group)
+                    with contextlib.suppress(queue_rules.QueueUnreadable):  # refused above if so
+                        queue_rules.interleave(blocks, self.group)
         return await self.app(scope, receive, send)
 
     def client(self, scope, headers: dict) -> str:
@@ -153,7 +161,7 @@ class Guard:
         if not isinstance(request, dict):
             return None, None
         files = []
-        for value in _walk(request.get("data")):
+        for value in _walk(request):  # data, named arguments, event data: every file the request names
             if isinstance(value, dict) and not isinstance(value.get("files", []), (list, type(None))):
                 return f"message 'files' must be a list of files, got {type(value['files']).__name__}", request
             if isinstance(value, dict) and isinstance(value.get("files"), list):  # a message: each file a FileData

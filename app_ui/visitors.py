@@ -178,21 +178,23 @@ class Visitors:
                     if not upload.owners and not upload.unsent:
                         self._delete(path)
 
-    def may_use(self, path: str, visitor: Visitor) -> bool:
+    def may_use(self, path: str, visitor: Visitor | None) -> bool:
         """`visitor` may name `path` in a message, and download it: one of its own uploads, or a
-        file in a public folder (the examples). Decided from the path as written, never from the disk."""
+        file in a public folder (the examples); None (unknown): only the latter. Decided from the
+        path as written, never from the disk."""
         path = os.path.abspath(path)
         if any(path.startswith(folder) for folder in self.public):
             return True
         with self.lock:
             upload = self.uploads.get(path)
-            return upload is not None and visitor.holds(upload)
+            return upload is not None and visitor is not None and visitor.holds(upload)
 
     def claim(self, session: Session, files: list[str], visitor: Visitor | None) -> str | None:
         """`session` (of `visitor`) sent `files`: each of its uploads among them is now the
         session's. Returns the first file `visitor` may not use (nothing is claimed then), or None.
-        `visitor` None: no Guard in front (it stamps each request's), so no upload is recorded either."""
-        refused = next((path for path in files if visitor and not self.may_use(path, visitor)), None)
+        `visitor` None (no Guard stamped the request: nobody to check ownership against): only
+        the public files (the examples) may be used."""
+        refused = next((path for path in files if not self.may_use(path, visitor)), None)
         if refused is not None:
             return refused
         with self.lock:
