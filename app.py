@@ -94,6 +94,9 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
     group = GENERATE["concurrency_id"]  # the events that answer: bounded per session and address (queue_rules)
     visitors.answering = lambda: queue_rules.sessions(demo, group)
     guard = Middleware(Guard, visitors=visitors, uploads=get_upload_folder(), answer_group=group)
+    # The Guard reads the client's address itself (X-Forwarded-For only behind VLM_PROXY_HOPS proxies);
+    # uvicorn, which Gradio starts, would otherwise replace a local client's address by the header's.
+    os.environ["FORWARDED_ALLOW_IPS"] = ""  # uvicorn's Config reads it when launch builds one: trust no proxy
     startup.close()  # the starting page gives the port to the app (the browser, if any, is open on it)
     try:
         demo.launch(server_name=config.host, server_port=startup.port, share=config.share,

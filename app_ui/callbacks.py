@@ -110,11 +110,10 @@ def check_queue(request: gr.Request | None, visitors: Visitors) -> None:
 
 
 def clear(session: Session, visitors: Visitors) -> None:
-    """A new conversation; a running or waiting answer stops and is not kept; the old
-    conversation's uploads are deleted (unless another conversation holds them)."""
-    files = session.files()
+    """A new conversation; a running or waiting answer stops and is not kept; every upload the
+    old conversation sent is deleted (unless another conversation holds it), shown or not."""
     session.clear()
-    visitors.release(session, files)
+    visitors.release(session)
 
 
 def next_seed(seed):

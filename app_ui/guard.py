@@ -47,11 +47,12 @@ class Guard:
         self.visitors = visitors
         self.uploads = uploads and os.path.abspath(uploads)
         self.group = answer_group
+        self.reading = Reading(visitors.limits)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        unrouted = routes.refusal(scope["method"], scope["path"], _blocks(scope))  # routes by name, the rest 404
+        unrouted = routes.refusal(scope["method"], scope["path"])  # routes by name, the rest 404
         if unrouted:
             logger.info("refused %s", unrouted)
             return await refuse(send, 404, unrouted)
@@ -88,30 +89,49 @@ class Guard:
             return await refuse(send, 413, f"the request is {length / MB:.1f} MB; the limit is {limit / MB:.0f} MB "
                                            "(files go through the upload route)")
         if scope["method"] == "POST":  # /queue/join, /call/<api>...: request data, bounded above
-            body = await _read_body(receive, limit)
-            if body is None:
-                return await refuse(send, 413, f"the request is over the limit of {limit / MB:.0f} MB")
-            refusal, request = await anyio.to_thread.run_sync(self.check_body, body, visitor)
-            blocks, answer = _blocks(scope), False
-            try:
-                answer = request is not None and queue_rules.generates(blocks, self.group, path, request)
-                if answer and not refusal:
-                    session_hash = request.get("session_hash") if isinstance(request.get("session_hash"), str) else None
-                    refusal = queue_rules.refusal(blocks, self.group, session_hash, client,
-                                                  self.visitors.limits.answers_per_client)
-            except queue_rules.QueueUnreadable as error:  # its bounds cannot be checked: refused
-                logger.error("%s", error)
-                refusal = "the server cannot check its queue's bounds now, so it takes no requests; try later"
-            if refusal:
-                logger.info("refused %s from %s: %s", path, client, refusal)
-                return await refuse_json(send, refusal)
-            try:
-                return await self.app(scope, _replay(body), send)
-            finally:
-                if answer:
-                    with contextlib.suppress(queue_rules.QueueUnreadable):  # refused above if so
-                        queue_rules.interleave(blocks, self.group)
+            return await self.checked_post(scope, receive, send, visitor, length)
         return await self.app(scope, receive, send)
+
+    async def checked_post(self, scope, receive, send, visitor: Visitor, length: int):
+        """A POST other than an upload: its body read whole (within the reading budget and
+        `request_deadline_s`), checked (`check_body`, the route's events, the queue's bounds),
+        then handed to Gradio; refused with one line otherwise."""
+        path, limits = scope["path"].rstrip("/"), self.visitors.limits
+        refusal = self.reading.take(visitor.client, length)
+        if refusal:
+            return await refuse(send, 503, refusal)
+        try:
+            body, status, refusal = await _read_body(receive, limits.request_bytes, limits.request_deadline_s)
+        finally:
+            self.reading.give_back(visitor.client, length)
+        if refusal:
+            logger.info("refused %s from %s: %s", path, visitor.client, refusal)
+            return await refuse(send, status, refusal)
+        refusal, request = await anyio.to_thread.run_sync(self.check_body, body, visitor)
+        blocks, answer = _blocks(scope), False
+        unrouted = routes.event_refusal(scope["method"], scope["path"], blocks, request)
+        if unrouted:
+            logger.info("refused %s", unrouted)
+            return await refuse(send, 404, unrouted)
+        try:
+            answer = request is not None and queue_rules.generates(blocks, self.group, path, request)
+            refusal = refusal or _event_data_refusal(blocks, path, request)
+            if answer and not refusal:
+                session_hash = request.get("session_hash") if isinstance(request.get("session_hash"), str) else None
+                refusal = queue_rules.refusal(blocks, self.group, session_hash, visitor.client,
+                                              limits.answers_per_client)
+        except queue_rules.QueueUnreadable as error:  # its bounds cannot be checked: refused
+            logger.error("%s", error)
+            refusal = "the server cannot check its queue's bounds now, so it takes no requests; try later"
+        if refusal:
+            logger.info("refused %s from %s: %s", path, visitor.client, refusal)
+            return await refuse_json(send, refusal)
+        try:
+            return await self.app(scope, _replay(body), send)
+        finally:
+            if answer:
+                with contextlib.suppress(queue_rules.QueueUnreadable):  # refused above if so
+                    queue_rules.interleave(blocks, self.group)
 
     def client(self, scope, headers: dict) -> str:
         """The client's address: the socket's, or behind `proxy_hops` trusted proxies the entry
@@ -207,6 +227,32 @@ def bucket(address: str) -> str:
     return str(ipaddress.ip_network(f"{ip}/64", strict=False))
 
 
+class Reading:
+    """The request bodies (not uploads) being read now, by their Content-Length: bounded per
+    address and in all, so that slow or stalled bodies cannot fill the server's memory. Used
+    from the server's event loop only (no lock)."""
+
+    def __init__(self, limits):
+        self.limits, self.bytes, self.total = limits, {}, 0
+
+    def take(self, client: str, size: int) -> str | None:
+        """Count `size` bytes for `client` (None), or say why not (nothing is counted)."""
+        mine = self.bytes.get(client, 0)
+        if mine + size > self.limits.request_bytes_per_client:
+            return (f"requests from your address being read hold {mine / MB:.1f} MB and this one is {size / MB:.1f} "
+                    f"MB; the limit is {self.limits.request_bytes_per_client / MB:.0f} MB: wait for them to finish")
+        if self.total + size > self.limits.request_bytes_total:
+            return "the server is reading too many requests at once; try again in a moment"
+        self.bytes[client], self.total = mine + size, self.total + size
+        return None
+
+    def give_back(self, client: str, size: int) -> None:
+        self.total -= size
+        self.bytes[client] -= size
+        if not self.bytes[client]:
+            del self.bytes[client]
+
+
 class NotANumber(ValueError):
     pass
 
@@ -225,6 +271,18 @@ def _blocks(scope):
     return get_blocks() if get_blocks else None
 
 
+def _event_data_refusal(blocks, path: str, request: dict | None) -> str | None:
+    """Why a request's `event_data` is refused (Gradio would fail on it with a traceback), or None:
+    an event whose handler takes its event data (an example's click) needs {"index", "value"}."""
+    fn = queue_rules.event_of(blocks, path, request) if request is not None else None
+    event_data = request.get("event_data") if request is not None else None
+    if fn is None or not queue_rules.takes_event_data(fn):
+        return None
+    if not (isinstance(event_data, dict) and "index" in event_data and "value" in event_data):
+        return 'this event needs its event_data, {"index": ..., "value": ...}, as the page sends it'
+    return None
+
+
 def _walk(value):
     """Every list, dict and value inside `value`, breadth first, without recursion."""
     pending = [value]
@@ -237,20 +295,23 @@ def _walk(value):
             pending.extend(value)
 
 
-async def _read_body(receive, limit: int) -> bytes | None:
-    """The whole request body, or None when it runs over `limit` bytes."""
+async def _read_body(receive, limit: int, deadline_s: float) -> tuple[bytes, int, str | None]:
+    """(the whole request body, 200, None), or (b"", status, why not): it ran over `limit` bytes
+    (413), did not arrive within `deadline_s` (408), or the client went before it ended (400:
+    nothing is parsed then)."""
     chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        size += len(chunks[-1])
-        if size > limit:
-            return None
-        if not message.get("more_body"):
-            break
-    return b"".join(chunks)
+    with anyio.move_on_after(deadline_s):
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"", 400, f"the client went after {size:,} bytes of its request"
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return b"", 413, f"the request is over the limit of {limit / MB:.0f} MB"
+            if not message.get("more_body"):
+                return b"".join(chunks), 200, None
+    return b"", 408, f"the request's body did not arrive within {deadline_s:g} s ({size:,} bytes came): send it again"
 
 
 def _replay(body: bytes):
@@ -294,6 +355,7 @@ class _MeteredBody:
         self._receive, self.length, self.visitors, self.token = receive, length, visitors, token
         self.started, self.received, self.done = time.monotonic(), 0, False
         self.cut, self.status = "", 400
+        self.seen = b""  # the end of the body so far: a part's header may straddle two chunks
 
     async def receive(self):
         if self.done:  # the whole body is in: what follows (a disconnect) is Gradio's to see
@@ -317,6 +379,9 @@ class _MeteredBody:
         refusal = self.visitors.received(self.token, len(chunk))
         if refusal:
             return self._cut(429, refusal)
+        named, self.seen = _unnamed_part(self.seen + chunk), (self.seen + chunk)[-PART_HEADER_BYTES:]
+        if named:  # before Gradio parses the part: it would keep what came, or fail with a traceback
+            return self._cut(400, named)
         self.done = not message.get("more_body")
         return message
 
@@ -325,6 +390,27 @@ class _MeteredBody:
 
         self.cut, self.status = why, status
         raise MultiPartException(why)
+
+
+PART_HEADER_BYTES = 1024
+_PART_HEADER = re.compile(rb"content-disposition:([^\r\n]*)\r\n", re.IGNORECASE)
+_FILENAME = re.compile(rb';\s*filename(\*?)\s*=\s*("[^"]*"|[^;]*)', re.IGNORECASE)
+
+
+def _unnamed_part(text: bytes) -> str | None:
+    """Why a part of a multipart upload whose header is in `text` is refused, or None: each
+    part must be a file under a plain filename (Gradio reads `filename*=` or no filename as a
+    form field, and fails with a traceback), and not ".." (Gradio refuses it after writing the
+    request's files, and keeps them)."""
+    for header in _PART_HEADER.finditer(text):
+        names = _FILENAME.findall(header.group(1))
+        if not names or any(star for star, _ in names):
+            return ("each part of an upload must be a file with a plain file name (filename=\"...\"; not "
+                    "filename*=): send it again")
+        name = names[0][1].strip().strip(b'"').replace(b"\\", b"/").rsplit(b"/", 1)[-1]
+        if name.strip() in (b"..", b"."):
+            return f"the file name {name.decode('latin-1')!r} is not one the server takes: rename the file"
+    return None
 
 
 def _recording_upload(send, visitors: Visitors, token: int, cookie: str | None, metered: _MeteredBody):

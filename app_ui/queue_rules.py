@@ -18,6 +18,7 @@ every field before it serves (`check_readable`).
 
 from __future__ import annotations
 
+import typing
 from contextlib import contextmanager
 
 
@@ -67,16 +68,33 @@ def client_of(event) -> str:
     return event.request.scope["state"]["client"]
 
 
-def generates(blocks, group: str, path: str, request: dict) -> bool:
-    """Whether the request (a /queue/join or /call/<api> body) asks for an event of `group`."""
+def event_of(blocks, path: str, request: dict):
+    """The event (Gradio's BlockFunction) a /queue/join, /call/<api> or /run/<api> body names, as
+    Gradio finds it (the body's `fn_index`, else the path's api_name), or None."""
     with _reading():
         fns = blocks.fns
+        if isinstance(request.get("fn_index"), int):
+            return fns.get(request["fn_index"])
         if path.endswith("/queue/join"):
-            fn = fns.get(request.get("fn_index")) if isinstance(request.get("fn_index"), int) else None
-        else:  # /call/<api_name>, /run/<api_name>
-            api_name = path.rstrip("/").rsplit("/", 1)[-1]
-            fn = next((fn for fn in fns.values() if fn.api_name == api_name), None)
-        return fn is not None and fn.concurrency_id == group
+            return None
+        api_name = path.rstrip("/").rsplit("/", 1)[-1]
+        return next((fn for fn in fns.values() if fn.api_name == api_name), None)
+
+
+def generates(blocks, group: str, path: str, request: dict) -> bool:
+    """Whether the request (a /queue/join or /call/<api> body) asks for an event of `group`."""
+    fn = event_of(blocks, path, request)
+    return fn is not None and fn.concurrency_id == group
+
+
+def takes_event_data(fn) -> bool:
+    """Whether Gradio hands the event's handler its event data (a gr.EventData parameter): the
+    request's `event_data` must then be what Gradio builds it from."""
+    from gradio.helpers import EventData
+
+    with _reading():
+        hints = typing.get_type_hints(fn.fn) if callable(fn.fn) else {}
+    return any(isinstance(hint, type) and issubclass(hint, EventData) for hint in hints.values())
 
 
 def refusal(blocks, group: str, session_hash: str | None, client: str, per_client: int) -> str | None:

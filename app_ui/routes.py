@@ -34,18 +34,19 @@ class Route:
     def pattern(self) -> re.Pattern:
         return compile_path(self.template)[0]
 
-    def allows(self, blocks, path: str) -> bool:
-        """Whether a request for `path` (matched by this route) is answered."""
-        if not self.allowed:
-            return False
+    def event_allowed(self, blocks, path: str, request: dict | None) -> bool:
+        """Whether the event a request body names may come this way (`only`), as Gradio finds
+        it: by the body's `fn_index`, else by the path's api_name. Without the app's events or
+        a body to read, refused."""
         if self.only is None:
             return True
-        if blocks is None:  # no app to ask which events the rule names: refused
+        if blocks is None or not isinstance(request, dict):
             return False
-        name = self.pattern.match(path).group("api_name")
-        fns = [fn for fn in blocks.fns.values() if fn.api_name == name]
+        fn_index, name = request.get("fn_index"), self.pattern.match(path.rstrip("/")).group("api_name")
+        fns = [blocks.fns.get(fn_index)] if isinstance(fn_index, int) else \
+            [fn for fn in blocks.fns.values() if fn.api_name == name]
         if self.only == SKIPS_QUEUE:  # the page sends such events here (its Stop buttons)
-            return bool(fns) and all(fn.queue is False for fn in fns)
+            return bool(fns) and all(fn is not None and fn.queue is False for fn in fns)
         raise ValueError(f"route {self.template}: no rule {self.only!r}")
 
 
@@ -121,17 +122,26 @@ ROUTES = (
 )
 
 
-def refusal(method: str, path: str, blocks) -> str | None:
-    """Why a request for `path` with `method` is not answered (one line), or None."""
-    path = path.rstrip("/") or "/"
-    matched = [route for route in ROUTES if method in route.methods and route.pattern.match(path)]
+def refusal(method: str, path: str) -> str | None:
+    """Why a request for `path` with `method` is not answered (one line), or None. A route that
+    is allowed for some events only is checked again once its body is read (`event_refusal`)."""
+    matched = _matched(method, path)
     if not matched:
         return f"{method} {path[:80]}: no such route on this server"
-    refused = next((route for route in matched if not route.allows(blocks, path)), None)
-    if refused is not None:
-        why = f"only for {refused.only}" if refused.only else refused.reason
-        return f"{method} {path[:80]}: not served here ({why})"
-    return None
+    refused = next((route for route in matched if not route.allowed), None)
+    return f"{method} {path[:80]}: not served here ({refused.reason})" if refused else None
+
+
+def event_refusal(method: str, path: str, blocks, request: dict | None) -> str | None:
+    """Why the event a request's body names (`request`: the body parsed, None if it is not a
+    JSON object) may not come by this route (`Route.only`), or None."""
+    refused = next((route for route in _matched(method, path) if not route.event_allowed(blocks, path, request)), None)
+    return f"{method} {path[:80]}: only for {refused.only}" if refused else None
+
+
+def _matched(method: str, path: str) -> list[Route]:
+    path = path.rstrip("/") or "/"
+    return [route for route in ROUTES if method in route.methods and route.pattern.match(path)]
 
 
 def classified(method: str, template: str) -> Route | None:

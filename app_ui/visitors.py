@@ -154,24 +154,27 @@ class Visitors:
                 closed = self.sessions.get(self.known.pop(oldest).session)
             self.known[session_id or f"one-shot-{next(self.tokens)}"] = Known(client, now, one_shot=not session_id)
         if closed is not None:
-            files = closed.files()
             closed.clear()
             closed.dropped_by_server = True
-            self.release(closed, files, forget=True)
+            self.release(closed, forget=True)
         return None
 
     def _busy(self, key: int | None) -> bool:
         session = self.sessions.get(key) if key is not None else None
         return session is not None and (session.running or session.pending is not None)
 
-    def release(self, session: Session, files: set[str], forget: bool = False) -> None:
-        """`session` no longer holds `files` (its conversation was cleared or expired): delete
-        those that no other conversation holds and that nobody uploaded and left unsent.
-        `forget`: the session is no longer live either."""
+    def release(self, session: Session, files: set[str] | None = None, forget: bool = False) -> None:
+        """`session` no longer holds `files` (None: every upload it ever sent, whether its
+        conversation still shows it or not: a failed turn's, an undone one's, an answer's that
+        was cleared while it ran); delete those that no other conversation holds and that nobody
+        uploaded and left unsent. Idempotent: a session lets go of an upload once, and an upload
+        is deleted once. `forget`: the session is no longer live either."""
         with self.lock:
             if forget:
                 self.sessions.pop(id(session), None)
-            for path in map(os.path.abspath, files):  # as `claim` holds them
+            paths = [path for path, upload in self.uploads.items() if id(session) in upload.owners] \
+                if files is None else list(map(os.path.abspath, files))  # as `claim` holds them
+            for path in paths:
                 upload = self.uploads.get(path)
                 if upload is not None:
                     upload.owners.discard(id(session))
@@ -232,9 +235,8 @@ class Visitors:
             self.known = {key: known for key, known in self.known.items()
                           if now - known.seen <= (min(ONE_SHOT_S, self.limits.idle_s) if known.one_shot else self.limits.idle_s)}
         for session in idle:
-            files = session.files()
             session.expire()
-            self.release(session, files, forget=True)
+            self.release(session, forget=True)
         with self.lock:
             for path, upload in list(self.uploads.items()):
                 upload.unsent = [t for t in upload.unsent if now - t <= self.limits.unsent_upload_s]
