@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from fastapi.routing import APIRoute
+from gradio_client import Client
 from gradio.utils import get_upload_folder
 from PIL import Image, PngImagePlugin
 from starlette.routing import Mount, Route
@@ -37,7 +38,7 @@ from app_ui.guard import Guard
 from app_ui.session import Session
 from app_ui.visitors import MB, Limits, Visitors
 from engine.engine import RequestError
-from tests.helpers import app_fixture, wait_until
+from tests.helpers import Gate, app_fixture, message, wait_until
 from tests.test_hostile import SETTINGS, chat_data, file_data, fn_index
 from tests.test_server_limits import response_of
 from tests.test_privacy import Visitor, picture
@@ -364,3 +365,17 @@ def test_every_upload_is_released_once_whatever_the_visitors_do(server, visitors
         token, refusal = visitors.reserve(actor.source, LIMITS.upload_bytes_per_client)
         assert refusal is None, refusal  # the whole quota is free again
         visitors.unreserve(token)
+
+
+def test_clear_while_an_answer_runs_releases_the_upload_the_answer_sent(server, visitors, tmp_path):
+    sent = tmp_path / "running.png"
+    sent.write_bytes(marked_picture("running", 7))
+    client = Client(server.url, verbose=False)
+    with Gate(server.engine.target.runner, at=2) as gate:
+        job = client.submit(message("Describe the image.", [str(sent)]), mode="plain", max_new_tokens=40,
+                            api_name="/chat")
+        gate.wait()  # the answer runs, its upload claimed by the conversation
+        (path,) = [p for p, upload in visitors.uploads.items() if upload.owners and p.endswith("running.png")]
+        client.predict(api_name="/clear")
+    job.result(timeout=120)
+    wait_until(lambda: path not in visitors.uploads and not os.path.exists(path), "the cleared answer's upload deleted")
