@@ -52,7 +52,7 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        unrouted = routes.refusal(scope["method"], scope["path"])  # routes by name, the rest 404
+        unrouted = routes.refusal(scope["method"], _route_path(scope))  # routes by name, the rest 404
         if unrouted:
             logger.info("refused %s", unrouted)
             return await refuse(send, 404, unrouted)
@@ -109,7 +109,7 @@ class Guard:
             return await refuse(send, status, refusal)
         refusal, request = await anyio.to_thread.run_sync(self.check_body, body, visitor)
         blocks, answer = _blocks(scope), False
-        unrouted = routes.event_refusal(scope["method"], scope["path"], blocks, request)
+        unrouted = routes.event_refusal(scope["method"], _route_path(scope), blocks, request)
         if unrouted:
             logger.info("refused %s", unrouted)
             return await refuse(send, 404, unrouted)
@@ -263,6 +263,13 @@ class TooManyFiles(Exception):
 
 def _not_a_number(constant: str):
     raise NotANumber(constant)
+
+
+def _route_path(scope) -> str:
+    """The path as the app's routes match it: without the root path it is served under, if any
+    (as Starlette's router strips it)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 def _blocks(scope):

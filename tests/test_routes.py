@@ -247,11 +247,11 @@ def test_an_upload_gradio_would_keep_or_fail_on_is_refused_by_name_and_leaves_no
 
 
 def test_x_forwarded_for_is_trusted_only_by_the_guard_and_only_behind_its_proxies(server, visitors):
-    visitor = Visitor(server.url, "127.0.0.45")
+    visitor = Visitor(server.url, "127.0.0.1")  # the address uvicorn trusts by default
     response = visitor.http.post(server.url + "gradio_api/upload", headers={"X-Forwarded-For": "10.9.8.7"},
                                  files=[("files", ("photo.png", picture(45), "image/png"))])
     (path,) = response.json()
-    assert visitors.uploads[path].client == "127.0.0.45"  # VLM_PROXY_HOPS=0: the socket's, not uvicorn's rewrite
+    assert visitors.uploads[path].client == "127.0.0.1"  # VLM_PROXY_HOPS=0: the socket's, not uvicorn's rewrite
 
 
 def test_visitor_mistakes_are_one_named_line_without_a_traceback(server, capfd):
