@@ -1,7 +1,9 @@
 """`Guard`: the ASGI middleware in front of Gradio (see app_ui/visitors.py for what it bounds).
 
-Cheap checks come first, before Gradio reads, hashes or copies anything: the path, the
-headers, the Content-Length; then, for a JSON body (bounded by `Limits.request_bytes`), one
+Cheap checks come first, before Gradio reads, hashes or copies anything: the route, by name
+(app_ui/routes.py: any other answers 404; this app has no WebSocket route, so none is opened),
+the path, the headers, the Content-Length; then, for a JSON body (bounded by
+`Limits.request_bytes`, `request_deadline_s` and the bodies being read at once: `Reading`), one
 parse in a worker thread that counts the files the request names as it goes (keys as JSON
 reads them, escaped or not; it stops past the limit) and checks that each is the visitor's own
 upload (or an example), without touching the disk. A refusal is one line naming the problem:
@@ -50,7 +52,9 @@ class Guard:
         self.reading = Reading(visitors.limits)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] == "websocket":  # no route of this app takes one: closed before it is accepted
+            return await send({"type": "websocket.close", "code": 1008})
+        if scope["type"] != "http":  # the lifespan
             return await self.app(scope, receive, send)
         unrouted = routes.refusal(scope["method"], _route_path(scope))  # routes by name, the rest 404
         if unrouted:

@@ -10,7 +10,8 @@ A request path matches a route by Gradio's own template (Starlette's `compile_pa
 trailing "/" ignored; when several routes match (`/gradio_api/call/v2/chat` and
 `/gradio_api/call/{api_name}/{event_id}`), every one of them must allow it. A route that is
 allowed for some events only (`run/`: the events that skip the queue) names them by a rule
-that `Route.allows` checks against the app's events.
+that `Route.event_allowed` checks against the app's events, once the body is read (such a
+route takes POST only: the Guard reads every POST body, and no other).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Route:
     template: str  # Gradio's path, as its app registers it, without the trailing "/"
     allowed: bool
     reason: str
-    only: str | None = None  # allowed for the events this rule names (see `allows`), refused for the rest
+    only: str | None = None  # allowed for the events this rule names (`event_allowed`), refused for the rest
 
     @cached_property
     def pattern(self) -> re.Pattern:
@@ -51,6 +52,8 @@ class Route:
 
 
 def route(methods: str, template: str, allowed: bool, reason: str, only: str | None = None) -> Route:
+    if only and methods != "POST":  # the rule reads the body, and the Guard reads only POST bodies
+        raise ValueError(f"route {template}: a rule on its events needs POST only, not {methods}")
     return Route(frozenset(methods.split()), template.rstrip("/") or "/", allowed, reason, only)
 
 
@@ -127,16 +130,21 @@ def refusal(method: str, path: str) -> str | None:
     is allowed for some events only is checked again once its body is read (`event_refusal`)."""
     matched = _matched(method, path)
     if not matched:
-        return f"{method} {path[:80]}: no such route on this server"
-    refused = next((route for route in matched if not route.allowed), None)
-    return f"{method} {path[:80]}: not served here ({refused.reason})" if refused else None
+        return f"{method} {_shown(path)}: no such route on this server"
+    refusing = next((route for route in matched if not route.allowed), None)
+    return f"{method} {_shown(path)}: not served here ({refusing.reason})" if refusing else None
 
 
 def event_refusal(method: str, path: str, blocks, request: dict | None) -> str | None:
     """Why the event a request's body names (`request`: the body parsed, None if it is not a
     JSON object) may not come by this route (`Route.only`), or None."""
-    refused = next((route for route in _matched(method, path) if not route.event_allowed(blocks, path, request)), None)
-    return f"{method} {path[:80]}: only for {refused.only}" if refused else None
+    refusing = next((route for route in _matched(method, path) if not route.event_allowed(blocks, path, request)), None)
+    return f"{method} {_shown(path)}: only for {refusing.only}" if refusing else None
+
+
+def _shown(path: str) -> str:
+    """The path as a refusal names it: its start, one printable line (it is the visitor's text)."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in path[:80])
 
 
 def _matched(method: str, path: str) -> list[Route]:
