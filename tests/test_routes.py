@@ -92,6 +92,8 @@ def test_routes_off_the_list_answer_404_before_gradio_reads_them(server, visitor
     probes = [("POST", "gradio_api/call/v2/chat", {"message": message, **SETTINGS}),
               ("POST", "gradio_api/call/v2/ab", {"data": [], "message": message}),
               ("POST", "gradio_api/run/chat", {"data": [message, None, *SETTINGS.values()]}),
+              ("POST", "gradio_api/run/predict", {"data": [None, *SETTINGS.values()], "session_hash": "run-1",
+                                                  "fn_index": fn_index(server.demo, "respond")}),  # queued event
               ("POST", "gradio_api/api/chat", {"data": [message, None, *SETTINGS.values()]}),
               ("POST", "gradio_api/process_recording", {}),
               ("GET", "gradio_api/queue/status", None), ("GET", "gradio_api/runs", None),
