@@ -4,15 +4,17 @@ of its routes and the shape of its request bodies.
 - `Visitors` knows every live conversation, every Gradio session id an address holds, and every
   file uploaded to this app. Its `sweep` (every `Limits.sweep_s`, from the app's lifespan)
   empties conversations idle for `idle_s` and deletes uploads that nobody sent once they are
-  `unsent_upload_s` old. An upload is held by each conversation that sent it, and while no
-  conversation sent it yet; a conversation that is cleared or expires lets go of its files, and a
-  file goes when nobody holds it. Each upload is its `Visitor`'s: Gradio stores equal contents at
+  `unsent_upload_s` old. `uploads` is the ledger: an upload is held by each conversation that
+  sent it, and while no conversation sent it yet; a conversation that is cleared, expires or is
+  closed lets go of every upload it sent (`release`, once), shown or not, and a file goes, once,
+  when nobody holds it. Each upload is its `Visitor`'s: Gradio stores equal contents at
   one path (`<upload folder>/<hash>/<name>`), so `uploaded` moves each file to a folder of its
   own with an unguessable name, and only its visitor may name it in a message or download it
   (`may_use`). Each upload is written to a journal of this process, outside every folder Gradio
   serves, so that the next process deletes what this one left (app_ui/journals.py, at start).
 - `Guard` (app_ui/guard.py) is the ASGI middleware in front of Gradio that applies these
-  bounds before Gradio reads a request: deep links and the monitoring route answer 404; the
+  bounds before Gradio reads a request: a route not allowed by name (app_ui/routes.py) answers
+  404; the
   client's address is the socket's, or behind `proxy_hops` trusted proxies (a Space: 1) the
   entry the nearest proxy appended to X-Forwarded-For, counted from the right (a client writes
   the entries to its left, never that one; see docs/security.md); an upload's bytes are
