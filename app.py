@@ -87,9 +87,16 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
         visitors = Visitors(limits, public=[EXAMPLES_DIR])
         demo = build_demo(served, gpu=gpu_decorator(), visitors=visitors, ab_backend=ab_backend)
         demo.queue(default_concurrency_limit=1)
+    try:  # the Guard reads Gradio's queue for its bounds: every field it reads must be there
+        queue_rules.check_readable(demo)
+    except queue_rules.QueueUnreadable as error:
+        sys.exit(f"error: {error}; install the Gradio of requirements.txt")
     group = GENERATE["concurrency_id"]  # the events that answer: bounded per session and address (queue_rules)
     visitors.answering = lambda: queue_rules.sessions(demo, group)
     guard = Middleware(Guard, visitors=visitors, uploads=get_upload_folder(), answer_group=group)
+    # The Guard reads the client's address itself (X-Forwarded-For only behind VLM_PROXY_HOPS proxies);
+    # uvicorn, which Gradio starts, would otherwise replace a local client's address by the header's.
+    os.environ["FORWARDED_ALLOW_IPS"] = ""  # uvicorn's Config reads it when launch builds one: trust no proxy
     startup.close()  # the starting page gives the port to the app (the browser, if any, is open on it)
     try:
         demo.launch(server_name=config.host, server_port=startup.port, share=config.share,

@@ -91,23 +91,29 @@ def _blocks_of(request: gr.Request | None):
 
 def check_queue(request: gr.Request | None, visitors: Visitors) -> None:
     """RequestError when an answer of this session, from this address, may not join the queue
-    now (app_ui/queue_rules.py: one waiting per conversation, a few per address)."""
+    now (app_ui/queue_rules.py: one waiting per conversation, a few per address), and when the
+    bounds cannot be checked: no queue to read, or no address (the Guard stamps one on every request)."""
     blocks = _blocks_of(request)
-    state = getattr(getattr(request, "request", None), "state", None)
-    if blocks is None or state is None:
-        return
-    refusal = queue_rules.refusal(blocks, GENERATE["concurrency_id"], request.session_hash,
-                                  getattr(state, "client", None), visitors.limits.answers_per_client)
+    client = getattr(getattr(getattr(request, "request", None), "state", None), "client", None)
+    if blocks is None or client is None:
+        raise RequestError(f"the server cannot check its queue's bounds for this request (no "
+                           f"{'queue' if blocks is None else 'client address'}); it is refused")
+    try:
+        refusal = queue_rules.refusal(blocks, GENERATE["concurrency_id"], request.session_hash, client,
+                                      visitors.limits.answers_per_client)
+    except queue_rules.QueueUnreadable as error:
+        logger.error("%s", error)
+        raise RequestError("the server cannot check its queue's bounds now, so it takes no answers; try later") \
+            from None
     if refusal:
         raise RequestError(refusal)
 
 
 def clear(session: Session, visitors: Visitors) -> None:
-    """A new conversation; a running or waiting answer stops and is not kept; the old
-    conversation's uploads are deleted (unless another conversation holds them)."""
-    files = session.files()
+    """A new conversation; a running or waiting answer stops and is not kept; every upload the
+    old conversation sent is deleted (unless another conversation holds it), shown or not."""
     session.clear()
-    visitors.release(session, files)
+    visitors.release(session)
 
 
 def next_seed(seed):

@@ -1,7 +1,9 @@
 """`Guard`: the ASGI middleware in front of Gradio (see app_ui/visitors.py for what it bounds).
 
-Cheap checks come first, before Gradio reads, hashes or copies anything: the path, the
-headers, the Content-Length; then, for a JSON body (bounded by `Limits.request_bytes`), one
+Cheap checks come first, before Gradio reads, hashes or copies anything: the route, by name
+(app_ui/routes.py: any other answers 404; this app has no WebSocket route, so none is opened),
+the path, the headers, the Content-Length; then, for a JSON body (bounded by
+`Limits.request_bytes`, `request_deadline_s` and the bodies being read at once: app_ui/bodies.py), one
 parse in a worker thread that counts the files the request names as it goes (keys as JSON
 reads them, escaped or not; it stops past the limit) and checks that each is the visitor's own
 upload (or an example), without touching the disk. A refusal is one line naming the problem:
@@ -16,6 +18,7 @@ does not exist.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -26,7 +29,8 @@ import time
 
 import anyio
 
-from app_ui import queue_rules
+from app_ui import queue_rules, routes
+from app_ui.bodies import MeteredBody, Reading, read_body, recording_upload, refuse, refuse_json, replay
 from app_ui.visitors import MB, Visitor, Visitors
 
 logger = logging.getLogger(__name__)
@@ -46,10 +50,17 @@ class Guard:
         self.visitors = visitors
         self.uploads = uploads and os.path.abspath(uploads)
         self.group = answer_group
+        self.reading = Reading(visitors.limits)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] == "websocket":  # no route of this app takes one: closed before it is accepted
+            return await send({"type": "websocket.close", "code": 1008})
+        if scope["type"] != "http":  # the lifespan
             return await self.app(scope, receive, send)
+        unrouted = routes.refusal(scope["method"], _route_path(scope))  # routes by name, the rest 404
+        if unrouted:
+            logger.info("refused %s", unrouted)
+            return await refuse(send, 404, unrouted)
         path, headers = scope["path"].rstrip("/"), dict(scope.get("headers") or [])
         client = self.client(scope, headers)
         cookie = _COOKIE_VALUE.search(headers.get(b"cookie", b""))
@@ -60,10 +71,8 @@ class Guard:
         download = next((scope["path"].split(route, 1)[1] for route in FILE_ROUTES if route in scope["path"]), None)
         if download is not None and not self.may_download(download, visitor):
             return await refuse(send, 404, NO_SUCH_FILE)
-        if path.endswith("/deep_link") or "deep_link=" in scope.get("query_string", b"").decode("latin-1"):
+        if "deep_link=" in scope.get("query_string", b"").decode("latin-1"):
             return await refuse(send, 404, "deep links are off on this server: each visitor's conversation is private")
-        if "/monitoring" in path:
-            return await refuse(send, 404, "monitoring is off on this server")
         if b"transfer-encoding" in headers:  # a body of unknown length: not taken
             return await refuse(send, 411, "a request body needs a Content-Length")
         length = headers.get(b"content-length", b"0")
@@ -72,9 +81,9 @@ class Guard:
             token, refusal = self.visitors.reserve(client, length)
             if refusal:
                 return await refuse(send, 429, refusal)
-            body = _MeteredBody(receive, length, self.visitors, token)
+            body = MeteredBody(receive, length, self.visitors, token)
             try:
-                return await self.app(scope, body.receive, _recording_upload(send, self.visitors, token,
+                return await self.app(scope, body.receive, recording_upload(send, self.visitors, token,
                                                                               visitor.cookie, body))
             finally:
                 self.visitors.unreserve(token)
@@ -85,25 +94,49 @@ class Guard:
             return await refuse(send, 413, f"the request is {length / MB:.1f} MB; the limit is {limit / MB:.0f} MB "
                                            "(files go through the upload route)")
         if scope["method"] == "POST":  # /queue/join, /call/<api>...: request data, bounded above
-            body = await _read_body(receive, limit)
-            if body is None:
-                return await refuse(send, 413, f"the request is over the limit of {limit / MB:.0f} MB")
-            refusal, request = await anyio.to_thread.run_sync(self.check_body, body, visitor)
-            blocks = _blocks(scope)
+            return await self.checked_post(scope, receive, send, visitor, length)
+        return await self.app(scope, receive, send)
+
+    async def checked_post(self, scope, receive, send, visitor: Visitor, length: int):
+        """A POST other than an upload: its body read whole (within the reading budget and
+        `request_deadline_s`), checked (`check_body`, the route's events, the queue's bounds),
+        then handed to Gradio; refused with one line otherwise."""
+        path, limits = scope["path"].rstrip("/"), self.visitors.limits
+        refusal = self.reading.take(visitor.client, length)
+        if refusal:
+            return await refuse(send, 503, refusal)
+        try:
+            body, status, refusal = await read_body(receive, limits.request_bytes, limits.request_deadline_s)
+        finally:
+            self.reading.give_back(visitor.client, length)
+        if refusal:
+            logger.info("refused %s from %s: %s", path, visitor.client, refusal)
+            return await refuse(send, status, refusal)
+        refusal, request = await anyio.to_thread.run_sync(self.check_body, body, visitor)
+        blocks, answer = _blocks(scope), False
+        unrouted = routes.event_refusal(scope["method"], _route_path(scope), blocks, request)
+        if unrouted:
+            logger.info("refused %s", unrouted)
+            return await refuse(send, 404, unrouted)
+        try:
             answer = request is not None and queue_rules.generates(blocks, self.group, path, request)
+            refusal = refusal or _event_data_refusal(blocks, path, request)
             if answer and not refusal:
                 session_hash = request.get("session_hash") if isinstance(request.get("session_hash"), str) else None
-                refusal = queue_rules.refusal(blocks, self.group, session_hash, client,
-                                              self.visitors.limits.answers_per_client)
-            if refusal:
-                logger.info("refused %s from %s: %s", path, client, refusal)
-                return await refuse_json(send, refusal)
-            try:
-                return await self.app(scope, _replay(body), send)
-            finally:
-                if answer:
+                refusal = queue_rules.refusal(blocks, self.group, session_hash, visitor.client,
+                                              limits.answers_per_client)
+        except queue_rules.QueueUnreadable as error:  # its bounds cannot be checked: refused
+            logger.error("%s", error)
+            refusal = "the server cannot check its queue's bounds now, so it takes no requests; try later"
+        if refusal:
+            logger.info("refused %s from %s: %s", path, visitor.client, refusal)
+            return await refuse_json(send, refusal)
+        try:
+            return await self.app(scope, replay(body), send)
+        finally:
+            if answer:
+                with contextlib.suppress(queue_rules.QueueUnreadable):  # refused above if so
                     queue_rules.interleave(blocks, self.group)
-        return await self.app(scope, receive, send)
 
     def client(self, scope, headers: dict) -> str:
         """The client's address: the socket's, or behind `proxy_hops` trusted proxies the entry
@@ -153,7 +186,7 @@ class Guard:
         if not isinstance(request, dict):
             return None, None
         files = []
-        for value in _walk(request.get("data")):
+        for value in _walk(request):  # data, named arguments, event data: every file the request names
             if isinstance(value, dict) and not isinstance(value.get("files", []), (list, type(None))):
                 return f"message 'files' must be a list of files, got {type(value['files']).__name__}", request
             if isinstance(value, dict) and isinstance(value.get("files"), list):  # a message: each file a FileData
@@ -211,10 +244,29 @@ def _not_a_number(constant: str):
     raise NotANumber(constant)
 
 
+def _route_path(scope) -> str:
+    """The path as the app's routes match it: without the root path it is served under, if any
+    (as Starlette's router strips it)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 def _blocks(scope):
     """The Gradio Blocks behind the app (Starlette puts the app in the scope), or None."""
     get_blocks = getattr(scope.get("app"), "get_blocks", None)
     return get_blocks() if get_blocks else None
+
+
+def _event_data_refusal(blocks, path: str, request: dict | None) -> str | None:
+    """Why a request's `event_data` is refused (Gradio would fail on it with a traceback), or None:
+    an event whose handler takes its event data (an example's click) needs {"index", "value"}."""
+    fn = queue_rules.event_of(blocks, path, request) if request is not None else None
+    event_data = request.get("event_data") if request is not None else None
+    if fn is None or not queue_rules.takes_event_data(fn):
+        return None
+    if not (isinstance(event_data, dict) and "index" in event_data and "value" in event_data):
+        return 'this event needs its event_data, {"index": ..., "value": ...}, as the page sends it'
+    return None
 
 
 def _walk(value):
@@ -227,35 +279,6 @@ def _walk(value):
             pending.extend(value.values())
         elif isinstance(value, list):
             pending.extend(value)
-
-
-async def _read_body(receive, limit: int) -> bytes | None:
-    """The whole request body, or None when it runs over `limit` bytes."""
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        size += len(chunks[-1])
-        if size > limit:
-            return None
-        if not message.get("more_body"):
-            break
-    return b"".join(chunks)
-
-
-def _replay(body: bytes):
-    """A `receive` that gives `body` once, then waits for the client to go, as the server's does."""
-    sent = [False]
-
-    async def receive():
-        if not sent[0]:
-            sent[0] = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await anyio.sleep_forever()
-
-    return receive
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -272,99 +295,3 @@ def _with_cookie(send):
         await send(message)
 
     return sending
-
-
-class _MeteredBody:
-    """An upload's `receive`: counts its bytes (`Visitors.received`) and cuts the body when it
-    ends before its Content-Length (the client went), runs past `upload_deadline_s`, falls
-    under `upload_min_bytes_per_s` on average after `upload_grace_s`, or takes the server past
-    its upload space. A cut raises Gradio's MultiPartException inside its multipart parser,
-    whose own error path closes and deletes the request's temporary files; Gradio then answers
-    400 with the reason, which `status` turns into 408 or 429."""
-
-    def __init__(self, receive, length: int, visitors: Visitors, token: int):
-        self._receive, self.length, self.visitors, self.token = receive, length, visitors, token
-        self.started, self.received, self.done = time.monotonic(), 0, False
-        self.cut, self.status = "", 400
-
-    async def receive(self):
-        if self.done:  # the whole body is in: what follows (a disconnect) is Gradio's to see
-            return await self._receive()
-        limits = self.visitors.limits
-        rate = max(limits.upload_min_bytes_per_s, 1)
-        by = min(self.started + limits.upload_deadline_s,  # the next byte is due by then
-                 self.started + limits.upload_grace_s + (self.received + 1) / rate)
-        with anyio.move_on_after(max(0.0, by - time.monotonic())) as waited:
-            message = await self._receive()
-        if waited.cancelled_caught:
-            seconds = time.monotonic() - self.started
-            why = (f"the upload took over {limits.upload_deadline_s:g} s" if seconds >= limits.upload_deadline_s else
-                   f"the upload arrived too slowly ({self.received / max(seconds, 1e-9) / 1024:.1f} kB/s; the server "
-                   f"takes {rate / 1024:g} kB/s at least)")
-            return self._cut(408, f"{why}; {self.received:,} of {self.length:,} bytes came: send it again")
-        if message["type"] != "http.request":
-            return self._cut(400, f"the upload ended after {self.received:,} of its {self.length:,} bytes")
-        chunk = message.get("body", b"")
-        self.received += len(chunk)
-        refusal = self.visitors.received(self.token, len(chunk))
-        if refusal:
-            return self._cut(429, refusal)
-        self.done = not message.get("more_body")
-        return message
-
-    def _cut(self, status: int, why: str):
-        from gradio.route_utils import MultiPartException
-
-        self.cut, self.status = why, status
-        raise MultiPartException(why)
-
-
-def _recording_upload(send, visitors: Visitors, token: int, cookie: str | None, metered: _MeteredBody):
-    """`send`, holding back a successful upload response until its paths are recorded as
-    upload `token`'s (of the visitor with `cookie`) and answering the private paths they were
-    moved to; one that takes the client over its file count is answered 429 instead. An upload
-    whose body was cut (`metered`) is answered with the cut's status."""
-    start, body = [None], []
-
-    async def recording(message):
-        if message["type"] == "http.response.start":
-            start[0] = message
-            if message["status"] != 200:
-                await send({**message, "status": metered.status} if metered.cut else message)
-            return
-        if start[0]["status"] != 200:
-            return await send(message)
-        body.append(message.get("body", b""))
-        if message.get("more_body"):
-            return
-        try:
-            paths = json.loads(b"".join(body))
-        except ValueError:
-            paths = []
-        paths, refusal = visitors.uploaded(token, [p for p in paths if isinstance(p, str)]
-                                           if isinstance(paths, list) else [], cookie)
-        if refusal:
-            return await refuse(send, 429, refusal)
-        answer = json.dumps(paths).encode()
-        headers = [(k, v) for k, v in start[0].get("headers", []) if k.lower() != b"content-length"]
-        await send({**start[0], "headers": [*headers, (b"content-length", str(len(answer)).encode())]})
-        await send({"type": "http.response.body", "body": answer})
-
-    return recording
-
-
-async def refuse(send, status: int, text: str) -> None:
-    await _answer(send, status, text.encode(), b"text/plain; charset=utf-8")
-
-
-async def refuse_json(send, text: str) -> None:
-    """422 in the shape of Gradio's validation errors: gradio_client raises it as ValidationError
-    with `text`, and the page shows it."""
-    detail = [{"__type__": "validate", "is_valid": False, "parameter_name": "request", "message": text}]
-    await _answer(send, 422, json.dumps({"detail": detail, "error": text}).encode(), b"application/json")
-
-
-async def _answer(send, status: int, body: bytes, kind: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", kind), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})

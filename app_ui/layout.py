@@ -109,6 +109,9 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
             callbacks.start(session, Turn(text, files, [], arrived=callbacks.arrival(request)))
 
     def accept_example(event: gr.SelectData, session: Session, request: gr.Request):
+        if not (isinstance(event.index, int) and 0 <= event.index < len(examples)):  # a script's index
+            raise gr.Error(f"there is no example {str(event.index)[:20]}: the page shows {len(examples)}",
+                           print_exception=False)
         accept(examples[event.index], session, request)  # our own list: the click names only its place
 
     def show(session: Session, clear_box: bool = True):

@@ -35,6 +35,11 @@ class Limits:
                                         "VLM_UPLOAD_MIN_BYTES_PER_S")
     upload_grace_s: float = limit(10.0, "the first seconds of an upload, not held to the rate", "VLM_UPLOAD_GRACE_S")
     request_bytes: int = limit(4 * MB, "any request body but an upload's", "VLM_REQUEST_BYTES")
+    request_deadline_s: float = limit(20.0, "...which must have arrived within this", "VLM_REQUEST_DEADLINE_S")
+    request_bytes_per_client: int = limit(8 * MB, "request bodies (not uploads) being read at once, per client "
+                                          "address", "VLM_REQUEST_BYTES_PER_CLIENT")
+    request_bytes_total: int = limit(64 * MB, "request bodies (not uploads) being read at once, all clients",
+                                     "VLM_REQUEST_BYTES_TOTAL")
     files_per_message: int = limit(64, "files one request may name, refused before Gradio opens any (--max-images "
                                    "is 64 at most)", "VLM_FILES_PER_MESSAGE")
     sessions_per_client: int = limit(32, "live sessions (conversations) per client address", "VLM_SESSIONS_PER_CLIENT")

@@ -4,15 +4,17 @@ of its routes and the shape of its request bodies.
 - `Visitors` knows every live conversation, every Gradio session id an address holds, and every
   file uploaded to this app. Its `sweep` (every `Limits.sweep_s`, from the app's lifespan)
   empties conversations idle for `idle_s` and deletes uploads that nobody sent once they are
-  `unsent_upload_s` old. An upload is held by each conversation that sent it, and while no
-  conversation sent it yet; a conversation that is cleared or expires lets go of its files, and a
-  file goes when nobody holds it. Each upload is its `Visitor`'s: Gradio stores equal contents at
+  `unsent_upload_s` old. `uploads` is the ledger: an upload is held by each conversation that
+  sent it, and while no conversation sent it yet; a conversation that is cleared, expires or is
+  closed lets go of every upload it sent (`release`, once), shown or not, and a file goes, once,
+  when nobody holds it. Each upload is its `Visitor`'s: Gradio stores equal contents at
   one path (`<upload folder>/<hash>/<name>`), so `uploaded` moves each file to a folder of its
   own with an unguessable name, and only its visitor may name it in a message or download it
   (`may_use`). Each upload is written to a journal of this process, outside every folder Gradio
   serves, so that the next process deletes what this one left (app_ui/journals.py, at start).
 - `Guard` (app_ui/guard.py) is the ASGI middleware in front of Gradio that applies these
-  bounds before Gradio reads a request: deep links and the monitoring route answer 404; the
+  bounds before Gradio reads a request: a route not allowed by name (app_ui/routes.py) answers
+  404; the
   client's address is the socket's, or behind `proxy_hops` trusted proxies (a Space: 1) the
   entry the nearest proxy appended to X-Forwarded-For, counted from the right (a client writes
   the entries to its left, never that one; see docs/security.md); an upload's bytes are
@@ -154,45 +156,50 @@ class Visitors:
                 closed = self.sessions.get(self.known.pop(oldest).session)
             self.known[session_id or f"one-shot-{next(self.tokens)}"] = Known(client, now, one_shot=not session_id)
         if closed is not None:
-            files = closed.files()
             closed.clear()
             closed.dropped_by_server = True
-            self.release(closed, files, forget=True)
+            self.release(closed, forget=True)
         return None
 
     def _busy(self, key: int | None) -> bool:
         session = self.sessions.get(key) if key is not None else None
         return session is not None and (session.running or session.pending is not None)
 
-    def release(self, session: Session, files: set[str], forget: bool = False) -> None:
-        """`session` no longer holds `files` (its conversation was cleared or expired): delete
-        those that no other conversation holds and that nobody uploaded and left unsent.
-        `forget`: the session is no longer live either."""
+    def release(self, session: Session, files: set[str] | None = None, forget: bool = False) -> None:
+        """`session` no longer holds `files` (None: every upload it ever sent, whether its
+        conversation still shows it or not: a failed turn's, an undone one's, an answer's that
+        was cleared while it ran); delete those that no other conversation holds and that nobody
+        uploaded and left unsent. Idempotent: a session lets go of an upload once, and an upload
+        is deleted once. `forget`: the session is no longer live either."""
         with self.lock:
             if forget:
                 self.sessions.pop(id(session), None)
-            for path in map(os.path.abspath, files):  # as `claim` holds them
+            paths = [path for path, upload in self.uploads.items() if id(session) in upload.owners] \
+                if files is None else list(map(os.path.abspath, files))  # as `claim` holds them
+            for path in paths:
                 upload = self.uploads.get(path)
                 if upload is not None:
                     upload.owners.discard(id(session))
                     if not upload.owners and not upload.unsent:
                         self._delete(path)
 
-    def may_use(self, path: str, visitor: Visitor) -> bool:
+    def may_use(self, path: str, visitor: Visitor | None) -> bool:
         """`visitor` may name `path` in a message, and download it: one of its own uploads, or a
-        file in a public folder (the examples). Decided from the path as written, never from the disk."""
+        file in a public folder (the examples); None (unknown): only the latter. Decided from the
+        path as written, never from the disk."""
         path = os.path.abspath(path)
         if any(path.startswith(folder) for folder in self.public):
             return True
         with self.lock:
             upload = self.uploads.get(path)
-            return upload is not None and visitor.holds(upload)
+            return upload is not None and visitor is not None and visitor.holds(upload)
 
     def claim(self, session: Session, files: list[str], visitor: Visitor | None) -> str | None:
         """`session` (of `visitor`) sent `files`: each of its uploads among them is now the
         session's. Returns the first file `visitor` may not use (nothing is claimed then), or None.
-        `visitor` None: no Guard in front (it stamps each request's), so no upload is recorded either."""
-        refused = next((path for path in files if visitor and not self.may_use(path, visitor)), None)
+        `visitor` None (no Guard stamped the request: nobody to check ownership against): only
+        the public files (the examples) may be used."""
+        refused = next((path for path in files if not self.may_use(path, visitor)), None)
         if refused is not None:
             return refused
         with self.lock:
@@ -230,9 +237,8 @@ class Visitors:
             self.known = {key: known for key, known in self.known.items()
                           if now - known.seen <= (min(ONE_SHOT_S, self.limits.idle_s) if known.one_shot else self.limits.idle_s)}
         for session in idle:
-            files = session.files()
             session.expire()
-            self.release(session, files, forget=True)
+            self.release(session, forget=True)
         with self.lock:
             for path, upload in list(self.uploads.items()):
                 upload.unsent = [t for t in upload.unsent if now - t <= self.limits.unsent_upload_s]

@@ -56,12 +56,13 @@ class DrafterChooser:
             return untried[0], f"auto: {untried[0]} (exploring: no measured request {_scope(context)} yet)"
         if self.auto_requests % EXPLORE_EVERY == 0:
             name = min(self.names, key=lambda n: self.records[n][context][-1].serial)
-            return name, (f"auto: {name} (exploring, every {EXPLORE_EVERY}th request: last measured "
-                          f"{_scope(context)} {self.serial - self.records[name][context][-1].serial} requests ago)")
+            return name, (f"auto: {name} (exploring, every {EXPLORE_EVERY}th request: the drafter longest unmeasured "
+                          f"{_scope(context)})")
+        # The reason is shown to the visitor: speeds only, never how many requests the server has
+        # answered (other visitors' activity).
         scores = {name: [r.tok_s for r in self.records[name][context]] for name in self.names}
         best = max(self.names, key=lambda n: statistics.mean(scores[n]))
-        figures = ", ".join(f"{name} {statistics.mean(speeds):.1f} tok/s over {len(speeds)} request"
-                            + ("" if len(speeds) == 1 else "s")
+        figures = ", ".join(f"{name} {statistics.mean(speeds):.1f} tok/s"
                             for name, speeds in sorted(scores.items(), key=lambda s: -statistics.mean(s[1])))
         return best, f"auto: {best} (recent decode speed {_scope(context)}: {figures})"
 

@@ -56,7 +56,8 @@ class Sampler:
         if s.top_p < 1.0:
             sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
             cumulative = sorted_logits.softmax(-1).cumsum(-1)
-            drop_sorted = cumulative - sorted_logits.softmax(-1) >= s.top_p  # keep the first token always
+            drop_sorted = cumulative - sorted_logits.softmax(-1) >= s.top_p
+            drop_sorted[..., 0] = False  # the likeliest token always stays (a top_p under float32's least is 0 here)
             drop = drop_sorted.scatter(-1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
         return logits.softmax(-1)

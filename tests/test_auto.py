@@ -52,7 +52,7 @@ def test_the_reason_names_the_figures_compared():
     chooser.record("vlm", 1, MIN_TOKENS - 1, 1.0)  # too short an answer to count
     name, reason = chooser.choose(1)
     assert name == "vlm"
-    assert reason == "auto: vlm (recent decode speed with 1 image: vlm 200.0 tok/s over 1 request, text 100.0 tok/s over 1 request)"
+    assert reason == "auto: vlm (recent decode speed with 1 image: vlm 200.0 tok/s, text 100.0 tok/s)"  # no counts
     name, reason = chooser.choose(3)  # no record with 3 or more images: tried first
     assert name == "text" and reason == "auto: text (exploring: no measured request with 3 or more images yet)"
 
