@@ -49,7 +49,12 @@ class Sampler:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (..., V) -> probabilities (..., V) after temperature, top-k and top-p."""
         s = self.settings
-        logits = logits / s.temperature
+        scaled = logits / s.temperature
+        if bool((scaled == float("inf")).any() or scaled.isnan().any()):  # a temperature so small that the
+            # largest logits overflow: the limit of the distribution as the temperature falls (the likeliest
+            # tokens alone, alike), from the logits less their largest (0 stays 0, the rest go to -inf)
+            scaled = (logits - logits.amax(-1, keepdim=True)) / s.temperature
+        logits = scaled
         if s.top_k > 0:
             kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

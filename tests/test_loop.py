@@ -210,3 +210,15 @@ def test_a_one_token_answer_never_prefills_the_drafter():
     done = answer(t, drafter, max_new_tokens=1)[-1]
     assert drafter.begun_after is None and len(done.token_ids) == 1
     assert done.stats.mode == "speculative" and done.stats.drafted == 0
+
+
+@pytest.mark.parametrize("temperature", (1e-300, 1e-45))
+def test_a_temperature_too_small_for_float32_samples_the_likeliest_tokens(temperature):
+    """logits / temperature overflow to inf (softmax would give NaN): the distribution is its limit,
+    the likeliest tokens alone, alike; a normal temperature keeps its own bits."""
+    from engine.sampling import Sampler, SamplingSettings
+
+    logits = torch.tensor([1.0, 3.0, -2.0, 3.0, float("-inf")])
+    probs = Sampler(SamplingSettings(temperature=temperature, seed=0)).probs(logits)
+    assert torch.equal(probs, torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0]))
+    assert torch.equal(Sampler(SamplingSettings(temperature=0.7, seed=0)).probs(logits), (logits / 0.7).softmax(-1))
