@@ -52,8 +52,10 @@ class Sampler:
         scaled = logits / s.temperature
         if bool((scaled == float("inf")).any() or scaled.isnan().any()):  # a temperature so small that the
             # largest logits overflow: the limit of the distribution as the temperature falls (the likeliest
-            # tokens alone, alike), from the logits less their largest (0 stays 0, the rest go to -inf)
-            scaled = (logits - logits.amax(-1, keepdim=True)) / s.temperature
+            # tokens alone, alike), from the logits less their largest (0 stays 0, the rest go to -inf;
+            # the temperature may be 0 in float32)
+            shifted = logits - logits.amax(-1, keepdim=True)
+            scaled = torch.where(shifted == 0, torch.zeros_like(shifted), shifted / s.temperature)
         logits = scaled
         if s.top_k > 0:
             kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
