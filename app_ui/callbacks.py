@@ -26,7 +26,7 @@ from app_ui.session import (Options, Session, Turn, answer, checked, drafter_for
                             new_turn, question_of, read_message)
 from app_ui.stop_lane import leave_queue
 from app_ui.visitors import Visitors
-from engine.ab import ABProgress, run_ab
+from engine.ab import MIN_PAIRS, ABProgress, run_ab
 from engine.backend import Backend
 from engine.engine import Engine, RequestError
 from engine.images import ImageError, load_image
@@ -280,7 +280,7 @@ def _ab_events(served: Served, message_value, session: Session, options: Options
     turn = new_turn(message_value, served)
     messages = messages_for(Session(), turn, options.system_prompt)
     drafter = drafter_for(options, served) if served.drafters else None  # run_ab says why None cannot do
-    stop, session.running = session.begin(arrived, answers=2), True
+    stop, session.running = session.begin(arrived, answers=2 * MIN_PAIRS), True
     try:
         for event in run_ab(served.backend, messages, drafter, options.sampling(), options.decode(), stop,
                             options.max_image_tokens, against=ab_backend):
@@ -303,7 +303,7 @@ def ab_live(served: Served, message_value, session: Session, options: Options, a
         for event in _ab_events(served, message_value, session, options, arrived, ab_backend):
             done = not isinstance(event, ABProgress)
             if done or tick.ready():
-                verdict = asked + views.ab_markdown(event if done else None, None if done else event.running, names)
+                verdict = asked + views.ab_markdown(event if done else None, None if done else event, names)
                 first = (views.plain_html(event.plain.text) if ab_backend is None
                          else views.highlight_html(event.plain, names[0]))
                 yield (verdict, first, views.highlight_html(event.speculative, "Speculative" if ab_backend is None else names[1]),

@@ -13,7 +13,7 @@ Policies (docs/app.md, "Limits and failures"):
   its next message is refused once with a message saying so, and the one after starts a new
   conversation.
 - A request runs for at most `time_budget_s` (app_ui/visitors.Limits) per answer it gives (an A/B
-  gives two): then it stops as Stop would, and its answer says "cut at the time budget" (finish
+  gives four: engine/ab.py's MIN_PAIRS pairs): then it stops as Stop would, and its answer says "cut at the time budget" (finish
   reason "time_budget").
 """
 

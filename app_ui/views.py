@@ -12,7 +12,7 @@ from difflib import SequenceMatcher
 import pandas as pd
 
 from app_ui.session import Session, Turn
-from engine.ab import ABResult, Side
+from engine.ab import MIN_PAIRS, ABProgress, ABResult, Side
 from engine.stats import Stats
 
 UPDATES_PER_SECOND = 15  # text and statistics; the plots refresh less often
@@ -36,7 +36,7 @@ NOT_REPORTED = "not reported by this server"  # a statistic the backend cannot m
 AB_SIDES = ("plain", "speculative")  # the A/B tab's sides, unless it compares two backends
 FINISH_REASONS = {"stop_token": "end of answer", "max_new_tokens": "max new tokens reached", "stopped": "stopped",
                   "context": "the model's context is full",
-                  "time_budget": "cut at the server's time budget"}  # one answer's, or an A/B's (twice that)
+                  "time_budget": "cut at the server's time budget"}  # one answer's, or an A/B's (2 x MIN_PAIRS that)
 
 
 class Throttle:
@@ -315,29 +315,25 @@ def asked(text: str, files: list[str]) -> str:
     return f"**Asked:** {' · '.join(part for part in parts if part)}\n\n"
 
 
-def ab_markdown(result: ABResult | None, running: str | None = None, names: tuple[str, str] = AB_SIDES) -> str:
-    """The A/B verdict: speedup and identity, or which side is running (`running`: "plain" or
-    "speculative", the first or second side; `names`: the sides' names when two backends)."""
+def ab_markdown(result: ABResult | None, running: ABProgress | None = None, names: tuple[str, str] = AB_SIDES) -> str:
+    """The A/B verdict: speedup and identity, or which side is running (`running`: the progress,
+    its side "plain" or "speculative", the first or second; `names`: the sides' names when two backends)."""
     backends = names != AB_SIDES
     if result is None:
+        if running and running.pair > 1:
+            return (f"*Both answers are in. Timing them again on equal terms: pair {running.pair} of "
+                    f"{running.pairs}, the {names[AB_SIDES.index(running.running)]} side…*")
         if running:
-            return f"*Running the {names[AB_SIDES.index(running)]} side…*"
+            return f"*Running the {names[AB_SIDES.index(running.running)]} side…*"
         return f"*Run a turn to compare {names[0]} and {names[1]}{'' if backends else ' decoding'}.*"
     if result.stopped:
         cut = any(side.stats is not None and side.stats.finish_reason == "time_budget"
                   for side in (result.plain, result.speculative))
-        return (("**Cut at the server's time budget** (an A/B may take twice one answer's)" if cut else "**Stopped**")
+        return ((f"**Cut at the server's time budget** (an A/B may take {2 * MIN_PAIRS} times one answer's: it "
+                 "answers each side at least twice)" if cut else "**Stopped**")
                 + " before both sides finished; no speedup or comparison to report.")
-    parts = []
-    if result.decode_speedup is not None and backends:
-        parts.append(f"**{names[1]}: {result.decode_speedup:.2f}×** the decode tokens/s of {names[0]}")
-    elif result.decode_speedup is not None:
-        parts.append(f"**Speedup {result.decode_speedup:.2f}×** in decode tokens/s")
-    else:  # Stats.speed_measured: the one rule that the table's "too few tokens to measure" follows
-        short = [name for name, side in zip(names, (result.plain, result.speculative))
-                 if not (side.stats and side.stats.speed_measured)]
-        parts.append(f"decode speed ratio **not measurable**: too few tokens to measure on {' and '.join(short)}")
-    if result.time_ratio is not None:
+    parts = [_speed_part(result, names)]
+    if result.measured and result.time_ratio is not None:
         parts.append(f"whole answer {result.time_ratio:.2f}× as fast")
     if result.identical:
         parts.append("answers **identical** ✓")
@@ -348,6 +344,25 @@ def ab_markdown(result: ABResult | None, running: str | None = None, names: tupl
         parts.append(f"answers **differ** from {where}: "
                      f"{names[0]} “`{_code(d.plain)}`” vs {names[1]} “`{_code(d.speculative)}`”")
     return " · ".join(parts) + (f"\n\n{result.verdict.text}" if result.verdict else "")
+
+
+def _speed_part(result: ABResult, names: tuple[str, str]) -> str:
+    """The A/B's speed in a few words: a ratio only where it is a result (engine/ab.py's conventions)."""
+    speedup = result.decode_speedup
+    if speedup is None:  # Stats.speed_measured: the one rule that the table's "too few tokens to measure" follows
+        short = [name for name, side in zip(names, (result.plain, result.speculative))
+                 if not (side.stats and side.stats.speed_measured)]
+        return f"decode speed ratio **not measurable**: too few tokens to measure on {' and '.join(short)}"
+    spread = (f"{result.spread[0]:.2f}× to {result.spread[1]:.2f}× over {result.pairs} alternating pairs"
+              if result.pairs > 1 else "1 pair timed")
+    if result.impossible:
+        return (f"**not a result**: {speedup:.2f}× in decode tokens/s is above the {result.ceiling:.2f}× that the "
+                "measured costs allow")
+    if not result.measured:
+        return f"**no measurable difference** in decode tokens/s ({speedup:.2f}×; {spread})"
+    if names != AB_SIDES:
+        return f"**{names[1]}: {speedup:.2f}×** the decode tokens/s of {names[0]} ({spread})"
+    return f"**Speedup {speedup:.2f}×** in decode tokens/s ({spread})"
 
 
 def _code(text: str) -> str:
