@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import gradio as gr
 
-from app_ui import views
+from app_ui import ab_views, views
 from app_ui.served import Served
 from engine import settings as schema
 from engine.backend import Backend
@@ -157,7 +157,7 @@ def ab_tab(examples: list[dict], served: Served, ab_backend: Backend | None) -> 
         with gr.Accordion("Examples (a click puts one in the message box)", open=True,
                           elem_id="ab-examples") as examples_section:  # folded once a run starts
             gr.Examples(examples, inputs=[message], label=None)
-    verdict = gr.Markdown(views.ab_markdown(None), elem_id="ab-verdict", container=True)
+    verdict = gr.Markdown(ab_views.ab_markdown(None), elem_id="ab-verdict", container=True)
     with gr.Row(equal_height=False, elem_id="ab-answers"):
         plain = gr.HTML(container=True, min_width=320, elem_id="ab-plain", elem_classes=["tokens"])
         speculative = gr.HTML(container=True, min_width=320, elem_id="ab-speculative", elem_classes=["tokens"])

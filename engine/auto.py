@@ -11,7 +11,9 @@ this order:
    and requests change: a drafter that lost once is looked at again);
 3. otherwise the drafter with the highest mean tok/s over its last WINDOW records in the
    request's context.
-The reason (the figures compared) goes into the request's statistics as `auto_choice`.
+The records are the engine's, so every visitor's requests count: the reason (the figures
+compared, and over how many of the server's latest speculative answers) says so; it goes into
+the request's statistics as `auto_choice`.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class DrafterChooser:
         context = image_context(num_images)
         untried = [name for name in self.names if not self.records[name].get(context)]
         if untried:
-            return untried[0], f"auto: {untried[0]} (exploring: no measured request {_scope(context)} yet)"
+            return untried[0], f"auto: {untried[0]} (exploring: no measured request {_scope(context)} on this server yet)"
         if self.auto_requests % EXPLORE_EVERY == 0:
             name = min(self.names, key=lambda n: self.records[n][context][-1].serial)
             return name, (f"auto: {name} (exploring, every {EXPLORE_EVERY}th request: last measured "
@@ -63,7 +65,9 @@ class DrafterChooser:
         figures = ", ".join(f"{name} {statistics.mean(speeds):.1f} tok/s over {len(speeds)} request"
                             + ("" if len(speeds) == 1 else "s")
                             for name, speeds in sorted(scores.items(), key=lambda s: -statistics.mean(s[1])))
-        return best, f"auto: {best} (recent decode speed {_scope(context)}: {figures})"
+        span = self.serial - min(r.serial for records in self.records.values() for r in records[context]) + 1
+        return best, (f"auto: {best} (recent decode speed {_scope(context)}, measured over the server's last "
+                      f"{span} speculative answers, any visitor's: {figures})")
 
 
 def _scope(context: int) -> str:
