@@ -14,8 +14,8 @@ each answer is exactly what its mode gives alone. The backend decodes on its own
 Equal terms. The two sides run one after the other, so a burst of load (another program, another
 visitor) would land on one of them. So the A/B answers in alternating pairs: plain then
 speculative, then speculative then plain (ABBA: a load that rises or falls steadily weighs on
-both alike), at least MIN_PAIRS pairs, and up to MAX_PAIRS while a pair takes under
-TIMING_S / MAX_PAIRS (short answers, whose timings a moment's load moves most). The first pair's
+both alike): TIMING_S / the first pair's seconds pairs, at least MIN_PAIRS and at most MAX_PAIRS
+(short answers, whose timings a moment's load moves most, get more). The first pair's
 answers are the ones shown; the repeats are timed only, with the first pair's seed (one is drawn
 when none is set), so each side repeats its own answer. Each pair gives one ratio of decode
 speeds; their median is `decode_speedup`, their smallest and largest `spread`.
@@ -32,8 +32,8 @@ Conventions:
 - ceiling: the most a perfect, free drafter could give at the answer's draft lengths with the
   engine's measured pass costs (t(k+1) / t(1), engine/draft_length.py): each round would keep all
   k drafted tokens plus the bonus token, in one target pass over k + 1 rows and nothing else,
-  sum(k + 1) / sum(t(k + 1)) in plain steps. A speedup above it is flagged (`impossible`), not
-  reported: the timings were disturbed.
+  sum(k + 1) / sum(t(k + 1)) in plain steps. A speedup the pairs agree on that is above it is
+  flagged (`impossible`), not reported: the timings were disturbed.
 - time_ratio = plain total_s / speculative total_s of the first pair: the whole answer, prefill
   included; above 1 means the speculative answer finished sooner. Shown only beside a measured
   decode speed.
@@ -70,7 +70,7 @@ DIFFERENCE_TOKENS = 8  # how much of each side `Difference` shows from the first
 DIFFERENCE_CHARS = 32  # the same, when the sides are compared as text
 BUSY = 1.0  # load average per core above which timings are called noisy
 MIN_PAIRS = 2  # alternating pairs of answers timed at least (the first pair's answers are shown)
-MAX_PAIRS = 4  # ...and at most, for answers so short that a pair takes under TIMING_S / MAX_PAIRS
+MAX_PAIRS = 4  # ...and at most (short answers: TIMING_S / a pair's seconds)
 TIMING_S = 8.0  # the seconds of answering a short A/B's pairs add up to, about
 
 
@@ -221,7 +221,7 @@ def _finished(side: Side) -> bool:
 
 def _pairs_wanted(shown: dict[str, Side]) -> int:
     """Pairs to time, from the first pair: none more when a side's speed is not measured (too
-    short to compare), else MIN_PAIRS, more while a pair takes under TIMING_S / MAX_PAIRS."""
+    short to compare), else TIMING_S / the pair's seconds, from MIN_PAIRS to MAX_PAIRS."""
     if not all(side.stats.speed_measured for side in shown.values()):
         return 1
     pair_s = sum(side.stats.total_s for side in shown.values())
@@ -261,8 +261,8 @@ def _judge_speed(result: ABResult, pairs: list[tuple[Stats, Stats]], same_engine
     spec = result.speculative.stats
     if same_engine and spec.accepted == 0 and "accepted" not in spec.unknown and result.spread[1] >= 1:
         result.measured = False  # nothing accepted: never faster (a higher speed is the machine's noise)
-    result.impossible = result.ceiling is not None and result.decode_speedup > result.ceiling
-    result.measured = result.measured and not result.impossible
+    result.impossible = result.measured and result.ceiling is not None and result.decode_speedup > result.ceiling
+    result.measured = result.measured and not result.impossible  # (a spread over 1 already says: no difference)
 
 
 def _difference(tokenizer, plain: Side, speculative: Side) -> tuple[int | None, Difference | None]:
@@ -360,15 +360,18 @@ def _draft_cost(engine, stats: Stats | None) -> float | None:
 
 def _ceiling(costs: PassCosts, stats: Stats | None) -> float | None:
     """The speedup a perfect, free drafter could give at the answer's draft lengths (the module's
-    conventions): sum(k + 1) / sum(t(k + 1)), each pass at least a plain step, the loop's own work
-    added to both; None for trees (their passes are priced apart) or while a size is unmeasured."""
+    conventions): sum(k + 1) / sum(t(k + 1)), each pass priced from one plain step to k + 1 of them
+    (a pass over k + 1 rows is never cheaper than one row, nor dearer than k + 1 passes of one: a
+    noisy cost table cannot put the ceiling under 1), the loop's own work added to both; None for
+    trees (their passes are priced apart) or while a size is unmeasured."""
     lengths = stats.draft_lengths if stats is not None and stats.draft_shape == "chain" else []
     plain = costs.verify.at(1)
     passes = [costs.verify.at(k + 1) for k in lengths]
     if not lengths or plain is None or None in passes:
         return None
     overhead = costs.overhead_cost()
-    return sum(k + 1 for k in lengths) * (plain + overhead) / sum(max(t, plain) + overhead for t in passes)
+    priced = [min(max(t, plain), (k + 1) * plain) + overhead for k, t in zip(lengths, passes)]
+    return sum(k + 1 for k in lengths) * (plain + overhead) / sum(priced)
 
 
 def first_difference_index(a: list[int] | str, b: list[int] | str) -> int | None:

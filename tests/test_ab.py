@@ -139,6 +139,10 @@ def test_a_speedup_above_what_the_measured_costs_allow_is_flagged():
     possible = side("speculative", decode_s=5.0, forwards=25, decode_tokens=100, drafted=100, accepted=75)
     assert compare(CharTokenizer(), PLAIN, possible, pairs=twice(possible), ceiling=ceiling).measured
     assert _ceiling(PassCosts(), impossible.stats) is None  # nothing measured: nothing flagged
+    noisy_costs = measured({1: 1.0, 2: 3.0}, 0.21)  # a busy moment priced a 2-row pass at 3 plain steps
+    assert _ceiling(noisy_costs, Stats(draft_lengths=[1, 0, 1])) == 1.0  # never under what plain steps give
+    one_pair = compare(CharTokenizer(), PLAIN, impossible, ceiling=ceiling)  # no spread: not a result either way
+    assert not one_pair.impossible and one_pair.verdict.headline.startswith("No measurable difference")
 
 
 class ClockedBackend:
