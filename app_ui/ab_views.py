@@ -72,6 +72,8 @@ def _speed_part(result: ABResult, names: tuple[str, str]) -> str:
     if result.impossible:
         return (f"**not a result**: {speedup:.2f}× in decode tokens/s is above the {result.ceiling:.2f}× that the "
                 "measured costs allow")
+    if not result.measured and names != AB_SIDES:
+        return f"**no measurable difference** between {names[1]} and {names[0]} in decode tokens/s ({speedup:.2f}×; {spread})"
     if not result.measured:
         return f"**no measurable difference** in decode tokens/s ({speedup:.2f}×; {spread})"
     if names != AB_SIDES:
