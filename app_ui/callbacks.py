@@ -19,14 +19,15 @@ from gradio.components.multimodal_textbox import MultimodalData
 from gradio.data_classes import FileData
 from pydantic import field_validator, model_validator
 
-from app_ui import queue_rules, views
+from app_ui import ab_views, queue_rules, views
 from app_ui.components import ab_names
+from app_ui.line import place
 from app_ui.served import Served, served_of
 from app_ui.session import (Options, Session, Turn, answer, checked, drafter_for, messages_for, name_budget_stop,
                             new_turn, question_of, read_message)
 from app_ui.stop_lane import leave_queue
 from app_ui.visitors import Visitors
-from engine.ab import ABProgress, run_ab
+from engine.ab import MIN_PAIRS, ABProgress, run_ab
 from engine.backend import Backend
 from engine.engine import Engine, RequestError
 from engine.images import ImageError, load_image
@@ -66,12 +67,13 @@ def number(value) -> float:
 
 async def _stop(session: Session, request: gr.Request, visitors: Visitors) -> None:
     """Stop the session's running answer, and let its answers still waiting in Gradio's queue
-    run at once (each sees the stop and ends without an answer); a turn accepted whose answer
+    run at once (each sees the stop, ends without an answer and puts its message back in the
+    box: a turn it moved is theirs to give back, so it is never dropped here); a turn accepted whose answer
     neither waits nor runs (its respond step never came) is dropped, its files freed."""
     session.request_stop()
-    await leave_queue(request, request.session_hash)
+    moved = await leave_queue(request, request.session_hash)  # each runs now and gives its message back
     blocks = _blocks_of(request)
-    if session.pending is not None and not session.running and blocks is not None \
+    if not moved and session.pending is not None and not session.running and blocks is not None \
             and request.session_hash not in queue_rules.sessions(blocks, GENERATE["concurrency_id"]):
         visitors.release(session, session.drop_pending())
 
@@ -171,16 +173,18 @@ def respond(served: Engine | Served, session: Session, options: Options | dict, 
     """Prepare the pending turn's images, then stream its answer into the chat panels (and,
     last, the message box), throttled; plots less often. A refused turn (an unreadable image, a
     prompt too long for the context) goes back into the message box, less a refused file, with
-    the reason in a notice; the conversation is unchanged. A turn stopped before it started, or
-    that failed, is shown with the reason. A chat cleared meanwhile gets empty panels. `options`
+    the reason in a notice; the conversation is unchanged. A turn stopped before its answer started
+    (while it waited in the queue) goes back into the box, text and images, and the panel says so;
+    one that failed is shown with the reason. A chat cleared meanwhile gets empty panels. `options`
     as sent (a dict: the page sends them unprocessed), checked here: a bad one is refused like a
     bad image, and the turn is cleared whatever fails."""
     turn, history, served = session.pending, session.turns, served_of(served)
     if turn is None:
         return
-    turn.queue_wait_s = time.perf_counter() - turn.arrived
+    began = time.perf_counter()
+    turn.queue_wait_s, turn.answering = began - turn.arrived, True
     text_tick, plot_tick = views.Throttle(views.UPDATES_PER_SECOND), views.Throttle(views.PLOT_UPDATES_PER_SECOND)
-    side, points, returned = None, [], gr.skip()
+    side, points, returned, stopped_early = None, [], gr.skip(), False
     plain_tok_s = session.plain_speed_for(turn)
     kinds = {key: drafter.kind for key, drafter in served.drafters.items()}
 
@@ -190,17 +194,17 @@ def respond(served: Engine | Served, session: Session, options: Options | dict, 
 
     try:
         options = checked(Options(**options) if isinstance(options, dict) else options, served)
-        _prepare_images(served, session, turn)
-        for side in answer(served, session, turn, options):
-            if side.stats.decode_tokens:
-                points.append((side.stats.new_tokens, round(side.stats.decode_tok_s, 2)))
-            if side.text and session.turns is history and text_tick.ready():
-                plots = plot_tick.ready()
-                yield panels(views.chatbot_messages(session, side), side, statistics(side.stats),
-                              points if plots else None) + (gr.skip(),)
-        if side is not None and not side.stats.new_tokens:
-            turn.error = "stopped before the answer started; nothing was answered (Retry sends it again)"
-            history.append(turn)
+        if session.stopped_at < turn.arrived:  # else Stop came while it waited: nothing to prepare
+            _prepare_images(served, session, turn)
+            for side in answer(served, session, turn, options):
+                if side.stats.decode_tokens:
+                    points.append((side.stats.new_tokens, round(side.stats.decode_tok_s, 2)))
+                if side.text and session.turns is history and text_tick.ready():
+                    plots = plot_tick.ready()
+                    yield panels(views.chatbot_messages(session, side), side, statistics(side.stats),
+                                  points if plots else None) + (gr.skip(),)
+        if (side is None or not side.stats.new_tokens) and session.turns is history:
+            returned, stopped_early = turn.message, True  # stopped before it started: nothing kept
     except (RequestError, ImageError) as error:
         returned = _without_named_files(turn.message, str(error))
         kept = "your text stays" if len(returned["files"]) < len(turn.files) else "your message is back in the box"
@@ -211,9 +215,13 @@ def respond(served: Engine | Served, session: Session, options: Options | dict, 
         history.append(turn)
     finally:
         session.pending = None
+        if not stopped_early:
+            served.answer_times.record(time.perf_counter() - began)
     messages = views.chatbot_messages(session)
     if session.turns is not history:  # New chat while it ran: the stopped answer is not shown
         yield panels(messages) + (returned,)
+    elif stopped_early:
+        yield panels(messages, statistics=views.STOPPED_BEFORE_START)[:-1] + (views.STOPPED_BEFORE_START, returned)
     elif side is None or not side.text:  # nothing answered: the panels keep the latest answer
         latest = session.answered()[-1].stats if session.answered() else None
         skipped = [gr.skip()] * (len(panels([])) - 3)  # the highlight, plots and their column stay
@@ -221,6 +229,26 @@ def respond(served: Engine | Served, session: Session, options: Options | dict, 
                views.key_figures(latest), returned)
     else:
         yield panels(messages, side, statistics(side.stats), points) + (returned,)
+
+
+def line_panel(served: Served, session: Session, request: gr.Request | None):
+    """The panel and the key figures while the session's sent turn waits in line (app_ui/line.py),
+    and the timer that asks again: stopped once the turn's answer has started or the turn is gone."""
+    turn = session.pending
+    if turn is None or turn.answering:
+        return gr.skip(), gr.skip(), gr.Timer(active=False)
+    where = place(_blocks_of(request), GENERATE["concurrency_id"], getattr(request, "session_hash", None),
+                  served.answer_times)
+    if where is None:  # not in line (yet, or any more): the panel says what it said
+        return gr.skip(), gr.skip(), gr.skip()
+    return *views.waiting(where), gr.skip()
+
+
+def shown_waiting(session: Session) -> tuple:
+    """A sent turn's panels until its answer's first words: what is prepared, no earlier answer's
+    highlight or plots (they would read as this one's), and the timer that shows the place in line."""
+    panel = views.preparing(session.pending)
+    return panel, "", gr.Column(visible=False), panel, gr.Timer(active=True)
 
 
 def _prepare_images(served: Served, session: Session, turn: Turn) -> None:
@@ -261,14 +289,15 @@ def api_chat(served: Served, message_value, session: Session, options: Options, 
         visitors.spoke(session, session_id)
         for side in answer(served, session, turn, options):
             if tick.ready():
-                yield side.text, _public_stats(served, side.stats, session.dropped, waited)
-    yield side.text, _public_stats(served, side.stats, session.dropped, waited)
+                yield side.text, _public_stats(served, side.stats, session.dropped)
+    served.answer_times.record(time.perf_counter() - arrived - waited)
+    yield side.text, _public_stats(served, side.stats, session.dropped)
 
 
-def _public_stats(served: Served, stats, dropped: int, queue_wait_s: float = 0.0) -> dict:
-    """views.stats_dict, the drafter named by its key (e.g. "text"), never by the folder it was loaded from,
-    and `queue_wait_s`: from the send to the answer's start, part of `prepare_s` and `ttft_s`."""
-    values = {**views.stats_dict(stats, dropped), "queue_wait_s": round(queue_wait_s, 4)}
+def _public_stats(served: Served, stats, dropped: int) -> dict:
+    """views.stats_dict, the drafter named by its key (e.g. "text"), never by the folder it was loaded from
+    (`queue_wait_s`: from the send to the answer's start, part of `prepare_s` and `ttft_s`)."""
+    values = views.stats_dict(stats, dropped)
     keys = {getattr(drafter, "name", key): key for key, drafter in served.drafters.items()}
     values["drafter"] = keys.get(values["drafter"], values["drafter"] and os.path.basename(str(values["drafter"])))
     return values
@@ -286,7 +315,7 @@ def _ab_events(served: Served, message_value, session: Session, options: Options
     turn = new_turn(message_value, served)
     messages = messages_for(Session(), turn, options.system_prompt)
     drafter = drafter_for(options, served) if served.drafters else None  # run_ab says why None cannot do
-    stop, session.running = session.begin(arrived, answers=2), True
+    stop, session.running, began = session.begin(arrived, answers=2 * MIN_PAIRS), True, time.perf_counter()
     try:
         for event in run_ab(served.backend, messages, drafter, options.sampling(), options.decode(), stop,
                             options.max_image_tokens, against=ab_backend):
@@ -299,21 +328,22 @@ def _ab_events(served: Served, message_value, session: Session, options: Options
     finally:
         session.running = False
         session.end_budget()
+        served.answer_times.record(time.perf_counter() - began)
 
 
 def ab_live(served: Served, message_value, session: Session, options: Options, arrived: float,
              ab_backend: Backend | None):
     tick, names = views.Throttle(views.UPDATES_PER_SECOND), ab_names(served, ab_backend)
     with user_errors():
-        asked = views.asked(*read_message(message_value, served))
+        asked = ab_views.asked(*read_message(message_value, served))
         for event in _ab_events(served, message_value, session, options, arrived, ab_backend):
             done = not isinstance(event, ABProgress)
             if done or tick.ready():
-                verdict = asked + views.ab_markdown(event if done else None, None if done else event.running, names)
+                verdict = asked + ab_views.ab_markdown(event if done else None, None if done else event, names)
                 first = (views.plain_html(event.plain.text) if ab_backend is None
                          else views.highlight_html(event.plain, names[0]))
                 yield (verdict, first, views.highlight_html(event.speculative, "Speculative" if ab_backend is None else names[1]),
-                       views.ab_table(event.plain.stats, event.speculative.stats, names))
+                       ab_views.ab_table(event.plain.stats, event.speculative.stats, names))
 
 
 def api_ab(served: Served, message_value, session: Session, options: Options, arrived: float,

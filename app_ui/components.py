@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import gradio as gr
 
-from app_ui import views
+from app_ui import ab_views, views
 from app_ui.served import Served
 from engine import settings as schema
 from engine.backend import Backend
@@ -138,14 +138,15 @@ def ab_tab(examples: list[dict], served: Served, ab_backend: Backend | None) -> 
                     "run of it to compare here: start the app with `--ab-backend URL` to compare it with another "
                     "backend (docs/backends.md).*")
     elif ab_backend is None:
-        gr.Markdown("One message (no chat history), answered plainly and then speculatively with the drafter from "
-                    "the settings; each side's timings count only its own run. At temperature 0 the two answers "
-                    "must be identical.")
+        gr.Markdown("One message (no chat history), answered plainly and speculatively with the drafter from the "
+                    "settings, in alternating pairs so that a burst of load falls on both alike (the first pair's "
+                    "answers are shown; each side's timings count only its own run). At temperature 0 the two "
+                    "answers must be identical.")
     else:
         first, second = ab_names(served, ab_backend)
         how = "with the drafter from the settings" if not served.server_decides else "as it decodes"
-        gr.Markdown(f"One message (no chat history), answered by **{first}** ({how}) and then by **{second}** (as it "
-                    "decodes); each side's timings count only its own run. At temperature 0, with the same model "
+        gr.Markdown(f"One message (no chat history), answered by **{first}** ({how}) and by **{second}** (as it "
+                    "decodes), in alternating pairs; each side's timings count only its own run. At temperature 0, with the same model "
                     "and weights, the two answers should be identical (compared as text when a backend gives no "
                     "token ids).")
     message = _message_box("ab-input")
@@ -157,7 +158,7 @@ def ab_tab(examples: list[dict], served: Served, ab_backend: Backend | None) -> 
         with gr.Accordion("Examples (a click puts one in the message box)", open=True,
                           elem_id="ab-examples") as examples_section:  # folded once a run starts
             gr.Examples(examples, inputs=[message], label=None)
-    verdict = gr.Markdown(views.ab_markdown(None), elem_id="ab-verdict", container=True)
+    verdict = gr.Markdown(ab_views.ab_markdown(None), elem_id="ab-verdict", container=True)
     with gr.Row(equal_height=False, elem_id="ab-answers"):
         plain = gr.HTML(container=True, min_width=320, elem_id="ab-plain", elem_classes=["tokens"])
         speculative = gr.HTML(container=True, min_width=320, elem_id="ab-speculative", elem_classes=["tokens"])

@@ -115,9 +115,8 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
         accept(examples[event.index], session, request)  # our own list: the click names only its place
 
     def show(session: Session, clear_box: bool = True):
-        panel = views.preparing(session.pending)  # in the statistics panel and the line of key figures
         return (gr.MultimodalTextbox(value=None) if clear_box else gr.skip(), views.chatbot_messages(session),
-                gr.Button(variant="stop", interactive=True), panel, panel)
+                gr.Button(variant="stop", interactive=True), *callbacks.shown_waiting(session))
 
     def retry(session: Session, temperature, seed, request: gr.Request):
         """The last turn again; with sampling, from the next seed (the same seed gives the same answer;
@@ -129,8 +128,8 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
             last = session.turns.pop()
             callbacks.start(session, Turn(last.text, last.files, last.images))
         # The panel says the new answer is on its way: the last one's figures would read as this one's.
-        panel = views.preparing(session.pending) if session.pending is not None else gr.skip()
-        return views.chatbot_messages(session), seed, gr.Button(variant="stop", interactive=True), panel, panel
+        waiting = callbacks.shown_waiting(session) if session.pending is not None else [gr.skip()] * 5
+        return views.chatbot_messages(session), seed, gr.Button(variant="stop", interactive=True), *waiting
 
     def undo(session: Session):
         message = session.turns.pop().message if session.pending is None and session.turns else gr.skip()
@@ -153,19 +152,32 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
     idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[chat.stop],
                 js=FOCUS_INPUT, **INSTANT)
     figures, statistics = chat.panels[-1], chat.panels[1]
-    shown = [chat.message, chat.chatbot, chat.stop, statistics, figures]
+    waiting = [statistics, chat.panels[2], chat.panels[5], figures, _line_timer(served, session, chat)]
+    shown = [chat.message, chat.chatbot, chat.stop, *waiting]  # waiting: callbacks.shown_waiting's
     chat.message.submit(accept, [chat.message, session], None, **INSTANT) \
         .success(show, [session], shown, **INSTANT).success(**respond_event).then(**idle)
     chat.chatbot.example_select(accept_example, [session], None, **INSTANT) \
         .success(lambda session: show(session, clear_box=False), [session], shown, **INSTANT) \
         .success(**respond_event).then(**idle)
     chat.chatbot.retry(retry, [session, settings["temperature"], settings["seed"]],
-                       [chat.chatbot, settings["seed"], chat.stop, statistics, figures], **INSTANT) \
+                       [chat.chatbot, settings["seed"], chat.stop, *waiting], **INSTANT) \
         .success(**respond_event).then(**idle)
     chat.chatbot.undo(undo, [session], [chat.message, *chat.panels], **INSTANT)
     chat.new_chat.click(new_conversation, [session], [chat.message, *chat.panels], **INSTANT)
     chat.chatbot.clear(new_conversation, [session], [chat.message, *chat.panels], **INSTANT)
     chat.stop.click(callbacks.stopper(visitors), [session], None, queue=False, api_name="stop")
+
+
+def _line_timer(served: Served, session: gr.State, chat: SimpleNamespace) -> gr.Timer:
+    """While a sent turn waits in line, its place and the wait expected, each second in the panel
+    and the key figures (callbacks.line_panel); started by callbacks.shown_waiting, it stops itself."""
+    line = gr.Timer(1.0, active=False)
+
+    def in_line(session: Session, request: gr.Request):
+        return callbacks.line_panel(served, session, request)
+
+    line.tick(in_line, [session], [chat.panels[1], chat.panels[-1], line], **INSTANT)
+    return line
 
 
 def _wire_ab(served: Served, gpu: Callable, session: gr.State, settings: list, ab: SimpleNamespace,

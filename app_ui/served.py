@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from app_ui.line import AnswerTimes
 from engine.backend import Backend, BuiltIn
 from engine.engine import Engine
 from engine.prompt import Prompt
@@ -38,6 +39,7 @@ class Served:
     demo: bool = False  # the bundled demo model
     smol: bool = False  # the SmolLM2 demo (--preset smol): real English text, pictures of the demo world
     engine: Engine | None = None  # the built-in engine; None for another backend
+    answer_times: AnswerTimes = field(default_factory=AnswerTimes)  # the line's estimate (app_ui/line.py)
 
     @classmethod
     def built_in(cls, engine: Engine) -> Served:

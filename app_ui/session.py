@@ -13,7 +13,7 @@ Policies (docs/app.md, "Limits and failures"):
   its next message is refused once with a message saying so, and the one after starts a new
   conversation.
 - A request runs for at most `time_budget_s` (app_ui/visitors.Limits) per answer it gives (an A/B
-  gives two): then it stops as Stop would, and its answer says "cut at the time budget" (finish
+  gives four: engine/ab.py's MIN_PAIRS pairs): then it stops as Stop would, and its answer says "cut at the time budget" (finish
   reason "time_budget").
 """
 
@@ -52,6 +52,8 @@ class Turn:
     arrived: float = field(default_factory=time.perf_counter)  # when the request arrived (a Stop after it applies)
     load_s: float = 0.0  # time spent opening and shrinking its images, part of the answer's time to first token
     queue_wait_s: float = 0.0  # from `arrived` to the start of its answer's handler (the wait in Gradio's queue)
+    answering: bool = False  # its answer's handler has started (it no longer waits in the queue)
+    dropped: int = 0  # the oldest answered turns its prompt left out (Session.dropped when it was answered)
 
     @property
     def message(self) -> dict:
@@ -302,6 +304,7 @@ def answer(engine: Engine | Served, session: Session, turn: Turn, options: Optio
         with closing(events):
             for event in events:
                 side.update(event)
+                side.stats.queue_wait_s = turn.queue_wait_s  # the app's queue: part of prepare_s
                 yield side
     except Exception:
         failed = True
@@ -318,7 +321,7 @@ def record(session: Session, turn: Turn, side: Side, history: list[Turn]) -> Non
     name_budget_stop(stats, session.stop)
     if stats.mode == "plain" and stats.finish_reason != "stopped" and stats.speed_measured:
         session.plain_tok_s, session.plain_question = stats.decode_tok_s, question_of(turn)
-    turn.answer, turn.stats = side.text, stats
+    turn.answer, turn.stats, turn.dropped = side.text, stats, session.dropped
     history.append(turn)
 
 

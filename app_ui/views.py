@@ -4,15 +4,15 @@
 from __future__ import annotations
 
 import html
-import os
 import re
 import time
 from difflib import SequenceMatcher
 
 import pandas as pd
 
+from app_ui.line import Place
 from app_ui.session import Session, Turn
-from engine.ab import ABResult, Side
+from engine.ab import Side
 from engine.stats import Stats
 
 UPDATES_PER_SECOND = 15  # text and statistics; the plots refresh less often
@@ -32,11 +32,17 @@ NO_ORIGINS_LEGEND = ('<p class="legend"><strong>{title}</strong>: which tokens w
                      'this server.</p>')
 NO_PICTURE_HINT = ("The demo model only learned to answer about pictures like the examples (coloured shapes, bar "
                    "charts, text cards); without one, its answer is a guess.")
+STOPPED_BEFORE_START = ("**Stopped before it started**: nothing was answered; your message and its images are back "
+                        "in the box.")  # the panel after a Stop while the turn waited
 NOT_REPORTED = "not reported by this server"  # a statistic the backend cannot measure (Stats.unknown)
-AB_SIDES = ("plain", "speculative")  # the A/B tab's sides, unless it compares two backends
 FINISH_REASONS = {"stop_token": "end of answer", "max_new_tokens": "max new tokens reached", "stopped": "stopped",
                   "context": "the model's context is full",
-                  "time_budget": "cut at the server's time budget"}  # one answer's, or an A/B's (twice that)
+                  "time_budget": "cut at the server's time budget"}  # one answer's, or an A/B's (2 x MIN_PAIRS that)
+
+
+# The note under an answer in the chat that did not end by itself (engine/stats.py finish reasons).
+CUT_NOTES = {"stopped": "stopped: the answer ends here", "time_budget": "cut at the server's time budget",
+             "context": "cut: the model's context is full"}
 
 
 class Throttle:
@@ -111,16 +117,6 @@ def auto_choice_text(reason: str, drafters: dict[str, str]) -> str:
     return reason
 
 
-def ab_table(plain: Stats | None, speculative: Stats | None, names: tuple[str, str] = AB_SIDES) -> str:
-    """Both sides of an A/B run, row by row (`names`: the sides' headings)."""
-    if plain is None:
-        return ""
-    rows = _stat_rows(plain)
-    other = _stat_rows(speculative) if speculative else [(name, "") for name, _ in rows]
-    return _table(["Statistic", *(("Plain", "Speculative") if names == AB_SIDES else names)], [(name, a or "—", b or "—") for (name, a), (_, b)
-                                                          in zip(rows, other) if a is not None or b is not None])
-
-
 def key_figures(stats: Stats | None) -> str:
     """The answer's key figures in one line, the panel's own (the line under Stop on a phone, where
     the panel is below the chat): speed, time to first token, acceptance (speculative only), status."""
@@ -166,7 +162,7 @@ def _measured_rows(stats: Stats) -> list[tuple[str, str | None]]:
              "— (too few tokens to measure)" if stats.new_tokens else "—")
     return [
         ("Decode speed", speed),
-        ("Time to first token", f"{stats.ttft_s * 1000:.0f} ms (images and prompt {stats.prepare_s * 1000:.0f} ms)"),
+        ("Time to first token", _first_token_row(stats)),
         ("Prompt", f"{plural(stats.prefill_tokens, 'token')}{images} read in {stats.prefill_s * 1000:.0f} ms"),
         ("Answer", f"{plural(stats.new_tokens, 'token')} in {stats.total_s:.2f} s "
                    f"({plural(stats.decode_tokens, 'token')} decoded in {stats.decode_s:.2f} s)"),
@@ -177,10 +173,36 @@ def _measured_rows(stats: Stats) -> list[tuple[str, str | None]]:
         ("Draft shape", _draft_shape(stats) if speculative else None),
         ("Decoding", f"speculative · {drafter}" if speculative else "plain"),
         ("Drafter choice", stats.auto_choice),
-        ("Draft length", stats.draft_length_reason),
+        ("Draft length", _draft_lengths(stats) if speculative else None),
         ("Fell back to plain", stats.fallback_reason),
         ("Status", FINISH_REASONS.get(stats.finish_reason, (stats.finish_reason or "generating…").replace("_", " "))),
     ]
+
+
+def _draft_lengths(stats: Stats) -> str | None:
+    """The answer's draft lengths over every round (mean and range; the plain steps apart), then why
+    the latest round drafted what it did (engine/draft_length.py's words)."""
+    drafting = [k for k in stats.draft_lengths if k > 0]
+    plain_steps = len(stats.draft_lengths) - len(drafting)
+    latest = f"latest round: {stats.draft_length_reason}" if stats.draft_length_reason else None
+    if not drafting:
+        return latest and f"nothing drafted in this answer; {latest}"
+    low, high = min(drafting), max(drafting)
+    span = f"always {low}" if low == high else f"{low} to {high}"
+    counted = plural(len(drafting), "drafting round") + (f" and {plural(plain_steps, 'plain step')}" if plain_steps else "")
+    return f"{sum(drafting) / len(drafting):.1f} on average ({span}) over {counted}" + (f"; {latest}" if latest else "")
+
+
+def _first_token_row(stats: Stats) -> str:
+    """Time to first token and its parts, each named for what the turn had: the wait in line (when
+    there was one), preparing the prompt (with its images, when it has any), then the target's
+    pass over the prompt that gives the first token."""
+    prepared = max(stats.prepare_s - stats.queue_wait_s, 0.0)
+    parts = [f"waiting in line {stats.queue_wait_s * 1000:.0f} ms"] if stats.queue_wait_s >= 0.0005 else []
+    parts.append(f"{'images and prompt' if stats.prefill_image_tokens else 'prompt'} prepared in {prepared * 1000:.0f} ms")
+    if "prefill_s" not in stats.unknown:
+        parts.append(f"prompt read to the first token in {stats.prefill_s * 1000:.0f} ms")
+    return f"{stats.ttft_s * 1000:.0f} ms ({' · '.join(parts)})"
 
 
 def drafter_name(kind: str | None) -> str:
@@ -278,9 +300,10 @@ def chatbot_messages(session: Session, live: Side | None = None) -> list[dict]:
     statistics are beside the chat, so an answer has one action row and Copy copies the answer);
     the pending turn last, with the answer streaming in (`live`). Until its first words, Gradio's
     pending dots are the only assistant bubble (the panel says what is being prepared)."""
-    messages = []
+    messages, dropped = [], 0
     for turn in session.turns:
-        messages += [_user_message(turn), _assistant_message(turn)]
+        messages += [_user_message(turn), _assistant_message(turn, turn.dropped - dropped)]
+        dropped = max(dropped, turn.dropped)
     if session.pending is not None:
         messages.append(_user_message(session.pending))
         if live is not None and live.text:
@@ -300,55 +323,32 @@ def preparing(turn: Turn) -> str:
     return f"*Preparing {plural(images, 'image')}…*" if images and not turn.images else "*Thinking…*"
 
 
+def waiting(place: Place) -> tuple[str, str]:
+    """The panel and the line of key figures while a sent turn waits in line for the engine: its
+    place and the wait expected from the answers measured (app_ui/line.py)."""
+    ahead = "next in line, after the answer running now" if place.ahead == 1 else \
+        f"{plural(place.ahead, 'answer')} ahead of yours (one running, the others waiting)"
+    if place.estimate_s is None:
+        estimate, short = "no answer measured yet to estimate the wait", ""
+    else:
+        each = place.estimate_s / max(place.ahead, 1)
+        estimate = (f"about {place.estimate_s:.0f} s: the server's last {plural(place.measured_over, 'answer')} took "
+                    f"{each:.0f} s each (median)")
+        short = f" · about {place.estimate_s:.0f} s"
+    return (f"**Waiting in line**: {ahead}; {estimate}. Your message is prepared when its turn comes.",
+            f"waiting in line: {place.ahead} ahead{short}")
+
+
 def _user_message(turn: Turn) -> dict:
     return {"role": "user", "content": [{"path": path} for path in turn.files] + ([turn.text] if turn.text else [])}
 
 
-def _assistant_message(turn: Turn) -> dict:
-    return {"role": "assistant", "content": f"**Cannot answer:** {turn.error}" if turn.error else turn.answer}
-
-
-def asked(text: str, files: list[str]) -> str:
-    """The A/B's question, over its verdict: the message box empties when a run takes it."""
-    names = ", ".join(os.path.basename(path) for path in files)
-    parts = [f"“{_cell(text)}”" if text else "", f"{plural(len(files), 'image')}: {names}" if files else ""]
-    return f"**Asked:** {' · '.join(part for part in parts if part)}\n\n"
-
-
-def ab_markdown(result: ABResult | None, running: str | None = None, names: tuple[str, str] = AB_SIDES) -> str:
-    """The A/B verdict: speedup and identity, or which side is running (`running`: "plain" or
-    "speculative", the first or second side; `names`: the sides' names when two backends)."""
-    backends = names != AB_SIDES
-    if result is None:
-        if running:
-            return f"*Running the {names[AB_SIDES.index(running)]} side…*"
-        return f"*Run a turn to compare {names[0]} and {names[1]}{'' if backends else ' decoding'}.*"
-    if result.stopped:
-        cut = any(side.stats is not None and side.stats.finish_reason == "time_budget"
-                  for side in (result.plain, result.speculative))
-        return (("**Cut at the server's time budget** (an A/B may take twice one answer's)" if cut else "**Stopped**")
-                + " before both sides finished; no speedup or comparison to report.")
-    parts = []
-    if result.decode_speedup is not None and backends:
-        parts.append(f"**{names[1]}: {result.decode_speedup:.2f}×** the decode tokens/s of {names[0]}")
-    elif result.decode_speedup is not None:
-        parts.append(f"**Speedup {result.decode_speedup:.2f}×** in decode tokens/s")
-    else:  # Stats.speed_measured: the one rule that the table's "too few tokens to measure" follows
-        short = [name for name, side in zip(names, (result.plain, result.speculative))
-                 if not (side.stats and side.stats.speed_measured)]
-        parts.append(f"decode speed ratio **not measurable**: too few tokens to measure on {' and '.join(short)}")
-    if result.time_ratio is not None:
-        parts.append(f"whole answer {result.time_ratio:.2f}× as fast")
-    if result.identical:
-        parts.append("answers **identical** ✓")
-    else:
-        d = result.first_difference
-        unit = "character" if d.index == d.char_index and result.plain.token_ids == [] else "token"
-        where = f"{unit} {d.index}" if unit == "character" else f"token {d.index} (character {d.char_index})"
-        parts.append(f"answers **differ** from {where}: "
-                     f"{names[0]} “`{_code(d.plain)}`” vs {names[1]} “`{_code(d.speculative)}`”")
-    return " · ".join(parts) + (f"\n\n{result.verdict.text}" if result.verdict else "")
-
-
-def _code(text: str) -> str:
-    return text.replace("`", "'").replace("\n", "⏎") or "(end)"
+def _assistant_message(turn: Turn, left_out: int = 0) -> dict:
+    """An answer, and under it what the panel says of an answer that is not whole: stopped, cut,
+    or given without the `left_out` oldest turns (newly left out for this one)."""
+    if turn.error:
+        return {"role": "assistant", "content": f"**Cannot answer:** {turn.error}"}
+    notes = [CUT_NOTES[turn.stats.finish_reason]] if turn.stats and turn.stats.finish_reason in CUT_NOTES else []
+    if left_out > 0:
+        notes.append(f"answered without the {plural(left_out, 'oldest turn')} of this chat: it outgrew the model's context")
+    return {"role": "assistant", "content": turn.answer + "".join(f"\n\n*— {note}*" for note in notes)}

@@ -11,7 +11,9 @@ this order:
    and requests change: a drafter that lost once is looked at again);
 3. otherwise the drafter with the highest mean tok/s over its last WINDOW records in the
    request's context.
-The reason (the figures compared) goes into the request's statistics as `auto_choice`.
+The records are the engine's, so every visitor's requests count: the reason (the figures
+compared, from the server's latest speculative answers, any visitor's) says so, without counts; it goes into
+the request's statistics as `auto_choice`.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class DrafterChooser:
         context = image_context(num_images)
         untried = [name for name in self.names if not self.records[name].get(context)]
         if untried:
-            return untried[0], f"auto: {untried[0]} (exploring: no measured request {_scope(context)} yet)"
+            return untried[0], f"auto: {untried[0]} (exploring: no measured request {_scope(context)} on this server yet)"
         if self.auto_requests % EXPLORE_EVERY == 0:
             name = min(self.names, key=lambda n: self.records[n][context][-1].serial)
             return name, (f"auto: {name} (exploring, every {EXPLORE_EVERY}th request: the drafter longest unmeasured "
@@ -64,7 +66,8 @@ class DrafterChooser:
         best = max(self.names, key=lambda n: statistics.mean(scores[n]))
         figures = ", ".join(f"{name} {statistics.mean(speeds):.1f} tok/s"
                             for name, speeds in sorted(scores.items(), key=lambda s: -statistics.mean(s[1])))
-        return best, f"auto: {best} (recent decode speed {_scope(context)}: {figures})"
+        return best, (f"auto: {best} (recent decode speed {_scope(context)}, measured over this server's latest "
+                      f"speculative answers, any visitor's: {figures})")  # no counts: they would tell a visitor the traffic
 
 
 def _scope(context: int) -> str:

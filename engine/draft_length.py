@@ -317,12 +317,13 @@ class DraftLength:
                 self.costs, self.drafter, self.seen.optimistic(estimate, OPTIMISM), self.max_k, self.tree,
                 self.fixed)).k:
             if choice.k:  # little seen yet: choose at the optimistic acceptance
-                self._drafting(hopeful)
+                self._drafting(hopeful, "an acceptance at the high end of what the few tokens judged so far allow")
             else:
                 self.k = self.fixed or 1
                 self.reason = f"draft length {self.k}: too few tokens judged yet to tell whether drafting pays"
         elif choice.k:
-            self._drafting(choice)
+            self._drafting(choice, f"an expected acceptance of {self.acceptance:.0%} (this drafter's earlier answers "
+                                   "and this one's so far; not this answer's own acceptance)")
         elif self.costs.draft_rounds(self.drafter, self.tree) < THIN_COSTS:  # one slow round (a first call,
             self.k = FIRST_K  # a busy moment) cannot pause a drafter: measure a few more
             self.reason = f"draft length {self.k}: too few rounds measured yet to tell whether drafting pays"
@@ -333,10 +334,11 @@ class DraftLength:
         if self.costs.needs_reference():
             self.k, self.reason = 0, REFERENCE
 
-    def _drafting(self, choice: Choice) -> None:  # the "× plain expected" wording: app_ui/views.py EXPECTED reads it
+    def _drafting(self, choice: Choice, acceptance: str) -> None:  # "× plain expected": app_ui/views.py EXPECTED reads it
+        """Draft `choice.k`, chosen at `acceptance` (in words: which acceptance the rule assumed)."""
         self.k = choice.k
         self.reason = f"draft length {self.k} (fixed)" if self.fixed else \
-            f"draft length {self.k}: the fastest at the measured costs and acceptance ({choice.gain:.2f}× plain expected)"
+            f"draft length {self.k}: the fastest at the measured costs and {acceptance} ({choice.gain:.2f}× plain expected)"
 
     def _paused(self, choice: Choice | None) -> None:
         """Plain steps, and 1 token every PROBE_EVERY; `choice`: the cost rule's (None: a fixed k rejected)."""

@@ -82,9 +82,13 @@ def generate(
                   prepare_s=0.0 if request.started is None else started - request.started)
     text = TextStream(tokenizer)
     # 1. Prefill the target (its logits give the first token, yielded at once; it keeps what
-    #    the drafter reads), then the drafter (a session of its own for this request), only if
-    #    the answer goes on.
-    logits, state = target.prefill(prompt.target_inputs, drafter.reads if drafter else NO_READS)
+    #    the drafter reads; a long prompt in passes that a stop can end), then the drafter (a
+    #    session of its own for this request), only if the answer goes on.
+    logits, state = target.prefill(prompt.target_inputs, drafter.reads if drafter else NO_READS, stop)
+    if logits is None:  # Stop during a long prompt's read (engine/runner.py): nothing answered
+        stats.finish_reason = "stopped"
+        yield Done("", [], stats.snapshot())
+        return
     first_token, _ = sampler.next_token(logits)
     first_token_at = clock.now()
     stats.prefill_s = first_token_at - started

@@ -12,6 +12,7 @@ transformers' forward and its DynamicCache; `Runner.fast_fallback` says why.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -79,6 +80,39 @@ class CacheState:
         self.reads, self.hidden, self.shared_kv = NO_READS, None, None
 
 
+PREFILL_CHUNK = 512  # a longer prompt is read in passes of this many tokens, Stop looked at between them
+PER_TOKEN_INPUTS = ("input_ids", "token_type_ids", "mm_token_type_ids")  # processor outputs with a row per token
+IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+
+
+def prefill_bounds(inputs: dict[str, torch.Tensor], image_token_ids: set[int], reads: TargetReads) -> list[tuple[int, int]]:
+    """The passes a prompt is read in, as (start, end) token ranges: one pass up to PREFILL_CHUNK
+    tokens; a longer prompt in passes of PREFILL_CHUNK, the first reaching past its last image
+    token (the image features enter with the first pass). In one pass when splitting is not known
+    to be sound: image inputs without a placeholder id the config names, an attention mask that
+    masks a token, or a drafter that reads the shared K/V (each pass would return only its own)."""
+    input_ids = inputs["input_ids"][0]
+    seq_len = len(input_ids)
+    mask = inputs.get("attention_mask")
+    images = [i for i, token in enumerate(input_ids.tolist()) if token in image_token_ids]
+    has_pixels = any(name not in PER_TOKEN_INPUTS + ("attention_mask",) for name in inputs)
+    if seq_len <= PREFILL_CHUNK or reads.shared_kv or (mask is not None and not bool(mask.all())) \
+            or (has_pixels and not images):
+        return [(0, seq_len)]
+    starts = list(range(max(PREFILL_CHUNK, images[-1] + 1 if images else 0), seq_len, PREFILL_CHUNK))
+    ends = starts + [seq_len]
+    return list(zip([0] + starts, ends))
+
+
+def _prompt_part(inputs: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
+    """The processor outputs for prompt tokens start..end: the first pass gets every input (the
+    images' too); a later one only the per-token rows (the cache holds what came before)."""
+    if start == 0:
+        return {name: value[:, :end] if name in PER_TOKEN_INPUTS + ("attention_mask",) else value
+                for name, value in inputs.items()}
+    return {name: inputs[name][:, start:end] for name in PER_TOKEN_INPUTS if name in inputs}
+
+
 def path_rows(rows: torch.Tensor, path: list[int], num_tree: int) -> torch.Tensor:
     """(len(path), H) the rows of tree entries `path`, from a pass's rows (num_tree, H) of the whole tree."""
     if len(rows) != num_tree:
@@ -100,11 +134,14 @@ class Runner:
         self.fast = fast_decode.FastDecoder(model) if self.fast_fallback is None else None
 
     @torch.inference_mode()
-    def prefill(self, inputs: dict[str, torch.Tensor], reads: TargetReads = NO_READS) -> tuple[torch.Tensor, CacheState]:
+    def prefill(self, inputs: dict[str, torch.Tensor], reads: TargetReads = NO_READS,
+                stop: threading.Event | None = None) -> tuple[torch.Tensor | None, CacheState]:
         """Run the prompt. inputs: processor outputs (input_ids (1, S), pixel_values, ...).
 
         Returns the float32 logits of the last prompt position, (V,), and the new cache state
         (with `hidden` / `shared_kv` of all S prompt positions when `reads` asks for them).
+        A long prompt is read in passes (`prefill_bounds`), and `stop` is looked at between them:
+        once it is set the read ends there, and the logits are None (the cache holds a part).
         """
         inputs = {name: value.to(self.device) for name, value in inputs.items()}
         position_ids, rope_delta = self.family.prefill_positions(self.model, inputs)
@@ -113,9 +150,16 @@ class Runner:
         seq_len = inputs["input_ids"].shape[1]
         state = self.state_type(cache=cache, cache_len=seq_len, rope_pos=seq_len + rope_delta,
                                 prompt_positions=position_ids, rope_delta=rope_delta, reads=reads)
-        out = self.model(**inputs, position_ids=position_ids, cache=cache,
-                         use_cache=True, logits_to_keep=1, **self._hidden_request(state))
-        self._keep_hidden(state, out, seq_len)
+        hidden = []
+        for start, end in prefill_bounds(inputs, self._image_token_ids(), reads):
+            if start and stop is not None and stop.is_set():
+                return None, state
+            out = self.model(**_prompt_part(inputs, start, end), position_ids=position_ids[..., start:end],
+                             cache=cache, use_cache=True, logits_to_keep=1, **self._hidden_request(state))
+            self._keep_hidden(state, out, end - start)
+            hidden.append(state.hidden)
+        if state.hidden:  # every pass's rows, in order
+            state.hidden = {layer: torch.cat([rows[layer] for rows in hidden]) for layer in state.hidden}
         if self.fast is not None:
             state.cache = StaticKVCache.from_dynamic(cache, self.fast.stack.cache_dtype)
         self.rollback(state, 0)  # trims sliding-window layers back to their window
@@ -179,6 +223,11 @@ class Runner:
         state.cache_len += len(path)
         state.rope_pos += len(path)
         state.tree_parents = []
+
+    def _image_token_ids(self) -> set[int]:
+        """The ids that stand for image (or video) features in a prompt, as the model's config names them."""
+        config = self.model.config
+        return {value for name in IMAGE_TOKEN_FIELDS if isinstance(value := getattr(config, name, None), int)}
 
     @staticmethod
     def tree_unsupported(state: CacheState) -> str | None:

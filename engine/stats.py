@@ -64,6 +64,7 @@ class Stats:
     max_image_tokens: int | None = None  # the budget of tokens per image (None: the processor's own limit)
     prefill_s: float = 0.0
     prepare_s: float = 0.0  # from the request's start to the prefill: images, prompt, the wait for the engine
+    queue_wait_s: float = 0.0  # the part of prepare_s spent waiting in the caller's queue (the app's), as it measured it
     ttft_s: float = 0.0
     drafter_prefill_s: float = 0.0  # the drafter's own prefill (begin), after the first token
     decode_tokens: int = 0

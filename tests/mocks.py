@@ -45,7 +45,7 @@ class MarkovRunner:
     def __init__(self, table: torch.Tensor):
         self.table = table  # (V, V): logits after token i
 
-    def prefill(self, inputs, reads=NO_READS):
+    def prefill(self, inputs, reads=NO_READS, stop=None):
         tokens = inputs["input_ids"][0].tolist()
         self.state = MarkovState(tokens)  # the latest request's, for tests to inspect
         return self.table[tokens[-1]].clone(), self.state

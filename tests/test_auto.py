@@ -52,9 +52,10 @@ def test_the_reason_names_the_figures_compared():
     chooser.record("vlm", 1, MIN_TOKENS - 1, 1.0)  # too short an answer to count
     name, reason = chooser.choose(1)
     assert name == "vlm"
-    assert reason == "auto: vlm (recent decode speed with 1 image: vlm 200.0 tok/s, text 100.0 tok/s)"  # no counts
+    assert reason == ("auto: vlm (recent decode speed with 1 image, measured over this server's latest speculative "
+                      "answers, any visitor's: vlm 200.0 tok/s, text 100.0 tok/s)")  # no counts
     name, reason = chooser.choose(3)  # no record with 3 or more images: tried first
-    assert name == "text" and reason == "auto: text (exploring: no measured request with 3 or more images yet)"
+    assert name == "text" and reason == "auto: text (exploring: no measured request with 3 or more images on this server yet)"
 
 
 def test_the_engine_picks_per_request_and_says_why(zoo):

@@ -155,6 +155,8 @@ def test_the_cost_chosen_length_is_within_7_percent_of_the_best_fixed_one(monkey
         stats, cost_s = timed_answer(monkeypatch, acceptance, seed=seed)
         fixed_s = {k: timed_answer(monkeypatch, acceptance, seed=seed, draft_tokens=k)[1] for k in range(1, 7)}
         assert cost_s < plain_s and "the fastest at the measured costs" in stats.draft_length_reason
+        assert "an expected acceptance of" in stats.draft_length_reason  # the rule's estimate, named as one
+        assert "not this answer's own acceptance" in stats.draft_length_reason
         ratios.append(cost_s / min(fixed_s.values()))
         fixed_4.append(cost_s / fixed_s[4])
     # the plain steps that time plain decoding close by (one in REFERENCE_EVERY rounds) cost ~2 %

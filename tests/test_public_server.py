@@ -38,7 +38,7 @@ from gradio_client.exceptions import AppError
 from PIL import Image
 
 import app
-from app_ui import callbacks
+from app_ui import callbacks, views
 from app_ui import session as session_module
 from app_ui.session import Options, Session, new_turn
 from app_ui.visitors import MB, Limits, Visitors
@@ -465,9 +465,10 @@ def test_in_the_chat_a_stop_while_queued_and_left_out_turns_are_said(server):
     session = Session()
     session.pending = new_turn({"text": "Describe the image.", "files": []}, server.engine, session)
     session.request_stop()  # Stop pressed while the turn waits in the queue
-    *_, (chatbot, *_) = callbacks.respond(server.engine, session, Options(max_new_tokens=8))
-    assert chatbot[-1]["content"].startswith("**Cannot answer:** stopped before the answer started")
-    assert session.answered() == [] and session.pending is None  # shown, not sent; Retry sends it again
+    *_, (chatbot, statistics, *_, figures, box) = callbacks.respond(server.engine, session, Options(max_new_tokens=8))
+    assert chatbot == [] and box == {"text": "Describe the image.", "files": []}  # back in the box, not in the chat
+    assert statistics == figures == views.STOPPED_BEFORE_START
+    assert session.turns == [] and session.pending is None
     chart = [f"{ROOT}/assets/examples/chart.png"]
     for i in range(5):  # about 600 tokens a turn; the context is 2048
         session.pending = new_turn({"text": f"Turn {i}: " + "word " * 600, "files": chart if i == 0 else []},

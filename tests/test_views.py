@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app_ui import views
+from app_ui import ab_views, views
 from app_ui.session import Session, Turn
 from engine.ab import ABResult, Difference, Side
 from engine.stats import PAUSED, Stats
@@ -45,7 +45,7 @@ def test_the_first_difference_quotes_both_fragments():
     result = ABResult(Side("plain", text="a cat", stats=stats), Side("speculative", text="a dog", stats=stats),
                       decode_speedup=None, time_ratio=None, identical=False,
                       first_difference=Difference(1, 2, "cat", "dog"))
-    assert "plain “`cat`” vs speculative “`dog`”" in views.ab_markdown(result)
+    assert "plain “`cat`” vs speculative “`dog`”" in ab_views.ab_markdown(result)
 
 
 def test_the_chat_shows_a_sent_message_at_once_and_knows_when_no_picture_was_sent():
@@ -101,7 +101,7 @@ def test_a_ratio_with_a_missing_side_reads_not_measurable():
                                                                 finish_reason="stop_token"))
     result = compare(None, plain, other, verdict_of=False)
     assert result.decode_speedup is None
-    text = views.ab_markdown(result, names=("built-in", "llama.cpp"))
+    text = ab_views.ab_markdown(result, names=("built-in", "llama.cpp"))
     assert "0.00" not in text and "not measurable" in text
     assert "too few tokens" in text
 
@@ -153,3 +153,54 @@ def test_every_figure_has_its_unit():
                   drafted=5, accepted=3, new_tokens=4, decode_tokens=3)
     text = views.stats_markdown(stats)
     assert "16 tokens for images, at most 256 tokens per image" in text and "3 / 5 tokens" in text
+
+
+def test_time_to_first_token_is_split_into_what_the_turn_had():
+    """"Time to first token 4754 ms (images and prompt 3997 ms)" on a turn without images, the wait
+    in the queue inside: now the wait, the preparation (images named only when the prompt has
+    some) and the prompt's pass, each on its own."""
+    waited = Stats(mode="plain", ttft_s=4.754, prepare_s=4.117, queue_wait_s=3.997, prefill_s=0.637)
+    row = dict(views._stat_rows(waited))["Time to first token"]
+    assert row == ("4754 ms (waiting in line 3997 ms · prompt prepared in 120 ms · prompt read to the first token "
+                   "in 637 ms)")
+    assert "images" not in row
+    pictured = Stats(mode="plain", ttft_s=0.9, prepare_s=0.3, prefill_s=0.6, prefill_image_tokens=64)
+    row = dict(views._stat_rows(pictured))["Time to first token"]
+    assert row.startswith("900 ms (images and prompt prepared in 300 ms") and "waiting" not in row
+    assert views.key_figures(pictured).split(" · ")[1] == "first token 900 ms"
+
+
+def test_the_place_in_line_and_the_wait_expected_are_said():
+    from app_ui.line import Place
+
+    panel, figures = views.waiting(Place(ahead=3, estimate_s=12.0, measured_over=5))
+    assert "3 answers ahead of yours" in panel and "about 12 s" in panel and "last 5 answers took 4 s each" in panel
+    assert figures == "waiting in line: 3 ahead · about 12 s"
+    panel, _ = views.waiting(Place(ahead=1, estimate_s=None, measured_over=0))
+    assert "next in line" in panel and "no answer measured yet" in panel
+
+
+def test_a_cut_or_stopped_answer_says_so_in_the_chat():
+    """Only the panel once said "stopped", "cut at the server's time budget" or "left out the 2
+    oldest turns": the answer in the chat looked finished."""
+    session = Session()
+    finished = Turn("Hi", [], [], answer="Hello.", stats=Stats(finish_reason="stop_token"))
+    stopped = Turn("Tell a story", [], [], answer="Once", stats=Stats(finish_reason="stopped"))
+    cut = Turn("More", [], [], answer="And", stats=Stats(finish_reason="time_budget"), dropped=2)
+    later = Turn("Again", [], [], answer="So.", stats=Stats(finish_reason="stop_token"), dropped=2)
+    session.turns = [finished, stopped, cut, later]
+    answers = [m["content"] for m in views.chatbot_messages(session) if m["role"] == "assistant"]
+    assert answers[0] == "Hello." and answers[3] == "So."  # whole, and nothing newly left out
+    assert answers[1] == "Once\n\n*— stopped: the answer ends here*"
+    assert "cut at the server's time budget" in answers[2] and "without the 2 oldest turns" in answers[2]
+
+
+def test_the_draft_length_row_covers_the_whole_answer():
+    """"draft length 7: the fastest at the measured costs and acceptance" beside an answer whose
+    acceptance was 10 %, and "1" beside 3.11 tokens a pass: the row now gives every round's length."""
+    stats = Stats(mode="speculative", new_tokens=30, decode_tokens=29, decode_s=1.0, decode_tok_s=29.0,
+                  draft_lengths=[4, 7, 0, 7, 1], draft_length_reason="draft length 1: the fastest at ...")
+    row = dict(views._stat_rows(stats))["Draft length"]
+    assert row.startswith("4.8 on average (1 to 7) over 4 drafting rounds and 1 plain step; latest round: "
+                          "draft length 1")
+    assert dict(views._stat_rows(Stats(mode="plain")))["Draft length"] is None
