@@ -53,6 +53,7 @@ def spec_from_args(args: argparse.Namespace, max_images: int = 8) -> EngineSpec:
     except ValueError as error:
         raise LoadError(str(error)) from None
     options = LoadOptions(dtype=args.dtype, device=args.device, quantization=args.quantization,
+                          weight_arithmetic=args.weight_arithmetic,
                           trust_remote_code=args.trust_remote_code, drafter_dtype=args.drafter_dtype)
     preset = None if args.model else (args.preset or DEFAULT_PRESET)
     return EngineSpec(target, tuple(names), options, preset, max_images,

@@ -24,7 +24,8 @@ fewer operations, over a StaticKVCache (engine/static_cache.py):
   with per-row scales (engine/quantized.py `Int8Weight`): half the bytes; `w8a8` makes the
   activations int8 too (`W8A8Weight`: VNNI), `q4_0` reads llama.cpp's Q4_0 (`Q4Weight`);
 - float32 weights that a GGUF file's Q4_1 / Q8_0 blocks gave are read from those blocks by the
-  compiled stack (engine/packed.py `PackedWeight`: the same bits, a fifth of the bytes).
+  compiled stack (engine/packed.py `PackedWeight`: the same bits, a fifth of the bytes); with
+  `--weight-arithmetic integer`, times int8 rows as llama.cpp does (engine/fast_blocks.h).
 
 On a CPU the whole stack runs compiled where the machine can build it (engine/fast_native.py,
 engine/fast_layer.cpp: one call a pass; ATen's matrix products with the rest as loops, the same
@@ -135,6 +136,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Q4Weight | packe
     matrix-product call F.linear would make (same kernel, same result), without its wrappers."""
     if isinstance(weight, packed.Adapted):
         return linear(x, weight.base, bias) + linear(linear(x, weight.down), weight.up)
+    if isinstance(weight, packed.PackedWeight) and weight.arithmetic == "integer":  # int8 rows on the blocks
+        y = packed.integer_product(x, weight.blocks, weight.format)
+        return y if bias is None else y + bias
     weight = packed.values(weight)  # a PackedWeight's float32 values
     if isinstance(weight, (Int8Weight, Q4Weight)):
         return quantized_linear(x, weight, bias)
@@ -346,6 +350,13 @@ class FastDecoder:
         """Passes read float32 weights from the GGUF blocks they came from (engine/packed.py)."""
         self._convert(lambda weight: packed.pack(weight) or weight)
         packed.place([w for w in self.weights() if isinstance(w, packed.PackedWeight)])
+
+    @torch.no_grad()
+    def use_weight_arithmetic(self, arithmetic: str, kernel: str = "") -> int:
+        """Products over GGUF blocks multiply float32 rows or int8 rows (engine/packed.py ARITHMETICS;
+        integer rows by `kernel`, "" the widest built); returns how many weights are in blocks."""
+        self._convert(lambda weight: packed.with_arithmetic(weight, arithmetic, kernel))
+        return sum(isinstance(w, (packed.PackedWeight, packed.Adapted)) for w in self.weights())
 
     @property
     def packed_bytes(self) -> int:  # the bytes of the weights read from blocks (0: none)

@@ -33,8 +33,8 @@ from pathlib import Path
 from engine.tree import MAX_VERIFY_ROWS
 
 SOURCE = Path(__file__).with_name("fast_layer.cpp")
-HEADERS = [Path(__file__).with_name(name) for name in ("fast_int8.h", "fast_q4.h")]  # included by SOURCE:
-# int8 activations' products (w8a8, q4_0)
+HEADERS = [Path(__file__).with_name(name) for name in ("fast_int8.h", "fast_q4.h", "fast_blocks.h")]  # included by SOURCE:
+# int8 activations' products (w8a8, q4_0; integer rows on GGUF blocks)
 NAME = "vlm_fast_layer"  # and torch's version, the CPU's features and the source: another build is never loaded
 # -march=native: the vector width of this CPU (AVX-512 where it has it); -fopenmp: at::parallel_for
 # on torch's OpenMP threads and `omp simd` sums; no FMA contraction, so that the rotary loop rounds
