@@ -63,7 +63,9 @@ using at::Tensor;
 
 constexpr int64_t BLOCK = 32;
 constexpr int GROUP = 8;  // outputs a vector kernel takes at once (its epilogue's lanes)
-constexpr int ROWS = 4;  // rows of x a kernel takes at once (each group's weights unpacked once for them)
+// Rows of x a kernel takes at once, each group's weights read and unpacked once for them: with 4, the
+// SmolLM2 demo's 5-row passes read the weights twice and cost more than float rows' (which take 8).
+constexpr int ROWS = 8;
 
 // The kernels this build has, the widest first (the one `product` runs for an empty name).
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX2__)
@@ -77,6 +79,8 @@ inline const std::vector<std::string> built = {
     "avx2",
 #endif
     "portable"};
+
+enum class Kernel { vnni, avx2, portable };  // `built`'s names: "avx512-vnni", "avx2", "portable"
 
 // Rows of x made int8 block by block (step 1), (n, in) and (n, in / 32).
 struct Rows {
@@ -229,16 +233,16 @@ void vector_block(const Rows& x, int64_t first, const W* weight, float totals[R]
 
 // y rows first .. first + R - 1, outputs column .. column + C - 1 (C <= GROUP) by `kernel`.
 template <typename W, int R>
-void rows_block(const std::string& kernel, const Rows& x, int64_t first, const W* weight, int64_t column, int C,
+void rows_block(Kernel kernel, const Rows& x, int64_t first, const W* weight, int64_t column, int C,
                 const float* bias, float* y, int64_t out) {
   float totals[R][GROUP];
   const W* rows = weight + column * x.blocks;
 #ifdef HAVE_BLOCKS_VNNI
-  if (kernel == "avx512-vnni" && C == GROUP) vector_block<VnniDot, W, R>(x, first, rows, totals);
+  if (kernel == Kernel::vnni && C == GROUP) vector_block<VnniDot, W, R>(x, first, rows, totals);
   else
 #endif
 #ifdef __AVX2__
-  if (kernel == "avx2" && C == GROUP) vector_block<Avx2Dot, W, R>(x, first, rows, totals);
+  if (kernel == Kernel::avx2 && C == GROUP) vector_block<Avx2Dot, W, R>(x, first, rows, totals);
   else
 #endif
     portable_block<W, R>(x, first, rows, C, totals);
@@ -248,11 +252,15 @@ void rows_block(const std::string& kernel, const Rows& x, int64_t first, const W
 
 // Every row of x (ROWS at a time) for outputs column .. column + C - 1.
 template <typename W>
-void all_rows(const std::string& kernel, const Rows& x, int64_t n, const W* weight, int64_t column, int C,
+void all_rows(Kernel kernel, const Rows& x, int64_t n, const W* weight, int64_t column, int C,
               const float* bias, float* y, int64_t out) {
   int64_t r = 0;
   for (; r + ROWS <= n; r += ROWS) rows_block<W, ROWS>(kernel, x, r, weight, column, C, bias, y, out);
   switch (n - r) {
+    case 7: rows_block<W, 7>(kernel, x, r, weight, column, C, bias, y, out); break;
+    case 6: rows_block<W, 6>(kernel, x, r, weight, column, C, bias, y, out); break;
+    case 5: rows_block<W, 5>(kernel, x, r, weight, column, C, bias, y, out); break;
+    case 4: rows_block<W, 4>(kernel, x, r, weight, column, C, bias, y, out); break;
     case 3: rows_block<W, 3>(kernel, x, r, weight, column, C, bias, y, out); break;
     case 2: rows_block<W, 2>(kernel, x, r, weight, column, C, bias, y, out); break;
     case 1: rows_block<W, 1>(kernel, x, r, weight, column, C, bias, y, out); break;
@@ -263,7 +271,7 @@ void all_rows(const std::string& kernel, const Rows& x, int64_t n, const W* weig
 // float32 or none: groups of GROUP outputs in parallel, the outputs past the last whole group by
 // the portable loops (the same bits).
 template <typename W>
-Tensor product_with(const std::string& kernel, const Tensor& x, const Tensor& blocks, const c10::optional<Tensor>& bias) {
+Tensor product_with(Kernel kernel, const Tensor& x, const Tensor& blocks, const c10::optional<Tensor>& bias) {
   const int64_t n = x.size(0), in = x.size(1), out = blocks.size(0);
   const Tensor rows_x = x.contiguous();
   const Rows rows = quantize(rows_x.data_ptr<float>(), n, in);
@@ -276,16 +284,16 @@ Tensor product_with(const std::string& kernel, const Tensor& x, const Tensor& bl
     for (int64_t group = start; group < end; ++group)
       all_rows<W>(kernel, rows, n, weight, group * GROUP, GROUP, bias_values, y_values, out);
   });
-  if (out % GROUP) all_rows<W>("portable", rows, n, weight, groups * GROUP, out % GROUP, bias_values, y_values, out);
+  if (out % GROUP) all_rows<W>(Kernel::portable, rows, n, weight, groups * GROUP, out % GROUP, bias_values, y_values, out);
   return y;
 }
 
 // The kernel `product` runs for `name` ("" the widest built): a name this build lacks is refused.
-inline std::string kernel_named(const std::string& name) {
-  if (name.empty()) return built.front();
-  TORCH_CHECK(std::find(built.begin(), built.end(), name) != built.end(), "no integer blocks kernel ", name,
+inline Kernel kernel_named(const std::string& name) {
+  const std::string chosen = name.empty() ? built.front() : name;
+  TORCH_CHECK(std::find(built.begin(), built.end(), chosen) != built.end(), "no integer blocks kernel ", chosen,
               " in this build (it has ", c10::Join(", ", built), ")");
-  return name;
+  return chosen == "avx512-vnni" ? Kernel::vnni : chosen == "avx2" ? Kernel::avx2 : Kernel::portable;
 }
 
 // x (n, in) float32 times ggml blocks (out, in / 32, bytes) uint8: 18 bytes Q4_0, 20 Q4_1, 34 Q8_0.
@@ -297,7 +305,7 @@ inline Tensor product(const Tensor& x, const Tensor& blocks, const c10::optional
                   (!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == blocks.size(0))),
               "integer rows take float32 x (n, in) and (out, in / 32, 18) Q4_0, 20 Q4_1 or 34 Q8_0 uint8 blocks, "
               "and a float32 bias (out,) or none");
-  const std::string kernel = kernel_named(kernel_name);
+  const Kernel kernel = kernel_named(kernel_name);
   if (bytes == 18) return product_with<BlockQ4_0>(kernel, x, blocks, bias);
   if (bytes == 20) return product_with<BlockQ4_1>(kernel, x, blocks, bias);
   return product_with<BlockQ8_0>(kernel, x, blocks, bias);
