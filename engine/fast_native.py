@@ -17,6 +17,9 @@ int8 weights (`--quantization int8`) run compiled too (the rows kernel reads the
 and scales), and with int8 activations (`w8a8`) engine/fast_int8.h's integer products (AVX512-VNNI
 where the CPU has it; `int8_fallback_reason()` says why not, and a portable loop gives the same bits);
 llama.cpp's Q4_0 weights (`q4_0`) engine/fast_q4.h's, on the same int8 rows and the same choice of kernel.
+Weights kept in a GGUF file's blocks (engine/packed.py) are multiplied as float32 values by the rows
+kernel, or with `--weight-arithmetic integer` by int8 rows per block of 32 (engine/fast_blocks.h,
+its kernel named per weight: portable, AVX2, AVX512-VNNI).
 """
 
 from __future__ import annotations

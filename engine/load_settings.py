@@ -55,11 +55,13 @@ class LoadSettings:
                                        "docs/performance.md); q4_0: llama.cpp's Q4_0 4-bit weights times "
                                        "int8 activations", choices=QUANTIZATIONS,
                                        env="VLM_QUANTIZATION")
-    weight_arithmetic: str = setting("float", "weights read from a GGUF file's blocks (the SmolLM2 demo's): float: "
-                                     "float32 rows, the float32 weights' bits; integer: int8 rows per block of 32 "
-                                     "times the blocks' codes, as llama.cpp computes (faster; other answers, still "
-                                     "the same for plain and speculative decoding)", choices=ARITHMETICS,
-                                     env="VLM_WEIGHT_ARITHMETIC")
+    weight_arithmetic: str | None = setting(None, "weights read from a GGUF file's blocks (the SmolLM2 demo's): "
+                                            "float: float32 rows, the float32 weights' bits; integer: int8 rows per "
+                                            "block of 32 times the blocks' codes, as llama.cpp computes (faster; "
+                                            "other answers, still the same for plain and speculative decoding); "
+                                            "default: the preset's (float for every preset; none with --quantization), float with "
+                                            "--model",
+                                            choices=ARITHMETICS, env="VLM_WEIGHT_ARITHMETIC")
     max_image_tokens: int | None = setting(None, "the default of the setting max_image_tokens: at most about this "
                                            "many tokens per image (0: the model's processor's own limit; default: "
                                            f"{CPU_IMAGE_TOKENS} on a CPU, the processor's own on a GPU)", low=0,
