@@ -173,3 +173,28 @@ def test_whole_passes_are_alike_on_every_kernel(integer_target, one_thread):
 @pytest.mark.parametrize("shape", SHAPES, ids=("most tokens", "most tree nodes"))
 def test_speculative_answers_are_the_plain_answers(integer_target, one_thread, shape):
     assert_speculative_is_plain(integer_target, shape)
+
+
+def test_the_flag_wins_over_the_presets_arithmetic(monkeypatch):
+    """Not given, --weight-arithmetic is the preset's (where no --quantization replaces the blocks),
+    float with --model: the demo's default is one field of its preset (models/presets.py)."""
+    import argparse
+    from dataclasses import replace
+
+    from engine.build import spec_from_args
+    from engine.load_settings import add_model_flags
+    from models import presets
+
+    monkeypatch.setitem(presets.PRESETS, "smol", replace(presets.PRESETS["smol"], weight_arithmetic="integer"))
+    parser = argparse.ArgumentParser()
+    add_model_flags(parser)
+
+    def arithmetic(*flags: str) -> str:
+        return spec_from_args(parser.parse_args(["--device", "cpu", *flags])).options.weight_arithmetic
+
+    assert arithmetic("--preset", "smol") == "integer"
+    assert arithmetic("--preset", "smol", "--weight-arithmetic", "float") == "float"
+    assert arithmetic("--preset", "smol", "--quantization", "int8") == "float"
+    assert arithmetic("--preset", "demo") == "float"
+    assert arithmetic("--model", "some/folder", "--weight-arithmetic", "integer") == "integer"
+    assert arithmetic("--model", "some/folder") == "float"
