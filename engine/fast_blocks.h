@@ -196,6 +196,18 @@ inline __m256i sum_each(const __m256i p[GROUP]) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+// sum_each for Q4 codes' vpmaddubsw pairs (16-bit, each at most 2 * 15 * 127): three rounds of
+// vphaddw keep every partial sum of up to 16 products under 2^15 (at most 30,480), leaving each
+// output's sums over inputs 0 .. 15 (low 128 bits) and 16 .. 31 (high), widened and added: the
+// same integers as sum_each of the vpmaddwd lanes, with 8 vpmaddwd fewer.
+inline __m256i sum_each_pairs(const __m256i p[GROUP]) {
+  const __m256i a = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
+  const __m256i b = _mm256_hadd_epi16(_mm256_hadd_epi16(p[4], p[5]), _mm256_hadd_epi16(p[6], p[7]));
+  const __m256i c = _mm256_hadd_epi16(a, b);
+  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(c)),
+                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(c, 1)));
+}
+
 // portable_block for GROUP weight rows with lanes = outputs: each block's codes and scales unpacked
 // once for the R rows, the sums made by D, step 3 in 8 float lanes (the scalar `term`, lane by lane).
 template <typename D, typename W, int R>
@@ -204,7 +216,7 @@ void vector_block(const Rows& x, int64_t first, const W* weight, float totals[R]
   for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
     __m256i w[GROUP];
-    alignas(16) uint16_t d_bits[GROUP], m_bits[GROUP];
+    alignas(16) uint16_t d_bits[GROUP], m_bits[GROUP] = {};
     for (int c = 0; c < GROUP; ++c) {
       const W& block = weight[c * x.blocks + b];
       w[c] = codes(block);
@@ -212,18 +224,23 @@ void vector_block(const Rows& x, int64_t first, const W* weight, float totals[R]
       if constexpr (std::is_same_v<W, BlockQ4_1>) m_bits[c] = block.m.x;
     }
     const __m256 d_w = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(d_bits)));
+    const __m256 m_w = std::is_same_v<W, BlockQ4_1> ? _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(m_bits)))
+                                                    : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int64_t at = (first + r) * x.blocks + b;
       const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.values.data() + at * BLOCK));
-      __m256i p[GROUP];
-      for (int c = 0; c < GROUP; ++c) p[c] = block_lanes<D, W>(w[c], xs);
-      __m256i sums = sum_each(p);
+      __m256i p[GROUP], sums;
+      if constexpr (std::is_same_v<D, Avx2Dot> && !std::is_same_v<W, BlockQ8_0>) {
+        for (int c = 0; c < GROUP; ++c) p[c] = _mm256_maddubs_epi16(w[c], xs);
+        sums = sum_each_pairs(p);
+      } else {
+        for (int c = 0; c < GROUP; ++c) p[c] = block_lanes<D, W>(w[c], xs);
+        sums = sum_each(p);
+      }
       if constexpr (std::is_same_v<W, BlockQ4_0>) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(8 * x.sums[at]));
       __m256 value = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d_w, _mm256_set1_ps(x.scales[at])));
-      if constexpr (std::is_same_v<W, BlockQ4_1>) {
-        const __m256 m_w = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(m_bits)));
+      if constexpr (std::is_same_v<W, BlockQ4_1>)
         value = _mm256_add_ps(value, _mm256_mul_ps(m_w, _mm256_set1_ps(x.scaled_sums[at])));
-      }
       total[r] = _mm256_add_ps(total[r], value);
     }
   }
