@@ -24,9 +24,11 @@
 //    ones for output j, so every kernel gives the scalar bits, and a pass over n rows is bitwise
 //    n one-row passes.
 //
-// Kernels: "portable" (plain loops, everywhere), "avx2" (`vpmaddubsw` + `vpmaddwd`; Q8_0 as
-// |w| times x with w's sign) and "avx512-vnni" (`vpdpbusd` on 256-bit registers, the same lanes;
-// built where -march=native has AVX512-VNNI and AVX512-VL). `product` takes the kernel by name.
+// Kernels: "portable" (plain loops, everywhere), "avx2" (`vpmaddubsw`, then Q4 codes' 16-bit pairs
+// summed across outputs by `vphaddw`, Q8_0's (|w| times x with w's sign) widened by `vpmaddwd`
+// first) and "avx512-vnni" (`vpdpbusd` on 256-bit registers, the same lanes; built where
+// -march=native has AVX512-VNNI and AVX512-VL; compiled, never run, in this workplace: no such
+// CPU). `product` takes the kernel by name; docs/performance.md has the measured figures.
 #pragma once
 
 #include <ATen/Parallel.h>

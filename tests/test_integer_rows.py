@@ -170,6 +170,23 @@ def test_whole_passes_are_alike_on_every_kernel(integer_target, one_thread):
 
 
 @NO_COMPILER
+def test_the_python_layer_computes_the_same_products(integer_target, one_thread):
+    """The Python layer (engine/fast_decode.linear: packed.integer_product) on the same blocks: its
+    products are the kernels' bits, the rest of the layer sums in another order, so the passes agree
+    to float rounding and on their greedy tokens."""
+    stack = integer_target.runner.fast.stack
+    compiled = passes(integer_target.runner, integer_target)
+    native, stack.native = stack.native, None
+    try:
+        python = passes(integer_target.runner, integer_target)
+    finally:
+        stack.native = native
+    for new, old in zip(python, compiled):
+        torch.testing.assert_close(new, old, atol=5e-4, rtol=5e-4)
+        assert torch.equal(new.argmax(-1), old.argmax(-1))
+
+
+@NO_COMPILER
 @pytest.mark.parametrize("shape", SHAPES, ids=("most tokens", "most tree nodes"))
 def test_speculative_answers_are_the_plain_answers(integer_target, one_thread, shape):
     assert_speculative_is_plain(integer_target, shape)
