@@ -149,6 +149,17 @@ def unpack(blocks: torch.Tensor, format: str) -> torch.Tensor:
     return (values + m[..., None] if format == "q4_1" else values).reshape(out, count * BLOCK)
 
 
+def linear(x: torch.Tensor, weight: PackedWeight | Adapted, bias: torch.Tensor | None, float_linear) -> torch.Tensor:
+    """fast_decode.linear (`float_linear`) for weights in blocks: x (n, in) times the float32 values,
+    or `integer_product` for integer arithmetic, plus bias; an Adapted weight's update on its own."""
+    if isinstance(weight, Adapted):
+        return linear(x, weight.base, bias, float_linear) + float_linear(float_linear(x, weight.down), weight.up)
+    if weight.arithmetic == "integer":
+        y = integer_product(x, weight.blocks, weight.format)
+        return y if bias is None else y + bias
+    return float_linear(x, weight.weight, bias)
+
+
 def integer_product(x: torch.Tensor, blocks: torch.Tensor, format: str) -> torch.Tensor:
     """x (n, in) float32 times ggml blocks (out, in / 32, bytes) with x made int8 block by block,
     (n, out) float32, as engine/fast_blocks.h computes it (bitwise; its header states the steps):

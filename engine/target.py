@@ -107,9 +107,11 @@ def use_weight_arithmetic(runners: list[Runner], name: str, options: LoadOptions
         raise LoadError(f"{flag}: no weight of {name!r} is kept in GGUF blocks (engine/packed.py: float32 weights "
                         "a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks gave, with VLM_PACKED_WEIGHTS not 0); "
                         "use --weight-arithmetic float")
-    counts = [runner.fast.use_weight_arithmetic(options.weight_arithmetic) for runner in runners if runner.fast]
-    log.info("%s: %d of the target's products multiply int8 rows by GGUF blocks (engine/fast_blocks.h, the %s "
-             "kernel)", name, counts[0], fast.stack.native.integer_rows_kernels_built()[0])
+    for runner in runners:
+        if runner.fast is not None:
+            runner.fast.use_weight_arithmetic(options.weight_arithmetic)
+    log.info("%s: %.1f MB of GGUF blocks multiplied by int8 rows (engine/fast_blocks.h, the %s kernel)", name,
+             fast.packed_bytes / 1e6, fast.stack.native.integer_rows_kernels_built()[0])
 
 
 def quantize_fast(runner: Runner, name: str, quantization: str = "int8") -> None:
