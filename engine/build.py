@@ -25,7 +25,7 @@ from engine.load_settings import CPU_IMAGE_TOKENS, add_model_flags  # noqa: F401
 from engine.settings import MAX_COUNT, MAX_COUNT_TEXT
 from engine.target import load_target
 from models.loading import LoadError, LoadOptions, fitted_options, resolve_device
-from models.presets import DEFAULT_PRESET, assembled, resolve
+from models.presets import DEFAULT_PRESET, PRESETS, assembled, resolve
 
 DRAFTER_KEYS = {"text_lm": "text", "vlm": "vlm", "shared_cache": "assistant"}  # else the kind itself
 
@@ -52,9 +52,13 @@ def spec_from_args(args: argparse.Namespace, max_images: int = 8) -> EngineSpec:
             names = [name for name in names if name != AUTO] or resolve(args.preset, args.model, None)[1]
     except ValueError as error:
         raise LoadError(str(error)) from None
-    options = LoadOptions(dtype=args.dtype, device=args.device, quantization=args.quantization,
-                          trust_remote_code=args.trust_remote_code, drafter_dtype=args.drafter_dtype)
     preset = None if args.model else (args.preset or DEFAULT_PRESET)
+    # not given: the preset's (where no --quantization replaces the blocks), else float rows
+    arithmetic = args.weight_arithmetic or (PRESETS[preset].weight_arithmetic if preset and not args.quantization
+                                            else "float")
+    options = LoadOptions(dtype=args.dtype, device=args.device, quantization=args.quantization,
+                          weight_arithmetic=arithmetic,
+                          trust_remote_code=args.trust_remote_code, drafter_dtype=args.drafter_dtype)
     return EngineSpec(target, tuple(names), options, preset, max_images,
                       image_token_budget(getattr(args, "max_image_tokens", None), options), auto)
 

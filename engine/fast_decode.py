@@ -23,8 +23,8 @@ fewer operations, over a StaticKVCache (engine/static_cache.py):
 - with `--quantization int8` (`quantize`), the products and the output layer read int8 weights
   with per-row scales (engine/quantized.py `Int8Weight`): half the bytes; `w8a8` makes the
   activations int8 too (`W8A8Weight`: VNNI), `q4_0` reads llama.cpp's Q4_0 (`Q4Weight`);
-- float32 weights that a GGUF file's Q4_1 / Q8_0 blocks gave are read from those blocks by the
-  compiled stack (engine/packed.py `PackedWeight`: the same bits, a fifth of the bytes).
+- float32 weights that a GGUF file's Q4_1 / Q8_0 blocks gave are read from those blocks (engine/packed.py
+  `PackedWeight`: a fifth of the bytes; float32 rows, the same bits, or int8 rows: --weight-arithmetic).
 
 On a CPU the whole stack runs compiled where the machine can build it (engine/fast_native.py,
 engine/fast_layer.cpp: one call a pass; ATen's matrix products with the rest as loops, the same
@@ -133,9 +133,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Q4Weight | packe
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (n, in) times a weight (in, out) (plus bias): F.linear(x, weight.t(), bias) in the one
     matrix-product call F.linear would make (same kernel, same result), without its wrappers."""
-    if isinstance(weight, packed.Adapted):
-        return linear(x, weight.base, bias) + linear(linear(x, weight.down), weight.up)
-    weight = packed.values(weight)  # a PackedWeight's float32 values
+    if isinstance(weight, (packed.PackedWeight, packed.Adapted)):  # float32 or int8 rows on GGUF blocks
+        return packed.linear(x, weight, bias, linear)
     if isinstance(weight, (Int8Weight, Q4Weight)):
         return quantized_linear(x, weight, bias)
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
@@ -278,8 +277,7 @@ class FastStack:
                                                                                                   self.sizes.eps)
 
     def _native_layers(self) -> list:
-        """The layers' weights as the compiled stack takes them (quantized.py `native_layer`), made once for the
-        current `layers`."""
+        """The layers' weights as the compiled stack takes them (quantized.py `native_layer`), once a `layers`."""
         if getattr(self, "_packed_for", None) is not self.layers:
             self._packed = [native_layer(self.native, layer) for layer in self.layers]
             self._packed_for = self.layers
@@ -347,16 +345,18 @@ class FastDecoder:
         self._convert(lambda weight: packed.pack(weight) or weight)
         packed.place([w for w in self.weights() if isinstance(w, packed.PackedWeight)])
 
+    def use_weight_arithmetic(self, arithmetic: str, kernel: str = "") -> None:  # over GGUF blocks: packed.py
+        self._convert(lambda weight: packed.with_arithmetic(weight, arithmetic, kernel))
+
     @property
     def packed_bytes(self) -> int:  # the bytes of the weights read from blocks (0: none)
         return sum(w.nbytes for w in self.weights() if isinstance(w, packed.PackedWeight))
 
     @torch.no_grad()
     def quantize(self, quantization: str = "int8") -> None:
-        """Decode and verify passes read quantized copies of the layers' and the output layer's
-        weights (engine/quantized.py: `int8`; with int8 activations too, `w8a8`; llama.cpp's Q4_0
-        weights times int8 activations, `q4_0`); the model's own weights stay for prefill
-        (transformers' forward)."""
+        """Decode and verify passes read quantized copies of the layers' and the output layer's weights
+        (engine/quantized.py: `int8`; with int8 activations too, `w8a8`; llama.cpp's Q4_0 weights times int8
+        activations, `q4_0`); the model's own weights stay for prefill (transformers' forward)."""
         self._convert(lambda weight: QUANTIZED[quantization].quantize(packed.values(weight)))
 
     def weights(self) -> list:  # every product's weight: the layers' (PRODUCTS each), then the output layer's

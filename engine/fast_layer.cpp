@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #endif
 
+#include "fast_blocks.h"
 #include "fast_int8.h"
 #include "fast_q4.h"
 
@@ -94,19 +95,11 @@ static inline float to_float(at::BFloat16 value) {  // its bits in the high half
   return result;
 }
 
-// Weights kept in ggml's blocks (engine/packed.py): 32 inputs a block, their values exactly as
-// gguf-py's dequantize makes them in float32, so a product over blocks gives the bits of the same
-// product over those float32 values (every load below yields the same 16 floats, then the same
-// multiply-adds in the same order), from a fifth (Q4_1) or a quarter (Q8_0) of the bytes.
-struct BlockQ4_1 {  // block_q4_1: value i = float(d) * q_i + float(m) (two roundings), q_i in 0 .. 15
-  at::Half d, m;
-  uint8_t qs[16];  // q_i in the low 4 bits of byte i, q_(16 + i) in its high 4 bits
-};
-struct BlockQ8_0 {  // block_q8_0: value i = float(d) * q_i, q_i in -128 .. 127
-  at::Half d;
-  int8_t qs[32];
-};
-static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "ggml's block sizes");
+// Weights kept in ggml's blocks (engine/packed.py; BlockQ4_1 and BlockQ8_0 in fast_blocks.h): 32
+// inputs a block, their values exactly as gguf-py's dequantize makes them in float32, so a product
+// over blocks gives the bits of the same product over those float32 values (every load below yields
+// the same 16 floats, then the same multiply-adds in the same order), from a fifth (Q4_1) or a
+// quarter (Q8_0) of the bytes. fast_blocks.h multiplies the same blocks by int8 rows instead.
 template <typename W> constexpr bool is_block = std::is_same_v<W, BlockQ4_1> || std::is_same_v<W, BlockQ8_0>;
 
 // Where input k of a weight row starts, and the bytes of a row of `in` inputs, for each storage.
@@ -609,11 +602,27 @@ struct Weight {
   c10::optional<Tensor> sums;  // (out,) int32 for int8 activations, else none
   c10::optional<Tensor> down;  // a low-rank update's (in, rank) float32, a transposed view of (rank, in); or none
   c10::optional<Tensor> up;  // its (rank, out), a transposed view of (out, rank)
+  // ggml blocks only: the integer rows' kernel (fast_blocks.h; "" the widest this build has), or none: float rows
+  c10::optional<std::string> integer_rows;
 };
+
+// A Weight as Python makes it (engine/quantized.py native_weight): integer rows on anything but
+// ggml blocks, or with a kernel this build lacks, are refused here, when the weight is loaded.
+static Weight weight_of(Tensor values, c10::optional<Tensor> scales, c10::optional<Tensor> sums,
+                        c10::optional<Tensor> down, c10::optional<Tensor> up, c10::optional<std::string> integer_rows) {
+  if (integer_rows.has_value()) {
+    TORCH_CHECK(values.dim() == 3 && values.scalar_type() == at::kByte && !scales && !sums,
+                "integer rows take a weight in ggml's blocks (out, in / 32, bytes) uint8 (engine/packed.py), not a ",
+                values.scalar_type(), " tensor of ", values.dim(), " dimensions");
+    block_rows::kernel_named(*integer_rows);
+  }
+  return Weight{values, scales, sums, down, up, integer_rows};
+}
 
 // fast_decode.linear: x (n, in) times weight, plus bias.
 static Tensor linear(const Tensor& x, const Weight& weight, const c10::optional<Tensor>& bias) {
-  Tensor y = product(x, weight.values, bias, weight.scales, weight.sums);
+  Tensor y = weight.integer_rows ? block_rows::product(x, weight.values, bias, *weight.integer_rows)
+                                 : product(x, weight.values, bias, weight.scales, weight.sums);
   if (weight.down.has_value())  // plus (x down) up: two more products of the rows kernel, row by row
     y.add_(product(product(x, *weight.down, c10::nullopt), *weight.up, c10::nullopt));
   return y;
@@ -1075,10 +1084,9 @@ std::vector<int64_t> argmax_rows(const Tensor& logits) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   py::class_<Weight>(m, "Weight")
-      .def(py::init<Tensor, c10::optional<Tensor>, c10::optional<Tensor>, c10::optional<Tensor>,
-                    c10::optional<Tensor>>(),
-           py::arg("values"), py::arg("scales") = c10::nullopt, py::arg("sums") = c10::nullopt,
-           py::arg("down") = c10::nullopt, py::arg("up") = c10::nullopt);
+      .def(py::init(&weight_of), py::arg("values"), py::arg("scales") = c10::nullopt, py::arg("sums") = c10::nullopt,
+           py::arg("down") = c10::nullopt, py::arg("up") = c10::nullopt, py::arg("integer_rows") = c10::nullopt)
+      .def_property_readonly("integer_rows", [](const Weight& w) { return w.integer_rows; });
   py::class_<Layer>(m, "Layer")
       .def(py::init<Tensor, Weight, c10::optional<Tensor>, Weight, c10::optional<Tensor>, Tensor, Weight, Weight>(),
            py::arg("input_norm"), py::arg("qkv_weight"), py::arg("qkv_bias"), py::arg("o_weight"), py::arg("o_bias"),
@@ -1102,4 +1110,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_kernels_built", [] { return int8_rows::built; });
   m.def("use_int8_kernel", &int8_rows::use);
   m.def("int8_fallback_reason", &int8_rows::fallback_reason);
+  // integer rows on ggml blocks (engine/fast_blocks.h): the product with its kernel named ("" the widest), the built ones
+  m.def("integer_rows_product", &block_rows::product, py::arg("x"), py::arg("blocks"), py::arg("bias") = c10::nullopt,
+        py::arg("kernel") = "");
+  m.def("integer_rows_kernels_built", [] { return block_rows::built; });
 }

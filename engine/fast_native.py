@@ -18,6 +18,9 @@ int8 weights (`--quantization int8`) run compiled too (the rows kernel reads the
 and scales), and with int8 activations (`w8a8`) engine/fast_int8.h's integer products (AVX512-VNNI
 where the CPU has it; `int8_fallback_reason()` says why not, and a portable loop gives the same bits);
 llama.cpp's Q4_0 weights (`q4_0`) engine/fast_q4.h's, on the same int8 rows and the same choice of kernel.
+Weights kept in a GGUF file's blocks (engine/packed.py) are multiplied as float32 values by the rows
+kernel, or with `--weight-arithmetic integer` by int8 rows per block of 32 (engine/fast_blocks.h,
+its kernel named per weight: portable, AVX2, AVX512-VNNI).
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from engine.schema import switches
 from engine.tree import MAX_VERIFY_ROWS
 
 SOURCE = Path(__file__).with_name("fast_layer.cpp")
-HEADERS = [Path(__file__).with_name(name) for name in ("fast_int8.h", "fast_q4.h")]  # included by SOURCE:
-# int8 activations' products (w8a8, q4_0)
+HEADERS = [Path(__file__).with_name(name) for name in ("fast_int8.h", "fast_q4.h", "fast_blocks.h")]  # included by SOURCE:
+# int8 activations' products (w8a8, q4_0; integer rows on GGUF blocks)
 NAME = "vlm_fast_layer"  # and torch's version, the CPU's features and the source: another build is never loaded
 # -march=native: the vector width of this CPU (AVX-512 where it has it); -fopenmp: at::parallel_for
 # on torch's OpenMP threads and `omp simd` sums; no FMA contraction, so that the rotary loop rounds

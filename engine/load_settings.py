@@ -17,6 +17,7 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from engine.packed import ARITHMETICS
 from engine.schema import Spec, environ_values, setting, specs_of
 from engine.settings import MAX_COUNT, MAX_COUNT_TEXT, flag
 from models.loading import DEVICES, DRAFTER_DTYPES, DTYPES, QUANTIZATIONS, LoadError, LoadOptions
@@ -55,6 +56,13 @@ class LoadSettings:
                                        "docs/performance.md); q4_0: llama.cpp's Q4_0 4-bit weights times "
                                        "int8 activations", choices=QUANTIZATIONS,
                                        env="VLM_QUANTIZATION")
+    weight_arithmetic: str | None = setting(None, "weights read from a GGUF file's blocks (the SmolLM2 demo's): "
+                                            "float: float32 rows, the float32 weights' bits; integer: int8 rows per "
+                                            "block of 32 times the blocks' codes, as llama.cpp computes (faster; "
+                                            "other answers, still the same for plain and speculative decoding); "
+                                            "default: the preset's (float for every preset; none with --quantization), float with "
+                                            "--model",
+                                            choices=ARITHMETICS, env="VLM_WEIGHT_ARITHMETIC")
     max_image_tokens: int | None = setting(None, "the default of the setting max_image_tokens: at most about this "
                                            "many tokens per image (0: the model's processor's own limit; default: "
                                            f"{CPU_IMAGE_TOKENS} on a CPU, the processor's own on a GPU)", low=0,

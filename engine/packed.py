@@ -17,6 +17,12 @@ an answer is the float32 answer, token for token (tests/test_packed.py).
 
 The fast path packs a float32 model's decoder weights and output layer when it builds its
 compiled stack (engine/fast_decode.py); VLM_PACKED_WEIGHTS=0 keeps them float32 (to compare).
+
+With `--weight-arithmetic integer` the same blocks are multiplied as llama.cpp multiplies them:
+x's rows made int8 per block of 32, exact integer sums per block, one float epilogue per block
+(`integer_product`, the reference; engine/fast_blocks.h, the kernels, bitwise). Not the float32
+answer any more, but every pass computes each row alone, so a verify pass is still bitwise its
+decode passes and speculative greedy answers are still the plain ones.
 """
 
 from __future__ import annotations
@@ -30,7 +36,11 @@ from engine import huge_pages
 from engine.schema import switches
 
 BLOCK = 32
-FORMATS = {"q4_1": 20, "q8_0": 34}  # bytes a block, ggml's block_q4_1 and block_q8_0
+FORMATS = {"q4_0": 18, "q4_1": 20, "q8_0": 34}  # bytes a block, ggml's block_q4_0, block_q4_1 and block_q8_0
+# A product over blocks multiplies x's float32 rows by the blocks' float32 values (bitwise the float32
+# weight's product), or x's rows made int8 block by block by the blocks' codes (`integer_product`):
+# --weight-arithmetic (engine/load_settings.py).
+ARITHMETICS = ("float", "integer")
 D_STEPS = (0, 1, -1, 2, -2)  # float16 neighbours of the estimated d tried, in this order
 
 
@@ -41,6 +51,8 @@ class PackedWeight:
     weight: torch.Tensor  # (in, out) float32, as fast_decode.linear takes it (the model's own values)
     blocks: torch.Tensor  # (out, in / 32, FORMATS[format]) uint8
     format: str  # "q4_1" or "q8_0"
+    arithmetic: str = "float"  # ARITHMETICS: float32 rows (the float32 product's bits) or int8 rows (integer_product)
+    kernel: str = ""  # integer rows: engine/fast_blocks.h's kernel by name ("": the widest built; all give the same bits)
 
     @property
     def nbytes(self) -> int:
@@ -111,6 +123,16 @@ def values(weight):
     return weight.weight if isinstance(weight, PackedWeight) else weight
 
 
+def with_arithmetic(weight, arithmetic: str, kernel: str = ""):
+    """A PackedWeight (or an Adapted one's base) multiplied with `arithmetic` (ARITHMETICS; integer
+    rows by `kernel`), the same blocks; any other weight as it is."""
+    if arithmetic not in ARITHMETICS:
+        raise ValueError(f"weight arithmetic {arithmetic!r} is not one of {', '.join(ARITHMETICS)}")
+    if isinstance(weight, Adapted):
+        return replace(weight, base=with_arithmetic(weight.base, arithmetic, kernel))
+    return replace(weight, arithmetic=arithmetic, kernel=kernel) if isinstance(weight, PackedWeight) else weight
+
+
 def place(weights: list[PackedWeight]) -> None:
     """Move the weights' blocks onto 2 MB pages (engine/huge_pages.py), in one buffer."""
     arena = huge_pages.arena_for([w.blocks for w in weights])
@@ -119,18 +141,66 @@ def place(weights: list[PackedWeight]) -> None:
 
 
 def unpack(blocks: torch.Tensor, format: str) -> torch.Tensor:
-    """The float32 values (out, in) of ggml blocks (out, in / 32, bytes), as gguf-py computes them."""
+    """The float32 values (out, in) of ggml blocks (out, in / 32, bytes), as gguf-py computes them:
+    float(d) * q (+ float(m) for Q4_1, a second rounding; q - 8 for Q4_0)."""
     out, count, _ = blocks.shape
-    flat = blocks.reshape(-1, FORMATS[format])
-    d = flat[:, :2].contiguous().view(torch.float16).float()
-    if format == "q4_1":
-        m = flat[:, 2:4].contiguous().view(torch.float16).float()
-        codes = flat[:, 4:]
-        q = torch.cat([codes & 15, codes >> 4], dim=1).float()
-        values = d * q + m
-    else:
-        values = d * flat[:, 2:].contiguous().view(torch.int8).float()
-    return values.reshape(out, count * BLOCK)
+    codes, d, m = block_fields(blocks, format)
+    values = d[..., None] * codes.float()
+    return (values + m[..., None] if format == "q4_1" else values).reshape(out, count * BLOCK)
+
+
+def linear(x: torch.Tensor, weight: PackedWeight | Adapted, bias: torch.Tensor | None, float_linear) -> torch.Tensor:
+    """fast_decode.linear (`float_linear`) for weights in blocks: x (n, in) times the float32 values,
+    or `integer_product` for integer arithmetic, plus bias; an Adapted weight's update on its own."""
+    if isinstance(weight, Adapted):
+        return linear(x, weight.base, bias, float_linear) + float_linear(float_linear(x, weight.down), weight.up)
+    if weight.arithmetic == "integer":
+        y = integer_product(x, weight.blocks, weight.format)
+        return y if bias is None else y + bias
+    return float_linear(x, weight.weight, bias)
+
+
+def integer_product(x: torch.Tensor, blocks: torch.Tensor, format: str) -> torch.Tensor:
+    """x (n, in) float32 times ggml blocks (out, in / 32, bytes) with x made int8 block by block,
+    (n, out) float32, as engine/fast_blocks.h computes it (bitwise; its header states the steps):
+    per block the exact integer sum of q_w x q_x, then for each output, blocks in input order,
+    total = total + (float(sum) * (d_w * d_x) [+ m_w * s_x for Q4_1])."""
+    values, scales, sums = quantize_blocks(x)
+    codes, d, m = block_fields(blocks, format)  # (out, blocks, 32) int32, (out, blocks) float32 twice
+    n, count = scales.shape
+    block_sums = torch.einsum("nbk,obk->nob", values.view(n, count, BLOCK).int(), codes)  # exact integers
+    scaled_sums = scales * sums.float()
+    total = torch.zeros(n, len(codes))
+    for b in range(count):  # blocks in input order
+        term = block_sums[:, :, b].float() * (d[None, :, b] * scales[:, b, None])
+        if format == "q4_1":
+            term = term + m[None, :, b] * scaled_sums[:, b, None]
+        total = total + term
+    return total
+
+
+def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (n, in) float32, in a multiple of 32: int8 values (n, in), d_x (n, in / 32) float32 and each
+    block's sum of values (n, in / 32) int32: per block of 32, top = its largest |x|, d_x = top / 127,
+    value = x * (127 / top) (0 for a block of zeros) rounded to the nearest integer, halves to even."""
+    blocks = x.float().reshape(len(x), -1, BLOCK)
+    top = blocks.abs().amax(dim=2)
+    inverse = torch.where(top > 0, torch.div(torch.full_like(top, 127.0), top), torch.zeros_like(top))
+    values = torch.mul(blocks, inverse[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return values.reshape(x.shape), torch.div(top, torch.full_like(top, 127.0)), values.sum(dim=2, dtype=torch.int32)
+
+
+def block_fields(blocks: torch.Tensor, format: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml blocks (out, count, bytes) as (weight codes (out, count, 32) int32 in input order, the
+    integers each block's d multiplies: q - 8 for Q4_0; d (out, count) float32; m, zeros but for Q4_1)."""
+    out, count, size = blocks.shape
+    d = blocks[..., :2].contiguous().view(torch.float16).float()[..., 0]
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0] if format == "q4_1" else torch.zeros_like(d)
+    if format == "q8_0":
+        return blocks[..., 2:].contiguous().view(torch.int8).int(), d, m
+    nibbles = blocks[..., size - 16:]
+    codes = torch.cat([nibbles & 15, nibbles >> 4], dim=2).int()
+    return (codes - 8 if format == "q4_0" else codes), d, m
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -194,11 +194,13 @@ QUANTIZED = {"int8": Int8Weight, "w8a8": W8A8Weight, "q4_0": Q4Weight}  # --quan
 def native_weight(native, weight):
     """A product's weight as the compiled stack takes it (native.Weight): (in, out) values, and
     the int8 scales of an Int8Weight (and a W8A8Weight's sums: int8 activations); a Q4Weight's
-    codes and block scales; a PackedWeight's blocks (and an Adapted one's low-rank update)."""
-    if isinstance(weight, Adapted):
-        return native.Weight(weight.base.blocks, down=weight.down, up=weight.up)
-    if isinstance(weight, PackedWeight):
-        return native.Weight(weight.blocks)
+    codes and block scales; a PackedWeight's blocks (and an Adapted one's low-rank update), with
+    integer rows' kernel where its arithmetic is integer (engine/fast_blocks.h)."""
+    if isinstance(weight, (Adapted, PackedWeight)):  # the blocks, and integer rows' kernel where chosen
+        base = weight.base if isinstance(weight, Adapted) else weight
+        integer_rows = base.kernel if base.arithmetic == "integer" else None
+        return native.Weight(base.blocks, down=getattr(weight, "down", None), up=getattr(weight, "up", None),
+                             integer_rows=integer_rows)
     if isinstance(weight, Q4Weight):
         return native.Weight(weight.codes, weight.scales)
     if isinstance(weight, Int8Weight):

@@ -71,6 +71,8 @@ def load_target(name: str, options: LoadOptions = LoadOptions()) -> Target:
             quantize_fast(runner, name, options.quantization)
     elif deltas is not None:
         adapt_packed(runners, name, deltas)
+    if options.weight_arithmetic != "float":
+        use_weight_arithmetic(runners, name, options)
     return Target(name, vlm.model, vlm.processor, vlm.family, runners[0], vlm.placeholder_ids,
                   runners[1] if len(runners) > 1 else None)
 
@@ -86,6 +88,30 @@ def adapt_packed(runners: list[Runner], name: str, deltas: dict) -> None:
         if isinstance(text.head_weight, packed.PackedWeight):  # the same output layer (picture weights never change it)
             pictures.head_weight = text.head_weight
         log.info("%s: the picture weights are low-rank updates over the text weights' blocks", name)
+
+
+def use_weight_arithmetic(runners: list[Runner], name: str, options: LoadOptions) -> None:
+    """`--weight-arithmetic integer`: the fast path's products over GGUF blocks (engine/packed.py)
+    multiply int8 rows (engine/fast_blocks.h). Refused where the text runner reads no weight from
+    blocks (no GGUF-block weights, another --quantization, or no compiled fast path), naming why."""
+    flag = f"--weight-arithmetic {options.weight_arithmetic}"
+    if options.quantization in FAST_QUANTIZATIONS:
+        raise LoadError(f"{flag} multiplies weights kept in GGUF blocks; --quantization {options.quantization} "
+                        "replaces them: use one of the two")
+    fast = runners[0].fast
+    if fast is None or fast.stack.native is None:
+        why = runners[0].fast_fallback if fast is None else fast_native.unavailable()
+        raise LoadError(f"{flag} needs the compiled fast decode path, which {name!r} does not run ({why}); "
+                        "use --weight-arithmetic float")
+    if fast.packed_bytes == 0:
+        raise LoadError(f"{flag}: no weight of {name!r} is kept in GGUF blocks (engine/packed.py: float32 weights "
+                        "a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks gave, with VLM_PACKED_WEIGHTS not 0); "
+                        "use --weight-arithmetic float")
+    for runner in runners:
+        if runner.fast is not None:
+            runner.fast.use_weight_arithmetic(options.weight_arithmetic)
+    log.info("%s: %.1f MB of GGUF blocks multiplied by int8 rows (engine/fast_blocks.h, the %s kernel)", name,
+             fast.packed_bytes / 1e6, fast.stack.native.integer_rows_kernels_built()[0])
 
 
 def quantize_fast(runner: Runner, name: str, quantization: str = "int8") -> None:

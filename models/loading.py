@@ -35,6 +35,7 @@ class LoadOptions:
     dtype: str = "float32"  # float32 (plain and speculative greedy answers identical) | bfloat16 | float16 | auto
     device: str = "auto"  # cpu | cuda | auto
     quantization: str | None = None  # None | "4bit" | "8bit" (bitsandbytes) | "int8" | "w8a8" | "q4_0" (the fast path's, target only)
+    weight_arithmetic: str = "float"  # float | integer: products over GGUF blocks (engine/packed.py ARITHMETICS), target only
     trust_remote_code: bool = False
     # Dtype of a drafter that is its own language model (text LM or VLM). "auto": float32 on a
     # CPU for drafters under SMALL_DRAFTER_PARAMETERS (a CPU's bfloat16 matmul has a fixed cost

@@ -29,6 +29,7 @@ class Preset:
     target: str
     drafters: tuple[str, ...]  # the first is the default; "ngram" always works
     note: str = ""
+    weight_arithmetic: str = "float"  # --weight-arithmetic when not given (engine/packed.py ARITHMETICS)
 
 
 PRESETS: dict[str, Preset] = {
