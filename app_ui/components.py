@@ -122,6 +122,20 @@ def chat_tab(examples: list[dict], demo_model: bool, reads_images: bool = True, 
                            panels=[chatbot, stats, tokens, acceptance_plot, speed_plot, details, figures])
 
 
+def chat_list() -> SimpleNamespace:
+    """The visitor's chats (kept in their browser: app_ui/browser_chats.py), newest first: a click
+    opens one; Delete and the two exports act on the chat on screen."""
+    with gr.Accordion("Your chats", open=True, elem_id="chats"):
+        gr.Markdown("*Kept in this browser only, never on the server.*", elem_id="chats-note")
+        choice = gr.Radio([], value=None, label="Chats", show_label=False, elem_id="chat-list")
+        with gr.Row():
+            delete = gr.Button("Delete", size="sm", elem_id="chat-delete", min_width=60)
+            markdown = gr.Button("Export .md", size="sm", elem_id="export-md", min_width=60)
+            as_json = gr.Button("Export .json", size="sm", elem_id="export-json", min_width=60)
+        download = gr.JSON(visible=False)  # the file to save (page/download.js)
+    return SimpleNamespace(choice=choice, delete=delete, markdown=markdown, json=as_json, download=download)
+
+
 def ab_names(served: Served, ab_backend: Backend | None) -> tuple[str, str]:
     """What the A/B tab compares: plain and speculative decoding, or two backends by name."""
     if ab_backend is None:

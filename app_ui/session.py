@@ -52,6 +52,7 @@ class Turn:
     arrived: float = field(default_factory=time.perf_counter)  # when the request arrived (a Stop after it applies)
     load_s: float = 0.0  # time spent opening and shrinking its images, part of the answer's time to first token
     queue_wait_s: float = 0.0  # from `arrived` to the start of its answer's handler (the wait in Gradio's queue)
+    saved: dict | None = None  # what the visitor's browser keeps of it, once answered (app_ui/browser_chats.py)
 
     @property
     def message(self) -> dict:
