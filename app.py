@@ -6,6 +6,7 @@ it answer faster, and a live panel shows by how much.
     python app.py --model DIR_OR_HUB_ID --drafter DIR_OR_HUB_ID|ngram [--no-browser] [--share]
     python app.py --backend http://127.0.0.1:8080       # a vLLM / SGLang / llama-server answers instead
     python app.py --ab-backend http://127.0.0.1:8080    # A/B: the built-in engine vs that server
+    python app.py --desktop                              # in a window of its own (requirements-desktop.txt)
 
 Every flag has an environment variable for Hugging Face Spaces (`python app.py --help`,
 app_ui/setup.py). On ZeroGPU, the `spaces` package's GPU decorator wraps each callback that
@@ -49,6 +50,10 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
     try:
         with startup.step("Reading the settings", announce=False):
             config = read_config(argv)
+            if config.desktop:  # a missing package is one line now, not after the model has loaded
+                from app_ui import desktop
+
+                desktop.check()
         startup.serve(config.host, config.port, open_browser=config.open_browser)
         with startup.step(_opening(config), announce=bool(config.backend or config.ab_backend)):
             backend, ab_backend = open_backends(config)
@@ -104,7 +109,12 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
     print(f"Running on {demo.local_url}" + (f" and {demo.share_url}" if demo.share_url else
                                           " (a public link: --share, or VLM_SHARE=1)")
           + f"; ready {startup.ready():.1f} s after the start", flush=True)
-    if block:
+    if config.desktop:  # the window holds the main thread; closing it stops the app
+        from app_ui import desktop
+
+        desktop.open_window(demo.local_url)
+        demo.close()
+    elif block:
         demo.block_thread()
     return demo
 

@@ -127,7 +127,7 @@ def chat_list() -> SimpleNamespace:
     opens one; Delete and the two exports act on the chat on screen."""
     with gr.Accordion("Your chats", open=True, elem_id="chats"):
         gr.Markdown("*Kept in this browser only, never on the server.*", elem_id="chats-note")
-        choice = gr.Radio([], value=None, label="Chats", show_label=False, elem_id="chat-list")
+        choice = gr.Radio([], value=None, label="Chats", show_label=False, elem_id="chat-list", visible=False)
         with gr.Row():
             delete = gr.Button("Delete", size="sm", elem_id="chat-delete", min_width=60)
             markdown = gr.Button("Export .md", size="sm", elem_id="export-md", min_width=60)

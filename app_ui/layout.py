@@ -106,7 +106,8 @@ def _wire_kept(demo: gr.Blocks, served: Served, session: gr.State, settings: dic
         return None, *callbacks.panels(views.chatbot_messages(session), statistics=table)[:-1], line
 
     def listed(value: dict):
-        return gr.Radio(choices=browser_chats.choices(value), value=value["current"])
+        listed_chats = browser_chats.choices(value)
+        return gr.Radio(choices=listed_chats, value=value["current"], visible=bool(listed_chats))
 
     def check(name, value):
         checked(Options(**{name: value}), served)
