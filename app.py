@@ -124,6 +124,10 @@ def _load(config, startup):
     from app_ui.setup import SetupError, assemble_target, load_engine
     from models.presets import SMOL_DEMO
 
+    # (named as the header names it: the page is public, the folders it was loaded from are not; the
+    # smol demo's folder is a cache path with a hash)
+    model = ("SmolLM2-135M-Instruct + the demo's vision tower" if config.model == SMOL_DEMO
+             else "/".join(str(config.model).rstrip("/").rsplit("/", 2)[-2:]))
     try:
         if config.model == SMOL_DEMO:  # the default: assembled on its first start (models/demo/smol.py), then cached
             with startup.step("Finding the smol demo model (SmolLM2-135M-Instruct + the demo's vision tower; "
@@ -131,8 +135,6 @@ def _load(config, startup):
                 config = assemble_target(config)
         with startup.step("Loading the compiled decode path (engine/fast_layer.cpp)", announce=False):
             _compiled_path(config)
-        # (named as the header names it: the page is public, the folders it was loaded from are not)
-        model = "/".join(str(config.model).rstrip("/").rsplit("/", 2)[-2:])
         with startup.step(f"Loading {model} and its drafters"):
             return load_engine(config)
     except SetupError as error:
