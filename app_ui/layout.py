@@ -53,6 +53,7 @@ def build_demo(served: Served | Engine, gpu: Callable = lambda fn: fn, visitors:
         demo.load(None, js=ON_LOAD)
         demo.load(None, js=DROP_ON_CHAT)
         demo.load(None, js=KEYBOARD)
+        demo.load(None, js=components.tooltips())
         with gr.Tab("Chat"):
             chat = components.chat_tab(examples, served.demo, served.reads_images,
                                        components.SMOL_NOTE if served.smol else None)

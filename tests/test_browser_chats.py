@@ -83,6 +83,28 @@ def test_a_reload_keeps_the_chat_its_statistics_and_the_settings(page):
     expect(page.get_by_label("number input for Max new tokens")).to_have_value("40")
     expect(page.locator("#chat-list label")).to_have_count(1)
     expect(page.locator("#chat-list label")).to_contain_text("What does this chart show?")
+    expect(page.locator("#picture-hint")).to_be_visible()  # the demo's picture limit, beside a picture
+
+
+def test_every_statistics_row_explains_itself(page):
+    """Each row of the panel has words for a chat user (components.ROW_HELP), shown when pointed at;
+    no raw setting name in the sidebar's help."""
+    from playwright.sync_api import expect
+
+    from app_ui.components import ROW_HELP
+    from app_ui.views import _stat_rows
+    from engine.stats import Stats
+
+    assert {name for name, _ in _stat_rows(Stats(mode="speculative"))} <= set(ROW_HELP)
+    rows = page.locator("#stats td:first-child")
+    expect(rows.first).to_have_attribute("data-help", ROW_HELP["Decode speed"], timeout=30_000)
+    assert all(rows.nth(i).get_attribute("data-help") for i in range(rows.count()))
+    page.locator("#stats td", has_text="Tokens per target pass").hover()
+    os.makedirs(SCREENSHOTS, exist_ok=True)
+    page.screenshot(path=os.path.join(SCREENSHOTS, "tooltip-desktop.png"))
+    sidebar = page.locator(".sidebar").inner_text()
+    assert not re.search(r"\b[a-z]+_[a-z_]+\b", sidebar), sidebar  # draft_tokens, max_new_tokens...
+    expect(page.locator("#what-is-this")).to_contain_text("drafter")
 
 
 def test_another_profile_sees_none_of_it(url, browser):
@@ -96,6 +118,7 @@ def test_another_profile_sees_none_of_it(url, browser):
     expect(other.locator("#chatbot .message")).to_have_count(0)
     expect(other.locator("#chat-list label")).to_have_count(0)
     expect(other.get_by_label("number input for Max new tokens")).not_to_have_value("40")
+    expect(other.locator("#picture-hint")).to_be_hidden()
     context.close()
 
 
@@ -151,6 +174,7 @@ def test_screenshots_of_the_chat_list_in_dark_mode_and_on_a_phone(url, browser, 
     expect(dark.locator("#chat-list label")).to_have_count(1, timeout=30_000)
     dark.locator("#chat-list label").first.click()
     expect(dark.locator("#chatbot .message.bot")).to_have_count(2, timeout=30_000)
+    dark.locator("#stats td", has_text="Acceptance").first.hover()
     dark.screenshot(path=os.path.join(SCREENSHOTS, "chats-dark.png"))
     dark_profile.close()
     phone_profile = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True,
@@ -158,9 +182,13 @@ def test_screenshots_of_the_chat_list_in_dark_mode_and_on_a_phone(url, browser, 
     phone = phone_profile.new_page()
     phone.goto(url)
     phone.locator("#chat-input textarea").wait_for()
+    expect(phone.locator("#header p")).to_be_visible()  # the model line, on a phone too
     phone.locator(".sidebar .toggle-button").click()
     expect(phone.locator("#chat-list label")).to_have_count(1, timeout=30_000)
     phone.locator("#chat-list label").first.click()
     expect(phone.locator("#chatbot .message.bot")).to_have_count(2, timeout=30_000)
     phone.screenshot(path=os.path.join(SCREENSHOTS, "chats-phone.png"))
+    phone.locator(".sidebar .toggle-button").click()
+    phone.locator("#stats td", has_text="Draft length").first.tap()
+    phone.screenshot(path=os.path.join(SCREENSHOTS, "tooltip-phone.png"), full_page=True)
     phone_profile.close()
