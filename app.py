@@ -101,7 +101,8 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
                     inbrowser=False, prevent_thread_lock=True, allowed_paths=[EXAMPLES_DIR],
                     max_file_size=MAX_FILE_BYTES, css=CSS,  # serves uploads and the examples, nothing else
                     app_kwargs={"middleware": [guard], "lifespan": visitors.lifespan}, enable_monitoring=False,
-                    state_session_capacity=visitors.limits.sessions, quiet=True)
+                    state_session_capacity=visitors.limits.sessions, quiet=True,
+                    footer_links=["api", "gradio", "settings"])  # not "runs": Gradio's run history is not the chat
     except OSError as error:  # e.g. the port is taken
         sys.exit(f"error: {error}")
     visitors.journal = os.path.join(journals, f"{os.getpid()}-{demo.server_port}.txt")

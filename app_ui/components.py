@@ -58,7 +58,7 @@ DEMO_SETTINGS_NOTE = ("The demo model reads every image as the same few tokens a
 SERVER_SETTINGS_NOTE = ("The server decides its own speculative decoding (its drafter and draft length are set where "
                         "it runs), and its own image sizes, so those settings are not offered here.")
 AUTO_LABEL = "Auto: the drafter that has been fastest"
-WHAT_IS_THIS = ("**What is this?** A small, fast *drafter* guesses the next few tokens (word pieces) and the model "
+WHAT_IS_THIS = ("A small, fast *drafter* guesses the next few tokens (word pieces) and the model "
                 "that answers, the *target*, checks all the guesses in one pass, keeping those it would have written "
                 "itself: the same answer, sooner. Point at a row to see what it means.")
 PICTURE_HINT = ("ℹ️ This demo's vision part knows only its own synthetic pictures (coloured shapes, bar charts, text "
@@ -132,7 +132,7 @@ def chat_tab(examples: list[dict], demo_model: bool, reads_images: bool = True, 
                                  buttons=["copy"], placeholder=placeholder,
                                  examples=[{**example, "display_text": example["text"]} for example in examples] or None,
                                  group_consecutive_messages=False)
-            message = _message_box("chat-input")
+            message = _message_box("chat-input", box_placeholder(demo_model, reads_images, note))
             with gr.Row():  # side by side on a phone too (Gradio wraps buttons under 160 px each)
                 stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="chat-stop", interactive=False,
                                  min_width=80)
@@ -140,9 +140,10 @@ def chat_tab(examples: list[dict], demo_model: bool, reads_images: bool = True, 
             figures = gr.Markdown(elem_id="chat-figures")  # shown on a phone only (page.css)
             if demo_model or note:  # shown while the chat holds a picture (page.css)
                 gr.Markdown(PICTURE_HINT, elem_id="picture-hint")
+            with gr.Accordion("What is this?", open=False, elem_id="what-is-this"):  # one line, folded
+                gr.Markdown(WHAT_IS_THIS)
         with gr.Column(scale=2):
             with gr.Accordion("Live statistics", open=True, elem_id="stats-section"):
-                gr.Markdown(WHAT_IS_THIS, elem_id="what-is-this")
                 stats = gr.Markdown(views.stats_markdown(None), elem_id="stats", elem_classes=["stats"],
                                     container=True)
                 with gr.Column(visible=False, elem_id="answer-details") as details:
@@ -302,6 +303,16 @@ def _hide_what_the_backend_decides(served: Served, settings: dict) -> None:
         settings[name].visible = False  # before the page is built: Gradio reads it when it launches
 
 
-def _message_box(elem_id: str) -> gr.MultimodalTextbox:
+def _message_box(elem_id: str, placeholder: str = "Ask about the images… (drop, paste or upload several)"
+                 ) -> gr.MultimodalTextbox:
     return gr.MultimodalTextbox(file_types=["image"], file_count="multiple", show_label=False, elem_id=elem_id,
-                                placeholder="Ask about the images… (drop, paste or upload several)")
+                                placeholder=placeholder)
+
+
+def box_placeholder(demo_model: bool, reads_images: bool, note: str | None) -> str:
+    """The chat box's words: text questions too, except for the 3.6 M demo, which knows only pictures."""
+    if not reads_images:
+        return "Ask a question… (this model reads text only)"
+    if demo_model and not note:
+        return "Ask about the images… (drop, paste or upload several)"
+    return "Ask anything, or about images… (drop, paste or upload several)"

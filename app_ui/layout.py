@@ -119,7 +119,8 @@ def _wire_kept(demo: gr.Blocks, served: Served, session: gr.State, settings: dic
             browser_chats.restore(session, value)
             visitors.touch(session, request.session_hash)
         usable = browser_chats.usable_settings(stored_settings, list(settings), check)
-        return *shown(session)[1:], listed(value), *(gr.update(value=usable[name]) if name in usable else gr.skip()
+        panels = shown(session)[1:] if session.turns else [gr.skip()] * len(chat.panels)  # an empty chat: as drawn
+        return *panels, listed(value) if value["chats"] else gr.skip(), *(gr.update(value=usable[name]) if name in usable else gr.skip()
                                                  for name in settings)
 
     def switch(session: Session, chosen, value):
@@ -168,6 +169,8 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
 
     def accept(message_value, session: Session, request: gr.Request):  # no outputs: a refusal is a toast
         visitors.touch(session, request.session_hash)
+        if callbacks.is_empty(message_value):  # Enter in an empty box: nothing happens, no toast
+            raise gr.Error("the message is empty", visible=False, print_exception=False)
         with callbacks.user_errors():
             if session.pending is not None or session.running:
                 raise RequestError("an answer is still streaming: wait for it, or press Stop (your message "
@@ -218,18 +221,18 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
     respond_event = dict(fn=respond, inputs=[session, *settings.values()], outputs=[*chat.panels, chat.message],
                          show_progress_on=[chat.chatbot], show_progress="minimal", api_visibility="private",
                          preprocess=False, **GENERATE)
-    idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[chat.stop],
-                js=FOCUS_INPUT, **INSTANT)
+    idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[chat.stop], **INSTANT)
+    focus = dict(fn=None, js=FOCUS_INPUT, **INSTANT)  # last: after the chat is kept in the browser
     figures, statistics = chat.panels[-1], chat.panels[1]
     shown = [chat.message, chat.chatbot, chat.stop, statistics, figures]
     chat.message.submit(accept, [chat.message, session], None, **INSTANT) \
-        .success(show, [session], shown, **INSTANT).success(**respond_event).then(**idle).then(**kept.save)
+        .success(show, [session], shown, **INSTANT).success(**respond_event).then(**idle).then(**kept.save).then(**focus)
     chat.chatbot.example_select(accept_example, [session], None, **INSTANT) \
         .success(lambda session: show(session, clear_box=False), [session], shown, **INSTANT) \
-        .success(**respond_event).then(**idle).then(**kept.save)
+        .success(**respond_event).then(**idle).then(**kept.save).then(**focus)
     chat.chatbot.retry(retry, [session, settings["temperature"], settings["seed"]],
                        [chat.chatbot, settings["seed"], chat.stop, statistics, figures], **INSTANT) \
-        .success(**respond_event).then(**idle).then(**kept.save)
+        .success(**respond_event).then(**idle).then(**kept.save).then(**focus)
     chat.chatbot.undo(undo, [session], [chat.message, *chat.panels], **INSTANT).then(**kept.save)
     chat.new_chat.click(new_conversation, [session], [chat.message, *chat.panels], **INSTANT).then(**kept.fresh)
     chat.chatbot.clear(new_conversation, [session], [chat.message, *chat.panels], **INSTANT).then(**kept.fresh)

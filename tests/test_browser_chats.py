@@ -104,7 +104,8 @@ def test_every_statistics_row_explains_itself(page):
     page.screenshot(path=os.path.join(SCREENSHOTS, "tooltip-desktop.png"))
     sidebar = page.locator(".sidebar").inner_text()
     assert not re.search(r"\b[a-z]+_[a-z_]+\b", sidebar), sidebar  # draft_tokens, max_new_tokens...
-    expect(page.locator("#what-is-this")).to_contain_text("drafter")
+    page.locator("#what-is-this").get_by_text("What is this?").click()  # folded: one line until opened
+    expect(page.locator("#what-is-this")).to_contain_text("drafter", timeout=10_000)
 
 
 def test_another_profile_sees_none_of_it(url, browser):
@@ -163,6 +164,31 @@ def test_the_list_opens_starts_and_deletes_chats_and_each_answer_keeps_its_stati
     expect(page.locator("#chatbot .message")).to_have_count(0)
     page.reload()
     expect(page.locator("#chat-list label")).to_have_count(1, timeout=30_000)
+
+
+def test_an_empty_send_does_nothing_and_a_chosen_file_leaves_the_focus_in_the_box(url, browser):
+    """Issue 60, item 10: Enter in an empty box shows no error toast; after a file is chosen the focus
+    is in the message box; the footer has no "Runs" link (Gradio's run history is not the chat)."""
+    from playwright.sync_api import expect
+
+    from tests.helpers import EXAMPLES
+
+    context = browser.new_context(viewport=DESKTOP)
+    page = context.new_page()
+    page.goto(url)
+    box = page.locator("#chat-input")
+    box.locator("textarea").press("Enter")
+    box.locator("textarea").press("Enter")
+    page.locator("#chat-new").focus()
+    box.locator("input[type=file]").set_input_files([os.path.join(EXAMPLES, "card.png")])
+    expect(box.locator("textarea")).to_be_focused(timeout=30_000)
+    expect(box.locator("img")).to_have_count(1, timeout=30_000)
+    box.locator("textarea").fill("Read the text in the image.")
+    box.locator("textarea").press("Enter")
+    answered(page, 1)
+    expect(page.locator(".toast-body")).to_have_count(0)  # the empty sends said nothing
+    expect(page.get_by_role("link", name="Runs")).to_have_count(0)
+    context.close()
 
 
 def test_screenshots_of_the_chat_list_in_dark_mode_and_on_a_phone(url, browser, profile):
