@@ -221,8 +221,9 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
     respond_event = dict(fn=respond, inputs=[session, *settings.values()], outputs=[*chat.panels, chat.message],
                          show_progress_on=[chat.chatbot], show_progress="minimal", api_visibility="private",
                          preprocess=False, **GENERATE)
-    idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[chat.stop], **INSTANT)
-    focus = dict(fn=None, js=FOCUS_INPUT, **INSTANT)  # last: after the chat is kept in the browser
+    idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[chat.stop],
+                js=FOCUS_INPUT, **INSTANT)
+    focus = dict(fn=None, js=FOCUS_INPUT, **INSTANT)  # again once the chat is kept (the chat list redrawn)
     figures, statistics = chat.panels[-1], chat.panels[1]
     shown = [chat.message, chat.chatbot, chat.stop, statistics, figures]
     chat.message.submit(accept, [chat.message, session], None, **INSTANT) \
