@@ -6,6 +6,7 @@ it answer faster, and a live panel shows by how much.
     python app.py --model DIR_OR_HUB_ID --drafter DIR_OR_HUB_ID|ngram [--no-browser] [--share]
     python app.py --backend http://127.0.0.1:8080       # a vLLM / SGLang / llama-server answers instead
     python app.py --ab-backend http://127.0.0.1:8080    # A/B: the built-in engine vs that server
+    python app.py --desktop                              # in a window of its own (requirements-desktop.txt)
 
 Every flag has an environment variable for Hugging Face Spaces (`python app.py --help`,
 app_ui/setup.py). On ZeroGPU, the `spaces` package's GPU decorator wraps each callback that
@@ -49,6 +50,10 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
     try:
         with startup.step("Reading the settings", announce=False):
             config = read_config(argv)
+            if config.desktop:  # a missing package is one line now, not after the model has loaded
+                from app_ui import desktop
+
+                desktop.check()
         startup.serve(config.host, config.port, open_browser=config.open_browser)
         with startup.step(_opening(config), announce=bool(config.backend or config.ab_backend)):
             backend, ab_backend = open_backends(config)
@@ -103,7 +108,8 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
                     inbrowser=False, prevent_thread_lock=True, allowed_paths=[EXAMPLES_DIR],
                     max_file_size=MAX_FILE_BYTES, css=CSS,  # serves uploads and the examples, nothing else
                     app_kwargs={"middleware": [guard], "lifespan": visitors.lifespan}, enable_monitoring=False,
-                    state_session_capacity=visitors.limits.sessions, quiet=True)
+                    state_session_capacity=visitors.limits.sessions, quiet=True,
+                    footer_links=["api", "gradio", "settings"])  # not "runs": Gradio's run history is not the chat
     except OSError as error:  # e.g. the port is taken
         sys.exit(f"error: {error}")
     visitors.journal = os.path.join(journals, f"{os.getpid()}-{demo.server_port}.txt")
@@ -111,7 +117,12 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
     print(f"Running on {demo.local_url}" + (f" and {demo.share_url}" if demo.share_url else
                                           " (a public link: --share, or VLM_SHARE=1)")
           + f"; ready {startup.ready():.1f} s after the start", flush=True)
-    if block:
+    if config.desktop:  # the window holds the main thread; closing it stops the app
+        from app_ui import desktop
+
+        desktop.open_window(demo.local_url)
+        demo.close()
+    elif block:
         demo.block_thread()
     return demo
 
@@ -121,6 +132,10 @@ def _load(config, startup):
     from app_ui.setup import SetupError, assemble_target, load_engine
     from models.presets import SMOL_DEMO
 
+    # (named as the header names it: the page is public, the folders it was loaded from are not; the
+    # smol demo's folder is a cache path with a hash)
+    model = ("SmolLM2-135M-Instruct + the demo's vision tower" if config.model == SMOL_DEMO
+             else "/".join(str(config.model).rstrip("/").rsplit("/", 2)[-2:]))
     try:
         if config.model == SMOL_DEMO:  # the default: assembled on its first start (models/demo/smol.py), then cached
             with startup.step("Finding the smol demo model (SmolLM2-135M-Instruct + the demo's vision tower; "
@@ -128,8 +143,6 @@ def _load(config, startup):
                 config = assemble_target(config)
         with startup.step("Loading the compiled decode path (engine/fast_layer.cpp)", announce=False):
             _compiled_path(config)
-        # (named as the header names it: the page is public, the folders it was loaded from are not)
-        model = "/".join(str(config.model).rstrip("/").rsplit("/", 2)[-2:])
         with startup.step(f"Loading {model} and its drafters"):
             return load_engine(config)
     except SetupError as error:

@@ -58,6 +58,11 @@ def _without_named_files(message: dict, error: str) -> dict:
     return {"text": message["text"], "files": files}
 
 
+def is_empty(message) -> bool:
+    """A message box's value with no text (or only spaces) and no file."""
+    return isinstance(message, dict) and not str(message.get("text") or "").strip() and not message.get("files")
+
+
 def number(value) -> float:
     try:
         return float(value)

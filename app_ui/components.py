@@ -5,6 +5,7 @@ The events that connect them are app_ui/layout.py's.
 
 from __future__ import annotations
 
+import json
 import os
 from types import SimpleNamespace
 
@@ -57,6 +58,33 @@ DEMO_SETTINGS_NOTE = ("The demo model reads every image as the same few tokens a
 SERVER_SETTINGS_NOTE = ("The server decides its own speculative decoding (its drafter and draft length are set where "
                         "it runs), and its own image sizes, so those settings are not offered here.")
 AUTO_LABEL = "Auto: the drafter that has been fastest"
+WHAT_IS_THIS = ("A small, fast *drafter* guesses the next few tokens (word pieces) and the model "
+                "that answers, the *target*, checks all the guesses in one pass, keeping those it would have written "
+                "itself: the same answer, sooner. Point at a row to see what it means.")
+PICTURE_HINT = ("ℹ️ This demo's vision part knows only its own synthetic pictures (coloured shapes, bar charts, text "
+                "cards): about a photo, a screenshot or any other picture, its answer is a guess.")
+# The statistics panel's rows (app_ui/views.py) in words a chat user knows, shown when the row is pointed
+# at (page/tooltips.js, `TOOLTIPS`); tests/test_browser_chats.py checks that every row has one.
+ROW_HELP = {
+    "Decode speed": "How fast the answer was written after its first token, in tokens (word pieces) per second.",
+    "Time to first token": "How long until the first word appeared: any wait in the queue, reading the pictures "
+                           "and the question.",
+    "Prompt": "What the model read before answering (your question, the conversation so far and the pictures), in "
+              "tokens, and how long reading it took.",
+    "Answer": "The answer's length in tokens, counting the end-of-answer token the model writes last, and its time.",
+    "Accepted / drafted": "How many tokens the drafter guessed ahead, and how many of them the target kept.",
+    "Acceptance": "The share of the drafter's guesses the target kept: the higher, the more time is saved.",
+    "Tokens per target pass": "Tokens written per run of the target: 1 without guesses; above 1, guesses saved runs.",
+    "Draft shape": "Chain: the drafter guesses one line of tokens. Tree: several alternatives, checked together.",
+    "Decoding": "Speculative: a drafter guesses and the target checks. Plain: the target writes every token itself. "
+                "At temperature 0 both give the same answer.",
+    "Drafter choice": "With Auto: which drafter answered and why (the one that has been fastest so far).",
+    "Draft length": "How many tokens the drafter guesses at a time, and why. When guessing costs more than it saves, "
+                    "guessing pauses and one token is tried again now and then.",
+    "Fell back to plain": "Why this answer was written without guesses.",
+    "Status": "Why the answer ended: the model finished, it reached Max new tokens, the time budget, or Stop.",
+    "Conversation": "The oldest turns the model no longer reads, so that the conversation fits its memory (context).",
+}
 
 
 def script(name: str) -> str:
@@ -64,6 +92,11 @@ def script(name: str) -> str:
     the text as an expression)."""
     with open(os.path.join(PAGE_DIR, f"{name}.js"), encoding="utf-8") as file:
         return "\n".join(line for line in file.read().splitlines() if not line.lstrip().startswith("//"))
+
+
+def tooltips() -> str:
+    """page/tooltips.js with ROW_HELP in it (an event's `js=` takes no arguments of ours)."""
+    return script("tooltips").replace("ROW_HELP", json.dumps(ROW_HELP))
 
 
 with open(os.path.join(PAGE_DIR, "page.css"), encoding="utf-8") as _file:
@@ -94,17 +127,21 @@ def chat_tab(examples: list[dict], demo_model: bool, reads_images: bool = True, 
     if examples:
         placeholder += "\n\n**Try an example** (a click sends it):"
     with gr.Row(equal_height=False):
-        with gr.Column(scale=3):
+        with gr.Column(scale=3, elem_id="chat-column"):
             chatbot = gr.Chatbot(label="Chat", show_label=False, height=CHAT_HEIGHT, elem_id="chatbot",
                                  buttons=["copy"], placeholder=placeholder,
                                  examples=[{**example, "display_text": example["text"]} for example in examples] or None,
                                  group_consecutive_messages=False)
-            message = _message_box("chat-input")
+            message = _message_box("chat-input", box_placeholder(demo_model, reads_images, note))
             with gr.Row():  # side by side on a phone too (Gradio wraps buttons under 160 px each)
                 stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="chat-stop", interactive=False,
                                  min_width=80)
                 new_chat = gr.Button("New chat", size="sm", elem_id="chat-new", min_width=80)
             figures = gr.Markdown(elem_id="chat-figures")  # shown on a phone only (page.css)
+            if demo_model or note:  # shown while the chat holds a picture (page.css)
+                gr.Markdown(PICTURE_HINT, elem_id="picture-hint")
+            with gr.Accordion("What is this?", open=False, elem_id="what-is-this"):  # one line, folded
+                gr.Markdown(WHAT_IS_THIS)
         with gr.Column(scale=2):
             with gr.Accordion("Live statistics", open=True, elem_id="stats-section"):
                 stats = gr.Markdown(views.stats_markdown(None), elem_id="stats", elem_classes=["stats"],
@@ -120,6 +157,20 @@ def chat_tab(examples: list[dict], demo_model: bool, reads_images: bool = True, 
                                                  title="Decode tokens/s over the answer")
     return SimpleNamespace(chatbot=chatbot, message=message, stop=stop, new_chat=new_chat,
                            panels=[chatbot, stats, tokens, acceptance_plot, speed_plot, details, figures])
+
+
+def chat_list() -> SimpleNamespace:
+    """The visitor's chats (kept in their browser: app_ui/browser_chats.py), newest first: a click
+    opens one; Delete and the two exports act on the chat on screen."""
+    with gr.Accordion("Your chats", open=True, elem_id="chats"):
+        gr.Markdown("*Kept in this browser only, never on the server.*", elem_id="chats-note")
+        choice = gr.Radio([], value=None, label="Chats", show_label=False, elem_id="chat-list", visible=False)
+        with gr.Row():
+            delete = gr.Button("Delete", size="sm", elem_id="chat-delete", min_width=60)
+            markdown = gr.Button("Export .md", size="sm", elem_id="export-md", min_width=60)
+            as_json = gr.Button("Export .json", size="sm", elem_id="export-json", min_width=60)
+        download = gr.JSON(visible=False)  # the file to save (page/download.js)
+    return SimpleNamespace(choice=choice, delete=delete, markdown=markdown, json=as_json, download=download)
 
 
 def ab_names(served: Served, ab_backend: Backend | None) -> tuple[str, str]:
@@ -253,6 +304,16 @@ def _hide_what_the_backend_decides(served: Served, settings: dict) -> None:
         settings[name].visible = False  # before the page is built: Gradio reads it when it launches
 
 
-def _message_box(elem_id: str) -> gr.MultimodalTextbox:
+def _message_box(elem_id: str, placeholder: str = "Ask about the images… (drop, paste or upload several)"
+                 ) -> gr.MultimodalTextbox:
     return gr.MultimodalTextbox(file_types=["image"], file_count="multiple", show_label=False, elem_id=elem_id,
-                                placeholder="Ask about the images… (drop, paste or upload several)")
+                                placeholder=placeholder)
+
+
+def box_placeholder(demo_model: bool, reads_images: bool, note: str | None) -> str:
+    """The chat box's words: text questions too, except for the 3.6 M demo, which knows only pictures."""
+    if not reads_images:
+        return "Ask a question… (this model reads text only)"
+    if demo_model and not note:
+        return "Ask about the images… (drop, paste or upload several)"
+    return "Ask anything, or about images… (drop, paste or upload several)"

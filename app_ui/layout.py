@@ -14,19 +14,19 @@ from types import SimpleNamespace
 
 import gradio as gr
 
-from app_ui import callbacks, components, views
+from app_ui import browser_chats, callbacks, components, views
 from app_ui.callbacks import GENERATE
 from app_ui.components import EXAMPLES_DIR
 from app_ui.served import Served, served_of
-from app_ui.session import Options, Session, Turn, read_message
+from app_ui.session import Options, Session, Turn, checked, read_message
 from app_ui.visitors import Visitors
 from engine import settings as schema
 from engine.backend import Backend
 from engine.engine import Engine, RequestError
 
 INSTANT = {"concurrency_limit": None, "api_visibility": "private", "show_progress": "hidden"}  # quick, not limited
-ON_LOAD, FOCUS_INPUT, DROP_ON_CHAT, KEYBOARD, DROP_REFUSED_FILES = (components.script(name) for name in (
-    "on_load", "focus_input", "drop_on_chat", "keyboard", "drop_refused_files"))
+ON_LOAD, FOCUS_INPUT, DROP_ON_CHAT, KEYBOARD, DROP_REFUSED_FILES, DOWNLOAD = (components.script(name) for name in (
+    "on_load", "focus_input", "drop_on_chat", "keyboard", "drop_refused_files", "download"))
 
 
 def build_demo(served: Served | Engine, gpu: Callable = lambda fn: fn, visitors: Visitors | None = None,
@@ -46,12 +46,14 @@ def build_demo(served: Served | Engine, gpu: Callable = lambda fn: fn, visitors:
     with gr.Blocks(title="VLM chat · speculative decoding", fill_width=True, delete_cache=(3600, 86400)) as demo:
         session = gr.State(Session())  # copied for every visitor: a new, empty session each
         gr.Markdown(components.header(served), elem_id="header")
-        with gr.Sidebar(label="Settings", open=True, width=300):
+        with gr.Sidebar(label="Chats and settings", open=True, width=300):
+            chats = components.chat_list()
             gr.Markdown("### Settings")
             settings = components.settings_controls(served)  # {Options field: its control}
         demo.load(None, js=ON_LOAD)
         demo.load(None, js=DROP_ON_CHAT)
         demo.load(None, js=KEYBOARD)
+        demo.load(None, js=components.tooltips())
         with gr.Tab("Chat"):
             chat = components.chat_tab(examples, served.demo, served.reads_images,
                                        components.SMOL_NOTE if served.smol else None)
@@ -60,7 +62,8 @@ def build_demo(served: Served | Engine, gpu: Callable = lambda fn: fn, visitors:
         _wire_settings(served, settings)
         for box in (chat.message, ab.message):
             _flag_refused_files(served, box)
-        _wire_chat(served, gpu, session, settings, chat, visitors, examples)
+        kept = _wire_kept(demo, served, session, settings, chat, chats, visitors)
+        _wire_chat(served, gpu, session, settings, chat, visitors, examples, kept)
         _wire_ab(served, gpu, session, {k: v for k, v in settings.items() if k != "mode"}, ab, visitors, ab_backend)
         _wire_api(served, gpu, session, settings, visitors, ab_backend)
     return demo
@@ -87,8 +90,77 @@ def _flag_refused_files(served: Served, box: gr.MultimodalTextbox) -> None:
     refused.change(None, [refused, box], [box], js=DROP_REFUSED_FILES, **INSTANT)
 
 
+def _wire_kept(demo: gr.Blocks, served: Served, session: gr.State, settings: dict, chat: SimpleNamespace,
+               chats: SimpleNamespace, visitors: Visitors) -> SimpleNamespace:
+    """The chats and settings kept in the visitor's browser (app_ui/browser_chats.py): on load the
+    chat on screen comes back with its statistics, and the settings; a click in the list opens a
+    chat, Delete deletes the one on screen, the exports save it as a file; clicking an answer shows
+    its statistics. Returns the events that keep the chat after a change (`save`) and start a new
+    one in the list (`fresh`)."""
+    kept = gr.BrowserState(browser_chats.EMPTY, storage_key=browser_chats.CHATS_KEY, secret=browser_chats.SECRET)
+    kept_settings = gr.BrowserState({}, storage_key=browser_chats.SETTINGS_KEY, secret=browser_chats.SECRET)
+    drafters = {key: drafter.kind for key, drafter in served.drafters.items()}
+    screen, figures, statistics = [chat.message, *chat.panels], chat.panels[-1], chat.panels[1]
+
+    def shown(session: Session) -> tuple:  # the box emptied, the panels of the chat on screen
+        table, line = browser_chats.latest_statistics(session)
+        return None, *callbacks.panels(views.chatbot_messages(session), statistics=table)[:-1], line
+
+    def listed(value: dict):
+        listed_chats = browser_chats.choices(value)
+        return gr.Radio(choices=listed_chats, value=value["current"], visible=bool(listed_chats))
+
+    def check(name, value):
+        checked(Options(**{name: value}), served)
+
+    def restore(session: Session, value, stored_settings, request: gr.Request):
+        value = browser_chats.chats_of(value)
+        if session.is_new():  # a reload; not a second load of a page that is talking already
+            browser_chats.restore(session, value)
+            visitors.touch(session, request.session_hash)
+        usable = browser_chats.usable_settings(stored_settings, list(settings), check)
+        panels = shown(session)[1:] if session.turns else [gr.skip()] * len(chat.panels)  # an empty chat: as drawn
+        return *panels, listed(value) if value["chats"] else gr.skip(), *(gr.update(value=usable[name]) if name in usable else gr.skip()
+                                                 for name in settings)
+
+    def switch(session: Session, chosen, value):
+        callbacks.clear(session, visitors)
+        value = browser_chats.chats_of(value)
+        value["current"] = chosen if any(c["id"] == chosen for c in value["chats"]) else None
+        browser_chats.restore(session, value)
+        return *shown(session), value
+
+    def delete(session: Session, value):
+        callbacks.clear(session, visitors)
+        value = browser_chats.without_current(value)
+        return *shown(session), value, listed(value)
+
+    def save(session: Session, value):
+        value = browser_chats.with_chat(value, [browser_chats.kept_turn(turn, drafters) for turn in session.turns])
+        return value, listed(value)
+
+    def fresh(value):
+        value = {**browser_chats.chats_of(value), "current": None}
+        return value, listed(value)
+
+    def selected(session: Session, event: gr.SelectData):
+        return browser_chats.answer_statistics(session, event.index, drafters)
+
+    demo.load(restore, [session, kept, kept_settings], [*chat.panels, chats.choice, *settings.values()], **INSTANT)
+    chats.choice.input(switch, [session, chats.choice, kept], [*screen, kept], **INSTANT)
+    chats.delete.click(delete, [session, kept], [*screen, kept, chats.choice], **INSTANT)
+    for button, kind in ((chats.markdown, "md"), (chats.json, "json")):
+        button.click(lambda value, kind=kind: browser_chats.export(value, kind), [kept], [chats.download],
+                     **INSTANT).then(None, [chats.download], None, js=DOWNLOAD)
+    chat.chatbot.select(selected, [session], [statistics, figures], **INSTANT)
+    gr.on([control.change for control in settings.values()], lambda *values: dict(zip(settings, values)),
+          list(settings.values()), [kept_settings], **INSTANT)
+    return SimpleNamespace(save=dict(fn=save, inputs=[session, kept], outputs=[kept, chats.choice], **INSTANT),
+                           fresh=dict(fn=fresh, inputs=[kept], outputs=[kept, chats.choice], **INSTANT))
+
+
 def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict, chat: SimpleNamespace,
-               visitors: Visitors, examples: list[dict]) -> None:
+               visitors: Visitors, examples: list[dict], kept: SimpleNamespace) -> None:
     """Send (or click an example): check the message without opening its files (or refuse it,
     saying why, with the message left in the box), show it in the chat at once with Stop on,
     then prepare its images and answer it in the queue. The box stays open while an answer
@@ -97,6 +169,8 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
 
     def accept(message_value, session: Session, request: gr.Request):  # no outputs: a refusal is a toast
         visitors.touch(session, request.session_hash)
+        if callbacks.is_empty(message_value):  # Enter in an empty box: nothing happens, no toast
+            raise gr.Error("the message is empty", visible=False, print_exception=False)
         with callbacks.user_errors():
             if session.pending is not None or session.running:
                 raise RequestError("an answer is still streaming: wait for it, or press Stop (your message "
@@ -151,20 +225,21 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
                          preprocess=False, **GENERATE)
     idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[chat.stop],
                 js=FOCUS_INPUT, **INSTANT)
+    focus = dict(fn=None, js=FOCUS_INPUT, **INSTANT)  # again once the chat is kept (the chat list redrawn)
     figures, statistics = chat.panels[-1], chat.panels[1]
     waiting = [statistics, chat.panels[2], chat.panels[5], figures, _line_timer(served, session, chat)]
     shown = [chat.message, chat.chatbot, chat.stop, *waiting]  # waiting: callbacks.shown_waiting's
     chat.message.submit(accept, [chat.message, session], None, **INSTANT) \
-        .success(show, [session], shown, **INSTANT).success(**respond_event).then(**idle)
+        .success(show, [session], shown, **INSTANT).success(**respond_event).then(**idle).then(**kept.save).then(**focus)
     chat.chatbot.example_select(accept_example, [session], None, **INSTANT) \
         .success(lambda session: show(session, clear_box=False), [session], shown, **INSTANT) \
-        .success(**respond_event).then(**idle)
+        .success(**respond_event).then(**idle).then(**kept.save).then(**focus)
     chat.chatbot.retry(retry, [session, settings["temperature"], settings["seed"]],
                        [chat.chatbot, settings["seed"], chat.stop, *waiting], **INSTANT) \
-        .success(**respond_event).then(**idle)
-    chat.chatbot.undo(undo, [session], [chat.message, *chat.panels], **INSTANT)
-    chat.new_chat.click(new_conversation, [session], [chat.message, *chat.panels], **INSTANT)
-    chat.chatbot.clear(new_conversation, [session], [chat.message, *chat.panels], **INSTANT)
+        .success(**respond_event).then(**idle).then(**kept.save).then(**focus)
+    chat.chatbot.undo(undo, [session], [chat.message, *chat.panels], **INSTANT).then(**kept.save)
+    chat.new_chat.click(new_conversation, [session], [chat.message, *chat.panels], **INSTANT).then(**kept.fresh)
+    chat.chatbot.clear(new_conversation, [session], [chat.message, *chat.panels], **INSTANT).then(**kept.fresh)
     chat.stop.click(callbacks.stopper(visitors), [session], None, queue=False, api_name="stop")
 
 

@@ -54,6 +54,7 @@ class Turn:
     queue_wait_s: float = 0.0  # from `arrived` to the start of its answer's handler (the wait in Gradio's queue)
     answering: bool = False  # its answer's handler has started (it no longer waits in the queue)
     dropped: int = 0  # the oldest answered turns its prompt left out (Session.dropped when it was answered)
+    saved: dict | None = None  # what the visitor's browser keeps of it, once answered (app_ui/browser_chats.py)
 
     @property
     def message(self) -> dict:

@@ -4,7 +4,7 @@ Every flag has an environment variable (for Hugging Face Spaces, where there are
 flag wins over its variable. The model and load flags (--preset, --model, --drafter, --dtype,
 --device, ...) and their VLM_* variables are made from one schema (engine/load_settings.py);
 the app's own are `AppSettings` below (--host, --port, --share, --no-browser, --max-images,
---backend, --ab-backend, --image-backend), schema fields of the same kind; every variable of both is read by
+--desktop, --backend, --ab-backend, --image-backend), schema fields of the same kind; every variable of both is read by
 engine/schema.py `from_environ`. `python app.py --help` lists every flag and every variable.
 
 A bad value, of a flag or a variable, raises SetupError naming it (app.py prints one line).
@@ -38,6 +38,7 @@ class Config:
     port: int | None = None
     share: bool = False
     open_browser: bool = True
+    desktop: bool = False  # a window of its own (app_ui/desktop.py) instead of a browser tab
     behind_proxy: bool = False  # on a Space: a client's address is the rightmost entry of X-Forwarded-For
     backend: str | None = None  # a server's URL, or llamacpp[:PATH], answering instead of the loaded model
     ab_backend: str | None = None  # the same, for the A/B tab to compare with the app's backend
@@ -74,6 +75,9 @@ class AppSettings:
                                env="VLM_PORT")
     share: bool = setting(False, "also serve a public gradio.live link", env="VLM_SHARE")
     no_browser: bool = setting(False, "do not open a browser (never opened on a Space)", env="VLM_NO_BROWSER")
+    desktop: bool = setting(False, "open the app in a window of its own instead of a browser tab (pywebview on Qt "
+                            "WebEngine: pip install -r requirements-desktop.txt); closing it stops the app",
+                            env="VLM_DESKTOP")
     max_images: int = setting(8, f"images per conversation, 1 to {MAX_IMAGES} (default: 8)", low=1, high=MAX_IMAGES,
                               env="VLM_MAX_IMAGES")
     backend: str | None = setting(None, "answer with this OpenAI-compatible server (URL#MODEL names its model; API "
@@ -106,7 +110,7 @@ def read_config(argv: list[str] | None = None, environ=os.environ) -> Config:
         raise SetupError(str(error)) from None
     if spec.drafters and "ngram" not in spec.drafters:
         spec = replace(spec, drafters=spec.drafters + ("ngram",))  # the app always offers n-gram: it costs nothing
-    return Config(spec, args.host, args.port, args.share, not args.no_browser,
+    return Config(spec, args.host, args.port, args.share, not (args.no_browser or args.desktop), desktop=args.desktop,
                   behind_proxy=bool(environ.get("SPACE_ID")), backend=args.backend, ab_backend=args.ab_backend,
                   image_backend=args.image_backend)
 
@@ -121,7 +125,7 @@ def app_settings(environ=os.environ) -> AppSettings:
         if variable and environ.get(variable):
             fallback[name] = read_variable(variable, environ[variable], wanted, meta, SetupError)
     settings = from_environ(AppSettings, environ, SetupError, **fallback)
-    return replace(settings, no_browser=True) if on_space else settings
+    return replace(settings, no_browser=True, desktop=False) if on_space else settings
 
 
 def app_parser(environ=os.environ) -> argparse.ArgumentParser:

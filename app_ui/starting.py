@@ -1,6 +1,7 @@
 """Start-up in the open: each step that may take a while is printed as it begins and with its
 time when it ends, and until the app is ready its address answers a small page that says
-"Starting…" and names the step under way (the page checks each second and becomes the app).
+"Starting…", the step under way (numbered) and the time since the start (the page checks each
+second and becomes the app).
 
     startup = Startup()
     startup.serve(host, port)                 # the address answers "Starting…" from here on
@@ -31,13 +32,13 @@ PAGE = """<!doctype html><html lang="en" {marker}><head><meta charset="utf-8">
 color: #1f2937; background: #fff; }} @media (prefers-color-scheme: dark) {{ body {{ color: #e5e7eb;
 background: #0b0f19; }} }} p {{ color: #6b7280; }}</style></head>
 <body><h1 id="starting" role="status">Starting…</h1><p id="step">{step}</p>
-<p>This page becomes the chat when the model is ready.</p>
+<p id="elapsed">{elapsed}</p><p>This page becomes the chat when the model is ready.</p>
 <script>setInterval(async () => {{
   try {{
     const page = await (await fetch(location.href, {{ cache: "no-store" }})).text();
-    if (!page.includes("{marker}")) location.reload();
-    else document.getElementById("step").textContent =
-      new DOMParser().parseFromString(page, "text/html").getElementById("step").textContent;
+    if (!page.includes("{marker}")) {{ location.reload(); return; }}
+    const fresh = new DOMParser().parseFromString(page, "text/html");
+    for (const id of ["step", "elapsed"]) document.getElementById(id).textContent = fresh.getElementById(id).textContent;
   }} catch (error) {{}}  // between this page and the app the address answers nothing for a moment
 }}, 1000);</script></body></html>"""
 
@@ -46,7 +47,7 @@ class Startup:
     """The start-up steps, printed, and the page that stands in for the app until `close()`."""
 
     def __init__(self, out=None):
-        self.out, self.doing, self.began = out, "Starting", time.perf_counter()
+        self.out, self.doing, self.began, self.steps = out, "Starting", time.perf_counter(), 0
         self.port, self.server = None, None
 
     def serve(self, host: str, port: int | None, open_browser: bool = False) -> None:
@@ -71,6 +72,7 @@ class Startup:
     def step(self, doing: str, announce: bool = True):
         """Print `doing` (…) as it begins when `announce`, and its time when it ends (when over
         QUIET_S, or announced); the starting page names it meanwhile."""
+        self.steps += 1
         self.doing, began = doing, time.perf_counter()
         if announce:
             self._print(f"{doing} …")
@@ -85,6 +87,10 @@ class Startup:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
+
+    def shown(self) -> tuple[str, str]:
+        """The page's two lines: the step under way, numbered, and the time since the start."""
+        return f"Step {self.steps}: {self.doing} …", f"{self.ready():.0f} s since the start"
 
     def ready(self) -> float:
         """Seconds since the start."""
@@ -115,7 +121,8 @@ def _server(host: str, port: int, startup: Startup) -> ThreadingHTTPServer:
     class Page(BaseHTTPRequestHandler):
         def do_GET(self):  # every path: the page (a script, an API call: 503, try again)
             wants_page = self.path.split("?")[0] in ("/", "") or "text/html" in self.headers.get("Accept", "")
-            body = PAGE.format(marker=MARKER, step=html.escape(startup.doing + " …")).encode()
+            step, elapsed = startup.shown()
+            body = PAGE.format(marker=MARKER, step=html.escape(step), elapsed=elapsed).encode()
             self.send_response(200 if wants_page else 503)
             self.send_header("Content-Type", "text/html; charset=utf-8")
             self.send_header("Cache-Control", "no-store")

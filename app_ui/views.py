@@ -340,7 +340,16 @@ def waiting(place: Place) -> tuple[str, str]:
 
 
 def _user_message(turn: Turn) -> dict:
-    return {"role": "user", "content": [{"path": path} for path in turn.files] + ([turn.text] if turn.text else [])}
+    pictures = [kept_pictures(turn.saved)] if turn.saved and not turn.files and turn.saved.get("pictures") else []
+    return {"role": "user", "content": [{"path": path} for path in turn.files] + pictures
+            + ([turn.text] if turn.text else [])}
+
+
+def kept_pictures(kept: dict) -> str:
+    """A restored turn's pictures (app_ui/browser_chats.py): thumbnails where the browser kept
+    them, else their names."""
+    return " ".join(f"![{p['name']}]({p['thumbnail']})" if p.get("thumbnail") else f"🖼 *{p['name']}*"
+                    for p in kept["pictures"])
 
 
 def _assistant_message(turn: Turn, left_out: int = 0) -> dict:

@@ -74,7 +74,7 @@ class Settings:
                                            high=MAX_COUNT, high_text=MAX_COUNT_TEXT,
                                            low_means="0 (the model's own limit)", env="VLM_MAX_IMAGE_TOKENS",
                                            cli=False)
-    draft_tree: int = setting(0, "draft trees of up to this many nodes, draft_tokens deep, verified in one pass "
+    draft_tree: int = setting(0, "draft trees of up to this many nodes, as deep as the draft length, verified in one pass "
                               "(0: one chain)", "Draft tree nodes", low=0, high=MAX_DRAFT_NODES, low_means="0 (chains)",
                               ui=(0, 16, 1), ceiling=32, ceiling_env="VLM_MAX_DRAFT_TREE")
     top_k: int = setting(0, "sample from the k likeliest tokens (0: off)", "Top-k", low=0, low_means="0 (off)",

@@ -245,7 +245,8 @@ def test_the_starting_page_names_the_step_until_it_closes(capsys):
             pass
     finally:
         startup.close()
-    assert "Starting…" in body and "Loading the model …" in body and MARKER in body
+    assert "Starting…" in body and "Step 1: Loading the model …" in body and MARKER in body
+    assert re.search(r'id="elapsed">\d+ s since the start<', body), body
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith(f"Starting on http://127.0.0.1:{port}/")
     assert printed[1] == "Loading the model …" and re.fullmatch(r"Loading the model: \d+\.\d s", printed[2])
