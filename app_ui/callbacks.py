@@ -259,8 +259,8 @@ def api_chat(served: Served, message_value, session: Session, options: Options, 
     with user_errors():
         session.check_not_expired(visitors.limits.idle_s)
         options = checked(options, served)
-        turn = new_turn(message_value, served, session, client_of(request))
-        turn.arrived, turn.queue_wait_s = arrived, waited
+        turn = new_turn(message_value, served, session, client_of(request), arrived=arrived)
+        turn.queue_wait_s = waited
         claim(visitors, session, turn.files, request)
         visitors.spoke(session, session_id)
         for side in answer(served, session, turn, options):
@@ -287,7 +287,7 @@ def _ab_events(served: Served, message_value, session: Session, options: Options
         raise RequestError(f"the server at {served.name} decides its own decoding, so there is no plain and "
                            "speculative run to compare; start the app with --ab-backend URL to compare it with "
                            "another backend")
-    turn = new_turn(message_value, served, session, client, answers=2, alone=True)
+    turn = new_turn(message_value, served, session, client, answers=2, alone=True, arrived=arrived)
     messages = messages_for(Session(), turn, options.system_prompt)
     drafter = drafter_for(options, served) if served.drafters else None  # run_ab says why None cannot do
     stop, session.running = session.begin(arrived, answers=2, spent=turn.load_s), True

@@ -202,21 +202,23 @@ def drafter_for(options: Settings, engine: Engine | Served) -> str | None:
 
 
 def new_turn(message: dict | str | None, engine: Engine | Served, session: Session | None = None,
-             client: str | None = None, answers: int = 1, alone: bool = False) -> Turn:
+             client: str | None = None, answers: int = 1, alone: bool = False, arrived: float | None = None) -> Turn:
     """A MultimodalTextbox value ({"text": ..., "files": [...]}) made into a turn whose images
     are validated and shrunk to the processor's size in the jail (`open_upload`; `client`: the
     address whose decodes are bounded together); RequestError / ImageError name the file, the
     field or the limit. Checks the text before opening any image. A session's Stop ends the
     decodes (Stopped), and its time budget for `answers` answers bounds them; `alone`: the turn is
-    asked without the conversation (an A/B), whose images it does not count."""
-    arrived, engine = time.perf_counter(), served_of(engine)
+    asked without the conversation (an A/B), whose images it does not count; `arrived`
+    (time.perf_counter()): when the request came (default: now), a Stop since then applies."""
+    started, engine = time.perf_counter(), served_of(engine)
+    arrived = started if arrived is None else arrived
     text, files = read_message(message, engine, None if alone else session)
     budget = session.time_budget_s if session is not None else None
     options = {"client": client, "deadline": time.monotonic() + answers * budget if budget else None,
                "cancelled": session.stopped_since(arrived) if session is not None else lambda: False}
     images = [open_upload(path, jail=engine.jail, name=os.path.basename(path), **engine.image_fit(), **options)
               for path in files]
-    return Turn(text, files, images, arrived=arrived, load_s=time.perf_counter() - arrived)
+    return Turn(text, files, images, arrived=arrived, load_s=time.perf_counter() - started)
 
 
 def open_upload(path: str, jail: ImageJail, **options) -> Image.Image:
@@ -232,7 +234,7 @@ def prepare_images(engine: Served, session: Session, turn: Turn, client: str | N
     if not turn.files or turn.images or turn.refusal is not None:
         return
     try:
-        prepared = new_turn(turn.message, engine, session, client)
+        prepared = new_turn(turn.message, engine, session, client, arrived=turn.arrived)
         turn.images, turn.load_s = prepared.images, prepared.load_s
     except Stopped:
         return

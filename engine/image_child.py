@@ -20,7 +20,8 @@ The protocol, on stdin / stdout, each message a 4-byte big-endian length and a J
             (8-bit RGB, row by row), or {"refused": "name: why", "retire": bool}
 The parent parses only JSON and a byte count it checks: nothing a decoder made is unpickled.
 A MemoryError (the address space is full) is refused naming the limit, and the child ends, so
-that its heap is new for the next file.
+that its heap is new for the next file; one that comes where no refusal can be sent ends the
+child with OUT_OF_MEMORY, which the parent names the same way.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import struct
 import sys
 
 JOBS_PER_CHILD = 50  # the hard CPU limit is this many jobs' CPU limit
+OUT_OF_MEMORY = 3  # the exit status of a child whose MemoryError came where it could not refuse the file
 _LENGTH = struct.Struct(">I")
 
 
@@ -109,4 +111,7 @@ def main(limits: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    try:
+        main(json.loads(sys.argv[1]))
+    except MemoryError:  # e.g. while naming the file's refusal: the parent names the limit
+        os._exit(OUT_OF_MEMORY)

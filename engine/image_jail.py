@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
-from engine.image_child import receive, send
+from engine.image_child import OUT_OF_MEMORY, receive, send
 from engine.images import (MAX_DECODED_BYTES, MAX_FILE_BYTES, MAX_PIXELS, ImageError, fit_size, load_image,
                            resample_of)
 from engine.settings import setting
@@ -329,11 +329,13 @@ def _late(name: str, full: bool, decoding: Decoding) -> str:
 
 
 def _death(name: str, returncode: int | None, decoding: Decoding) -> str:
-    """The refusal for a child that ended without answering: its limits say why."""
+    """The refusal for a child that ended without answering: its limits say why (a child out of
+    memory may also end so, its allocator or interpreter failing before Python can refuse)."""
+    if returncode == OUT_OF_MEMORY:
+        return _late(name, True, decoding)
     if returncode == -signal.SIGXCPU:
         return (f"{name}: decoding took more than {math.ceil(decoding.decode_seconds)} s of CPU time (the server's "
                 "limit for one image)")
-    if returncode in (-signal.SIGKILL, -signal.SIGSEGV, -signal.SIGABRT, -signal.SIGBUS):
-        return (f"{name}: the decoder ended on it (signal {-returncode}; the server's limits for one image: "
-                f"{decoding.decode_memory_mb:,} MB, {decoding.decode_seconds:g} s)")
-    return f"{name}: the decoder ended on it (exit status {returncode}); the file may be damaged"
+    how = f"signal {-returncode}" if returncode is not None and returncode < 0 else f"exit status {returncode}"
+    return (f"{name}: the decoder ended on it ({how}; the server's limits for one image: "
+            f"{decoding.decode_memory_mb:,} MB, {decoding.decode_seconds:g} s); send a smaller or another image")

@@ -27,19 +27,19 @@ import subprocess
 import sys
 import threading
 import time
-import zlib
 
 import httpx
 import numpy as np
 import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
-from PIL import Image, TiffImagePlugin
+from PIL import Image
 
 from app_ui.visitors import MB, Limits, Visitors
 from engine import images
 from engine.image_jail import Decoding, ImageJail
 from engine.settings import Settings
+from measure.image_bombs import zeros_png
 from tests.conftest import ROOT
 from tests.helpers import launch_app, message, wait_for_output, wait_until_queued
 
@@ -122,18 +122,6 @@ def float_tiff(folder, size: int, seed: int) -> bytes:
     path = folder / f"float{seed}.tif"
     Image.fromarray(values, "F").save(path, compression="tiff_deflate")
     return path.read_bytes()
-
-
-def zeros_png(width: int, height: int) -> bytes:
-    """A 1-bit grayscale PNG of zeros (a byte a pixel once Pillow decodes it), written chunk by
-    chunk without decoding anything: kilobytes on disk for hundreds of megabytes decoded."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    row, packer = b"\0" * (1 + (width + 7) // 8), zlib.compressobj(9)
-    pixels = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0))
-            + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))
 
 
 def ico(inner: bytes) -> bytes:
