@@ -71,7 +71,7 @@ async def _stop(session: Session, request: gr.Request, visitors: Visitors) -> No
     session.request_stop()
     await leave_queue(request, request.session_hash)
     blocks = _blocks_of(request)
-    if session.pending is not None and not session.running and blocks is not None \
+    if session.pending is not None and not (session.running or session.preparing) and blocks is not None \
             and request.session_hash not in queue_rules.sessions(blocks, GENERATE["concurrency_id"]):
         visitors.release(session, session.drop_pending())
 

@@ -26,7 +26,7 @@ from engine.engine import Engine, RequestError
 
 INSTANT = {"concurrency_limit": None, "api_visibility": "private", "show_progress": "hidden"}  # quick, not limited
 # Not limited here either: the image jail bounds the decodes, all together and per address (engine/image_jail.py).
-PREPARE = {"concurrency_limit": None, "api_visibility": "private", "show_progress": "hidden"}
+PREPARE = {"concurrency_limit": None, "api_visibility": "private", "show_progress": "minimal"}
 ON_LOAD, FOCUS_INPUT, DROP_ON_CHAT, KEYBOARD, DROP_REFUSED_FILES = (components.script(name) for name in (
     "on_load", "focus_input", "drop_on_chat", "keyboard", "drop_refused_files"))
 
@@ -156,7 +156,7 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
                 js=FOCUS_INPUT, **INSTANT)
     figures, statistics = chat.panels[-1], chat.panels[1]
     shown = [chat.message, chat.chatbot, chat.stop, statistics, figures]
-    prepare = _prepare_event(served, session)
+    prepare = _prepare_event(served, session, chat.chatbot)
     chat.message.submit(accept, [chat.message, session], None, **INSTANT) \
         .success(show, [session], shown, **INSTANT).success(**prepare).success(**respond_event).then(**idle)
     chat.chatbot.example_select(accept_example, [session], None, **INSTANT) \
@@ -171,13 +171,14 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
     chat.stop.click(callbacks.stopper(visitors), [session], None, queue=False, api_name="stop")
 
 
-def _prepare_event(served: Served, session: gr.State) -> dict:
+def _prepare_event(served: Served, session: gr.State, chatbot: gr.Chatbot) -> dict:
     """The step between showing a message and answering it: its images decoded in the jail, outside
-    the answer slot (callbacks.prepare)."""
+    the answer slot (callbacks.prepare); the chat shows Gradio's pending dots meanwhile, as it does
+    while the answer's step waits."""
     def prepare_images(session: Session, request: gr.Request):
         callbacks.prepare(served, session, request)
 
-    return dict(fn=prepare_images, inputs=[session], outputs=None, **PREPARE)
+    return dict(fn=prepare_images, inputs=[session], outputs=None, show_progress_on=[chatbot], **PREPARE)
 
 
 def _wire_ab(served: Served, gpu: Callable, session: gr.State, settings: list, ab: SimpleNamespace,

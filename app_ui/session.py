@@ -78,6 +78,7 @@ class Session:
         self.stop = threading.Event()  # the running request's stop flag (a new one per request)
         self.stopped_at = -math.inf  # time.perf_counter() of the latest Stop
         self.running = False  # a request of this session holds the engine
+        self.preparing = False  # the pending turn's images are being decoded (its answer's step comes next)
         self.plain_tok_s: float | None = None  # the plain decode speed of `plain_question`, once measured
         self.plain_question: tuple | None = None  # (text, files) of the latest plain answer
         self.dropped = 0  # the oldest answered turns no longer sent to the model (they outgrew the context)
@@ -233,6 +234,7 @@ def prepare_images(engine: Served, session: Session, turn: Turn, client: str | N
     answer then ends as stopped before it started)."""
     if not turn.files or turn.images or turn.refusal is not None:
         return
+    session.preparing = True  # neither Stop nor the sweep drops the turn meanwhile: its answer's step comes
     try:
         prepared = new_turn(turn.message, engine, session, client, arrived=turn.arrived)
         turn.images, turn.load_s = prepared.images, prepared.load_s
@@ -240,6 +242,8 @@ def prepare_images(engine: Served, session: Session, turn: Turn, client: str | N
         return
     except (RequestError, ImageError) as error:
         turn.refusal = error
+    finally:
+        session.preparing = False
 
 
 def read_message(message: dict | str | None, engine: Served, session: Session | None = None) -> tuple[str, list[str]]:

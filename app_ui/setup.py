@@ -171,8 +171,9 @@ def environment_help() -> str:
     ceilings = [(ceiling_variable(f.name), f"a request's {f.name} at most (default {f.default})")
                 for f in fields(Ceilings)]
     limits = [(f"VLM_{f.name.upper()}", f"the visitors' limit {f.name} (default {f.default:,})") for f in fields(Limits)]
-    decoding = [(meta.env, meta.help + ("" if getattr(Decoding(), name) is None else f" (default {getattr(Decoding(), name):g})"))
-                for name, _, meta in specs_of(Decoding)]  # engine/image_jail.py
+    defaults = Decoding()  # engine/image_jail.py
+    decoding = [(meta.env, meta.help + ("" if getattr(defaults, name) is None else f" (default {getattr(defaults, name):g})"))
+                for name, _, meta in specs_of(Decoding)]
     rows = [*variables(), *variables(AppSettings), *OTHER_VARIABLES, *ceilings, *limits, *decoding]
     return "environment variables (a flag wins over its variable; VLM_DRAFTER may list several drafters,\n" \
            "separated by commas):\n" + "\n".join(f"  {variable:<40} {what}" for variable, what in rows)

@@ -99,7 +99,7 @@ def main(limits: dict) -> None:
                                        images.Image.Resampling(job["resample"]))
         except images.TooLarge:
             send(out, {"refused": f"{job['name']}: needed more than {limits['memory_mb']:,} MB to decode (the "
-                                  "server's limit for one image); send a smaller image", "retire": True})  # _late's words
+                                  "server's limit for one image); send a smaller image", "retire": True})
             return
         except images.ImageError as error:
             send(out, {"refused": str(error), "retire": retire})

@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
             file.write(data)
         run = subprocess.run([sys.executable, "-c", OPEN_ONE, path, "in-process" if args.in_process else "jail",
                               json.dumps(FIT)], capture_output=True, text=True)
-        result = json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else {"failed": run.stderr[-300:]}
+        result = (json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0
+                  else {"failed": run.stderr[-300:]})
         print(json.dumps({"file": name, "mb_on_disk": round(len(data) / 1e6, 2), **result}), flush=True)
 
 
