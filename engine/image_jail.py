@@ -160,7 +160,7 @@ class Child:
             if not count:
                 raise _Ended
             got += count
-        return bytes(data)
+        return data  # bytes-like: Image.frombytes and json read it without a copy
 
 
 @dataclass
