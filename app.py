@@ -64,7 +64,8 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
     # 2. Load the target and its drafters (unless a server answers); a missing or unusable model is
     #    one line, not a traceback. A server that is down is told to each request, in one line.
     engine = None if backend else _load(config, startup)
-    served = Served.remote(backend, config.max_images) if backend else Served.built_in(engine)
+    jail = _image_jail()  # visitors' images are decoded in its children only (engine/image_jail.py)
+    served = Served.remote(backend, config.max_images, jail) if backend else Served.built_in(engine, jail)
     # 3. Keep one-time costs out of the first visitor's statistics (ZeroGPU has no GPU outside requests).
     if engine is not None and not (spaces is not None and os.environ.get("SPACES_ZERO_GPU")):
         try:
@@ -157,19 +158,31 @@ def _bounds(config, limits, upload_folder: str):
     in a folder beside the upload folder (Gradio serves nothing there)."""
     from app_ui.journals import journal_folder, sweep_journals
     from app_ui.visitors import Limits
-    from engine.images import Decoding, use_decode_slots
-    from engine.settings import Ceilings, from_environ
+    from engine.settings import Ceilings
 
     try:  # RequestError is a ValueError
         limits = limits or Limits.from_environ(proxy_hops=1 if config.behind_proxy else 0)
         Ceilings.from_environ()
-        use_decode_slots(from_environ(Decoding).slots())  # images decoded at once, whichever handler asks
     except ValueError as error:
         sys.exit(f"error: {error}")
     journals = journal_folder(upload_folder)
     sweep_journals(journals)
     os.makedirs(journals, exist_ok=True)
     return limits, journals
+
+
+def _image_jail():
+    """The pool of decoding children, sized and limited by VLM_DECODE_* (a bad value exits with one
+    line), started now: each imports Pillow while the model warms up."""
+    from engine.image_jail import Decoding, ImageJail
+    from engine.settings import from_environ
+
+    try:
+        jail = ImageJail(from_environ(Decoding))
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+    jail.warm()
+    return jail
 
 
 def _opening(config) -> str:

@@ -24,13 +24,13 @@ from app_ui.components import ab_names
 from app_ui.line import place
 from app_ui.served import Served, served_of
 from app_ui.session import (Options, Session, Turn, answer, checked, drafter_for, messages_for, name_budget_stop,
-                            new_turn, question_of, read_message)
+                            new_turn, open_upload, prepare_images, question_of, read_message)
 from app_ui.stop_lane import leave_queue
 from app_ui.visitors import Visitors
 from engine.ab import MIN_PAIRS, ABProgress, run_ab
 from engine.backend import Backend
 from engine.engine import Engine, RequestError
-from engine.images import ImageError, load_image
+from engine.images import ImageError
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ async def _stop(session: Session, request: gr.Request, visitors: Visitors) -> No
     session.request_stop()
     moved = await leave_queue(request, request.session_hash)  # each runs now and gives its message back
     blocks = _blocks_of(request)
-    if not moved and session.pending is not None and not session.running and blocks is not None \
+    if not moved and session.pending is not None and not (session.running or session.preparing) and blocks is not None \
             and request.session_hash not in queue_rules.sessions(blocks, GENERATE["concurrency_id"]):
         visitors.release(session, session.drop_pending())
 
@@ -141,6 +141,11 @@ def claim(visitors: Visitors, session: Session, files: list[str], request: gr.Re
         raise RequestError(f"{os.path.basename(refused)}: not a file you uploaded to this server; upload it again")
 
 
+def client_of(request: gr.Request | None) -> str | None:
+    """The request's client address (stamped by visitors.Guard), else None (a test calling the handler)."""
+    return getattr(getattr(getattr(request, "request", None), "state", None), "client", None)
+
+
 def arrival(request: gr.Request | None) -> float:
     """When the request reached the server (stamped by visitors.Guard), else now."""
     state = getattr(getattr(request, "request", None), "state", None)
@@ -151,10 +156,12 @@ def start(session: Session, turn: Turn) -> None:
     session.pending = turn
 
 
-def refused_files(served: Served, message, checked: dict[str, str | None], keep: int = 512):
+def refused_files(served: Served, message, checked: dict[str, str | None], keep: int = 512,
+                  client: str | None = None):
     """{"paths": [...]} of the message's files that are not usable images, each named in a notice
     (ImageError's words), or gr.skip() when there are none; `checked`: path -> the refusal (None:
-    fine), so that typing reopens nothing (the oldest entries go beyond `keep`)."""
+    fine), so that typing reopens nothing (the oldest entries go beyond `keep`). Each is decoded in
+    the jail (engine/image_jail.py), among `client`'s decodes."""
     refused = []
     for file in (message or {}).get("files") or []:
         path = file.get("path") if isinstance(file, dict) else getattr(file, "path", file)
@@ -162,7 +169,7 @@ def refused_files(served: Served, message, checked: dict[str, str | None], keep:
             continue
         if path not in checked:
             try:
-                load_image(path, **served.image_fit())
+                open_upload(path, jail=served.jail, **served.image_fit(), client=client)
                 checked[path] = None
             except ImageError as error:
                 checked[path] = str(error)
@@ -200,7 +207,9 @@ def respond(served: Engine | Served, session: Session, options: Options | dict, 
     try:
         options = checked(Options(**options) if isinstance(options, dict) else options, served)
         if session.stopped_at < turn.arrived:  # else Stop came while it waited: nothing to prepare
-            _prepare_images(served, session, turn)
+            prepare_images(served, session, turn)  # the page's prepare step did, outside the answer slot
+            if turn.refusal is not None:
+                raise turn.refusal
             for side in answer(served, session, turn, options):
                 if side.stats.decode_tokens:
                     points.append((side.stats.new_tokens, round(side.stats.decode_tok_s, 2)))
@@ -256,11 +265,12 @@ def shown_waiting(session: Session) -> tuple:
     return panel, "", gr.Column(visible=False), panel, gr.Timer(active=True)
 
 
-def _prepare_images(served: Served, session: Session, turn: Turn) -> None:
-    """Open and shrink the turn's images (a turn shown at once has its files only)."""
-    if turn.files and not turn.images:
-        prepared = new_turn(turn.message, served, session)
-        turn.images, turn.load_s = prepared.images, prepared.load_s
+def prepare(served: Served, session: Session, request: gr.Request | None = None) -> None:
+    """The page's step between showing a message and answering it: its images decoded in the jail,
+    outside the answer slot (GENERATE), so that a slow or hostile image holds no visitor's answer;
+    a refusal is reported by the answer step."""
+    if session.pending is not None:
+        prepare_images(served, session, session.pending, client_of(request))
 
 
 def panels(messages: list[dict], side=None, statistics: str | None = None,
@@ -288,8 +298,8 @@ def api_chat(served: Served, message_value, session: Session, options: Options, 
     with user_errors():
         session.check_not_expired(visitors.limits.idle_s)
         options = checked(options, served)
-        turn = new_turn(message_value, served, session)
-        turn.arrived, turn.queue_wait_s = arrived, waited
+        turn = new_turn(message_value, served, session, client_of(request), arrived=arrived)
+        turn.queue_wait_s = waited
         claim(visitors, session, turn.files, request)
         visitors.spoke(session, session_id)
         for side in answer(served, session, turn, options):
@@ -309,7 +319,7 @@ def _public_stats(served: Served, stats, dropped: int) -> dict:
 
 
 def _ab_events(served: Served, message_value, session: Session, options: Options, arrived: float,
-               ab_backend: Backend | None):
+               ab_backend: Backend | None, client: str | None = None):
     """run_ab on one message (no chat history), with a stop flag that Stop sets (also while the
     request waits in the queue); against `ab_backend` when there is one."""
     options = checked(options, served)
@@ -317,10 +327,10 @@ def _ab_events(served: Served, message_value, session: Session, options: Options
         raise RequestError(f"the server at {served.name} decides its own decoding, so there is no plain and "
                            "speculative run to compare; start the app with --ab-backend URL to compare it with "
                            "another backend")
-    turn = new_turn(message_value, served)
+    turn = new_turn(message_value, served, session, client, answers=2, alone=True, arrived=arrived)
     messages = messages_for(Session(), turn, options.system_prompt)
     drafter = drafter_for(options, served) if served.drafters else None  # run_ab says why None cannot do
-    stop, session.running, began = session.begin(arrived, answers=2 * MIN_PAIRS), True, time.perf_counter()
+    stop, session.running, began = session.begin(arrived, answers=2 * MIN_PAIRS, spent=turn.load_s), True, time.perf_counter()
     try:
         for event in run_ab(served.backend, messages, drafter, options.sampling(), options.decode(), stop,
                             options.max_image_tokens, against=ab_backend):
@@ -337,11 +347,11 @@ def _ab_events(served: Served, message_value, session: Session, options: Options
 
 
 def ab_live(served: Served, message_value, session: Session, options: Options, arrived: float,
-             ab_backend: Backend | None):
+             ab_backend: Backend | None, client: str | None = None):
     tick, names = views.Throttle(views.UPDATES_PER_SECOND), ab_names(served, ab_backend)
     with user_errors():
         asked = ab_views.asked(*read_message(message_value, served))
-        for event in _ab_events(served, message_value, session, options, arrived, ab_backend):
+        for event in _ab_events(served, message_value, session, options, arrived, ab_backend, client):
             done = not isinstance(event, ABProgress)
             if done or tick.ready():
                 verdict = asked + ab_views.ab_markdown(event if done else None, None if done else event, names)
@@ -352,11 +362,11 @@ def ab_live(served: Served, message_value, session: Session, options: Options, a
 
 
 def api_ab(served: Served, message_value, session: Session, options: Options, arrived: float,
-            ab_backend: Backend | None):
+           ab_backend: Backend | None, client: str | None = None):
     """/ab: plain answer, speculative answer, speedup, identical, first difference (or None);
     stopped: speedup, identical and first difference are None."""
     with user_errors():
-        *_, result = _ab_events(served, message_value, session, options, arrived, ab_backend)
+        *_, result = _ab_events(served, message_value, session, options, arrived, ab_backend, client)
     difference = result.as_dict()["first_difference"]
     identical = None if result.identical is None else json.dumps(result.identical)  # gr.JSON reads "true"
     return result.plain.text, result.speculative.text, result.decode_speedup, identical, difference

@@ -25,6 +25,8 @@ from engine.backend import Backend
 from engine.engine import Engine, RequestError
 
 INSTANT = {"concurrency_limit": None, "api_visibility": "private", "show_progress": "hidden"}  # quick, not limited
+# Not limited here either: the image jail bounds the decodes, all together and per address (engine/image_jail.py).
+PREPARE = {"concurrency_limit": None, "api_visibility": "private", "show_progress": "minimal"}
 ON_LOAD, FOCUS_INPUT, DROP_ON_CHAT, KEYBOARD, DROP_REFUSED_FILES, DOWNLOAD = (components.script(name) for name in (
     "on_load", "focus_input", "drop_on_chat", "keyboard", "drop_refused_files", "download"))
 
@@ -85,8 +87,11 @@ def _flag_refused_files(served: Served, box: gr.MultimodalTextbox) -> None:
     DROP_REFUSED_FILES). Each upload is opened once (callbacks.refused_files)."""
     refused = gr.JSON(visible=False)
     checked: dict[str, str | None] = {}
-    box.change(lambda message: callbacks.refused_files(served, message, checked), [box], [refused], **INSTANT,
-               trigger_mode="always_last")
+
+    def check(message, request: gr.Request):
+        return callbacks.refused_files(served, message, checked, client=callbacks.client_of(request))
+
+    box.change(check, [box], [refused], **INSTANT, trigger_mode="always_last")
     refused.change(None, [refused, box], [box], js=DROP_REFUSED_FILES, **INSTANT)
 
 
@@ -229,11 +234,13 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
     figures, statistics = chat.panels[-1], chat.panels[1]
     waiting = [statistics, chat.panels[2], chat.panels[5], figures, _line_timer(served, session, chat)]
     shown = [chat.message, chat.chatbot, chat.stop, *waiting]  # waiting: callbacks.shown_waiting's
+    prepare = _prepare_event(served, session, chat.chatbot)
     chat.message.submit(accept, [chat.message, session], None, **INSTANT) \
-        .success(show, [session], shown, **INSTANT).success(**respond_event).then(**idle).then(**kept.save).then(**focus)
+        .success(show, [session], shown, **INSTANT).success(**prepare).success(**respond_event).then(**idle) \
+        .then(**kept.save).then(**focus)
     chat.chatbot.example_select(accept_example, [session], None, **INSTANT) \
         .success(lambda session: show(session, clear_box=False), [session], shown, **INSTANT) \
-        .success(**respond_event).then(**idle).then(**kept.save).then(**focus)
+        .success(**prepare).success(**respond_event).then(**idle).then(**kept.save).then(**focus)
     chat.chatbot.retry(retry, [session, settings["temperature"], settings["seed"]],
                        [chat.chatbot, settings["seed"], chat.stop, *waiting], **INSTANT) \
         .success(**respond_event).then(**idle).then(**kept.save).then(**focus)
@@ -255,6 +262,16 @@ def _line_timer(served: Served, session: gr.State, chat: SimpleNamespace) -> gr.
     return line
 
 
+def _prepare_event(served: Served, session: gr.State, chatbot: gr.Chatbot) -> dict:
+    """The step between showing a message and answering it: its images decoded in the jail, outside
+    the answer slot (callbacks.prepare); the chat shows Gradio's pending dots meanwhile, as it does
+    while the answer's step waits."""
+    def prepare_images(session: Session, request: gr.Request):
+        callbacks.prepare(served, session, request)
+
+    return dict(fn=prepare_images, inputs=[session], outputs=None, show_progress_on=[chatbot], **PREPARE)
+
+
 def _wire_ab(served: Served, gpu: Callable, session: gr.State, settings: list, ab: SimpleNamespace,
              visitors: Visitors, ab_backend: Backend | None) -> None:
     """`settings` without the mode."""
@@ -263,7 +280,8 @@ def _wire_ab(served: Served, gpu: Callable, session: gr.State, settings: list, a
     def ab_live(request: gr.Request, message_value, session: Session, *values):  # Gradio puts the request first
         visitors.touch(session, request.session_hash)
         options = Options(mode="speculative", **dict(zip(settings, values)))
-        yield from callbacks.ab_live(served, message_value, session, options, callbacks.arrival(request), ab_backend)
+        yield from callbacks.ab_live(served, message_value, session, options, callbacks.arrival(request), ab_backend,
+                                     callbacks.client_of(request))
 
     running = dict(fn=lambda: (gr.Button(variant="stop", interactive=True), gr.Accordion(open=False)),
                    outputs=[ab.stop, ab.examples], **INSTANT) if ab.examples else \
@@ -311,7 +329,7 @@ def _wire_api(served: Served, gpu: Callable, session: gr.State, settings: list, 
         stopped)."""
         visitors.touch(session, request.session_hash)
         return callbacks.api_ab(served, message, session, Options(mode="speculative", **values),
-                                callbacks.arrival(request), ab_backend)
+                                callbacks.arrival(request), ab_backend, callbacks.client_of(request))
 
     def clear(session):
         callbacks.clear(session, visitors)

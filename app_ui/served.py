@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from app_ui.line import AnswerTimes
 from engine.backend import Backend, BuiltIn
 from engine.engine import Engine
+from engine.image_jail import ImageJail
 from engine.prompt import Prompt
 from models.presets import DEMO_MODEL, SMOL_DEMO
 
@@ -40,15 +41,18 @@ class Served:
     smol: bool = False  # the SmolLM2 demo (--preset smol): real English text, pictures of the demo world
     engine: Engine | None = None  # the built-in engine; None for another backend
     answer_times: AnswerTimes = field(default_factory=AnswerTimes)  # the line's estimate (app_ui/line.py)
+    # Where visitors' images are decoded (engine/image_jail.py): the app's main() builds it from
+    # VLM_DECODE_*; a Served made without one (tests) gets the defaults' own, its children started at first use.
+    jail: ImageJail = field(default_factory=ImageJail)
 
     @classmethod
-    def built_in(cls, engine: Engine) -> Served:
+    def built_in(cls, engine: Engine, jail: ImageJail | None = None) -> Served:
         return cls(BuiltIn(engine), engine.target.name, engine.target.family.name, dict(engine.drafters), engine.auto,
                    engine.max_images, engine.max_image_tokens, _image_budget_range(engine),
-                   _is_demo(engine.target.name), _is_smol(engine.target.name), engine)
+                   _is_demo(engine.target.name), _is_smol(engine.target.name), engine, jail or ImageJail())
 
     @classmethod
-    def remote(cls, backend: Backend, max_images: int = 8) -> Served:
+    def remote(cls, backend: Backend, max_images: int = 8, jail: ImageJail | None = None) -> Served:
         """Another backend: the drafters its capabilities name (none: it decides its own decoding,
         as an OpenAI-compatible server does), no image budget, no draft-length settings."""
         capabilities = backend.capabilities
@@ -56,7 +60,8 @@ class Served:
         checkpoint = getattr(backend, "checkpoint", None)  # llama.cpp here: the folder it was converted from
         return cls(backend, capabilities.name, drafters={name: Named(kinds.get(name, name))
                                                          for name in capabilities.drafters},
-                   max_images=max_images, demo=checkpoint is not None and _is_demo(checkpoint))
+                   max_images=max_images, demo=checkpoint is not None and _is_demo(checkpoint),
+                   jail=jail or ImageJail())
 
     @property
     def reads_images(self) -> bool:
@@ -86,7 +91,7 @@ class Served:
         return self.engine.context_limit() if self.engine is not None else None
 
     def image_fit(self) -> dict:
-        """engine/images.py load_image's options that shrink an image, as it is decoded, to the
+        """engine/image_jail.py ImageJail.load's options that shrink an image, as it is decoded, to the
         size the model's processor uses; for another backend, what it says it sends (a remote
         server: images shrunk to its longest side; llama.cpp here: to its checkpoint's processor's size)."""
         if self.engine is None:

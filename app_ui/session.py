@@ -13,8 +13,12 @@ Policies (docs/app.md, "Limits and failures"):
   its next message is refused once with a message saying so, and the one after starts a new
   conversation.
 - A request runs for at most `time_budget_s` (app_ui/visitors.Limits) per answer it gives (an A/B
-  gives four: engine/ab.py's MIN_PAIRS pairs): then it stops as Stop would, and its answer says "cut at the time budget" (finish
-  reason "time_budget").
+  gives four: engine/ab.py's MIN_PAIRS pairs), its images' preparation included: then it stops as
+  Stop would, and its answer says "cut at the time budget" (finish reason "time_budget"); images
+  still being decoded then are refused by name.
+- Images are decoded in the jail's children (engine/image_jail.py, `open_upload`), at most
+  `VLM_DECODES_PER_CLIENT` at once for one address; Stop (or New chat) ends a decode in progress
+  and starts none.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 
@@ -33,7 +37,8 @@ from app_ui.served import Served, served_of
 from engine.ab import Side
 from engine.backend import Request
 from engine.engine import AUTO, ContextError, Engine, RequestError, check_ceilings, check_text
-from engine.images import load_image
+from engine.image_jail import ImageJail, Stopped
+from engine.images import ImageError
 from engine.prompt import Prompt
 from engine.settings import Settings
 from engine.stats import Stats
@@ -51,6 +56,7 @@ class Turn:
     error: str = ""  # why the turn could not be answered; such turns are not sent to the model
     arrived: float = field(default_factory=time.perf_counter)  # when the request arrived (a Stop after it applies)
     load_s: float = 0.0  # time spent opening and shrinking its images, part of the answer's time to first token
+    refusal: Exception | None = None  # why its images could not be prepared (the page prepares them apart)
     queue_wait_s: float = 0.0  # from `arrived` to the start of its answer's handler (the wait in Gradio's queue)
     answering: bool = False  # its answer's handler has started (it no longer waits in the queue)
     dropped: int = 0  # the oldest answered turns its prompt left out (Session.dropped when it was answered)
@@ -75,6 +81,7 @@ class Session:
         self.stop = threading.Event()  # the running request's stop flag (a new one per request)
         self.stopped_at = -math.inf  # time.perf_counter() of the latest Stop
         self.running = False  # a request of this session holds the engine
+        self.preparing = False  # the pending turn's images are being decoded (its answer's step comes next)
         self.plain_tok_s: float | None = None  # the plain decode speed of `plain_question`, once measured
         self.plain_question: tuple | None = None  # (text, files) of the latest plain answer
         self.dropped = 0  # the oldest answered turns no longer sent to the model (they outgrew the context)
@@ -108,17 +115,19 @@ class Session:
         """Nothing was ever said in it."""
         return not (self.started or self.turns or self.pending)
 
-    def begin(self, arrived: float, answers: int = 1) -> threading.Event:
+    def begin(self, arrived: float, answers: int = 1, spent: float = 0.0) -> threading.Event:
         """A new stop flag for a request that arrived at `arrived` and gives `answers` answers (an
         A/B two): already set if Stop was pressed since (while the request waited in the queue),
-        and set when `answers` x `time_budget_s` runs out (its `reason` is then "time_budget")."""
+        and set when `answers` x `time_budget_s` runs out, less the `spent` seconds its images took
+        (its `reason` is then "time_budget")."""
         self.stop = threading.Event()
         self.stop.reason = "stopped"
         if self.stopped_at >= arrived:
             self.stop.set()
         self.end_budget()
         if self.time_budget_s:
-            self.budget_timer = threading.Timer(answers * self.time_budget_s, _out_of_time, [self.stop])
+            self.budget_timer = threading.Timer(max(0.0, answers * self.time_budget_s - spent), _out_of_time,
+                                                [self.stop])
             self.budget_timer.daemon = True
             self.budget_timer.start()
         return self.stop
@@ -131,6 +140,10 @@ class Session:
     def request_stop(self) -> None:
         self.stopped_at = time.perf_counter()
         self.stop.set()
+
+    def stopped_since(self, arrived: float) -> Callable[[], bool]:
+        """Whether Stop (or New chat) came after `arrived`: what ends a request's image decodes."""
+        return lambda: self.stopped_at >= arrived
 
     def plain_speed_for(self, turn: Turn) -> float | None:
         """The plain decode speed measured on this turn's question, if it was answered plainly."""
@@ -192,14 +205,48 @@ def drafter_for(options: Settings, engine: Engine | Served) -> str | None:
     return drafter
 
 
-def new_turn(message: dict | str | None, engine: Engine | Served, session: Session | None = None) -> Turn:
+def new_turn(message: dict | str | None, engine: Engine | Served, session: Session | None = None,
+             client: str | None = None, answers: int = 1, alone: bool = False, arrived: float | None = None) -> Turn:
     """A MultimodalTextbox value ({"text": ..., "files": [...]}) made into a turn whose images
-    are validated and shrunk to the processor's size; RequestError / ImageError name the file,
-    the field or the limit. Checks the text before opening any image."""
-    arrived, engine = time.perf_counter(), served_of(engine)
-    text, files = read_message(message, engine, session)
-    images = [load_image(path, name=os.path.basename(path), **engine.image_fit()) for path in files]
-    return Turn(text, files, images, arrived=arrived, load_s=time.perf_counter() - arrived)
+    are validated and shrunk to the processor's size in the jail (`open_upload`; `client`: the
+    address whose decodes are bounded together); RequestError / ImageError name the file, the
+    field or the limit. Checks the text before opening any image. A session's Stop ends the
+    decodes (Stopped), and its time budget for `answers` answers bounds them; `alone`: the turn is
+    asked without the conversation (an A/B), whose images it does not count; `arrived`
+    (time.perf_counter()): when the request came (default: now), a Stop since then applies."""
+    started, engine = time.perf_counter(), served_of(engine)
+    arrived = started if arrived is None else arrived
+    text, files = read_message(message, engine, None if alone else session)
+    budget = session.time_budget_s if session is not None else None
+    options = {"client": client, "deadline": time.monotonic() + answers * budget if budget else None,
+               "cancelled": session.stopped_since(arrived) if session is not None else lambda: False}
+    images = [open_upload(path, jail=engine.jail, name=os.path.basename(path), **engine.image_fit(), **options)
+              for path in files]
+    return Turn(text, files, images, arrived=arrived, load_s=time.perf_counter() - started)
+
+
+def open_upload(path: str, jail: ImageJail, **options) -> Image.Image:
+    """A visitor's file decoded in `jail`'s children (engine/image_jail.py `ImageJail.load`, its
+    options): the one way the app opens an upload."""
+    return jail.load(path, **options)
+
+
+def prepare_images(engine: Served, session: Session, turn: Turn, client: str | None = None) -> None:
+    """Open and shrink `turn`'s images, once (a turn shown at once has its files only): a refusal is
+    kept in `turn.refusal` for its answer to report; a Stop meanwhile leaves them unopened (the
+    answer then ends as stopped before it started)."""
+    if not turn.files or turn.images or turn.refusal is not None:
+        return
+    session.preparing = True  # neither Stop nor the sweep drops the turn meanwhile: its answer's step comes
+    try:
+        prepared = new_turn(turn.message, engine, session, client, arrived=turn.arrived)
+        turn.images, turn.load_s = prepared.images, prepared.load_s
+    except Stopped:
+        return
+    except (RequestError, ImageError) as error:
+        turn.refusal = error
+    finally:
+        session.preparing = False
 
 
 def read_message(message: dict | str | None, engine: Served, session: Session | None = None) -> tuple[str, list[str]]:
@@ -293,7 +340,7 @@ def answer(engine: Engine | Served, session: Session, turn: Turn, options: Optio
     `started` (time.perf_counter()): when the request started (default: when the visitor sent
     it, `turn.arrived`, so time to first token counts the wait in the queue and the images' loading)."""
     started, engine = turn.arrived if started is None else started, served_of(engine)
-    history, stop = session.turns, session.begin(turn.arrived)
+    history, stop = session.turns, session.begin(turn.arrived, spent=turn.load_s)
     side, failed = Side(options.mode), False
     session.running = True
     try:

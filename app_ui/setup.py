@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields, replace
 from PIL import Image
 
 from app_ui.visitors import Limits
+from engine.image_jail import Decoding
 from engine.build import EngineSpec, spec_from_args
 from engine.engine import Ceilings, ceiling_variable
 from engine.load_settings import add_model_flags, check_variables, variables
@@ -169,9 +170,10 @@ def environment_help() -> str:
     ceilings = [(ceiling_variable(f.name), f"a request's {f.name} at most (default {f.default})")
                 for f in fields(Ceilings)]
     limits = [(f"VLM_{f.name.upper()}", f"the visitors' limit {f.name} (default {f.default:,})") for f in fields(Limits)]
-    decoding = [("VLM_DECODE_SLOTS", "images decoded at once (default 2, or 1 on a 2-core machine)")]
-    rows = [*variables(), *variables(AppSettings), *switch_variables(), *OTHER_VARIABLES, *ceilings, *limits,
-            *decoding]
+    defaults = Decoding()  # engine/image_jail.py
+    decoding = [(meta.env, meta.help + ("" if getattr(defaults, name) is None else f" (default {getattr(defaults, name):g})"))
+                for name, _, meta in specs_of(Decoding)]
+    rows = [*variables(), *variables(AppSettings), *switch_variables(), *OTHER_VARIABLES, *ceilings, *limits, *decoding]
     return "environment variables (a flag wins over its variable; VLM_DRAFTER may list several drafters,\n" \
            "separated by commas):\n" + "\n".join(f"  {variable:<40} {what}" for variable, what in rows)
 

@@ -222,7 +222,7 @@ class Visitors:
         answering = self.answering()
         with self.lock:
             answering = {known.session for key, known in self.known.items() if key in answering}
-            stale = [s for key, s in self.sessions.items() if s.pending is not None and not s.running
+            stale = [s for key, s in self.sessions.items() if s.pending is not None and not (s.running or s.preparing)
                      and key not in answering and now - s.pending.arrived > self.limits.pending_turn_s]
         for session in stale:  # accepted, and its answer never asked for (or refused before it ran)
             self.release(session, session.drop_pending())

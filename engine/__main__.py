@@ -16,9 +16,19 @@ import argparse
 import json
 import sys
 
-from engine.images import ImageError, load_image
+from engine.image_jail import ImageJail
+from engine.images import ImageError
 from engine.loop import Done
 from engine.settings import add_cli_args, from_args
+
+
+def _open_images(paths: list[str]) -> list:
+    """The images, decoded in a jailed child as the app's uploads are (engine/image_jail.py)."""
+    jail = ImageJail()
+    try:
+        return [jail.load(path) for path in paths]
+    finally:
+        jail.close()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,7 +61,7 @@ def main(argv=None) -> int:
     hf_logging.set_verbosity_error()
     try:
         settings = from_args(args)  # RequestError names the setting out of range
-        images = [load_image(path) for path in args.image]
+        images = _open_images(args.image)
         if args.backend:
             backend = remote(args.backend)  # the server decides its own speculative decoding
         else:

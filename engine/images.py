@@ -9,18 +9,20 @@ Limits (configurable through the arguments; the app and CLI use the defaults):
   decoded) never allocates its pixels. 40 megapixels covers any camera photo.
 - MAX_DECODED_BYTES: the decoded size, from the header too, mode and bit depth included (a
   float TIFF holds 4 bytes a pixel, a 16-bit one 2, RGB 3).
-- DECODE_SLOTS (default 2, or 1 on a 2-core machine; the app's VLM_DECODE_SLOTS, read in its main()):
-  images decoded at once, whichever request or handler asks; the others wait their turn, holding no pixels. With `fit` (the
-  model's processor), an image is reduced as it is decoded (JPEG: libjpeg's 1/2, 1/4, 1/8 scale)
-  or at once after (an integer box reduction), to no less than what the processor uses, so its
-  full-resolution pixels are never kept past the slot.
+- Where: a file a visitor sent is decoded only in a jailed child process (engine/image_jail.py:
+  a pool of `VLM_DECODE_SLOTS` children under an address-space, a CPU and a wall-clock limit),
+  which runs `decode_file` and hands back the pixels; `load_image` runs the same code in this
+  process, for files the program itself owns (tests, fixtures). With `fit` (the model's
+  processor), an image is reduced as it is decoded (JPEG: libjpeg's 1/2, 1/4, 1/8 scale) or at
+  once after (an integer box reduction), to no less than what the processor uses, so its
+  full-resolution pixels are never kept.
 - FORMATS: the only formats opened (Pillow's plugins for every other one are never called: ICO
   and ICNS decode their largest entry while opening, before any header check, and it may be far
   larger than their header says: a 0.69 MB ICO holding a 13000x13000 PNG took +647 MB). A file
   in another format Pillow knows is refused by that format's name, from its first bytes.
-- Pillow's own bomb check (`Image.MAX_IMAGE_PIXELS`) is set to MAX_PIXELS, for every image this
-  process opens; its warning (over MAX_PIXELS, under twice that) is silenced, as load_image
-  refuses those images by their header with their size.
+- Pillow's own bomb check (`Image.MAX_IMAGE_PIXELS`) is left as Pillow sets it here; the jail's
+  child sets it to MAX_PIXELS and silences its warning (`use_pixel_bound`), as check_header
+  refuses those images by their header with their size. Nothing here changes global state at import.
 Every failure of a decoder is an ImageError (one line, the file's name and the decoder's words),
 and the memory a refused file made the decoder allocate is handed back as a decoded one's is.
 Handled rather than refused: animated images (first frame), CMYK, 16-bit and 32-bit
@@ -35,88 +37,87 @@ from __future__ import annotations
 import io
 import math
 import os
-import threading
 import warnings
-
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 from PIL import Image, ImageMode, ImageOps, UnidentifiedImageError
-
-from engine.settings import setting
 
 MAX_FILE_BYTES = 20 * 1024 * 1024
 MAX_PIXELS = 40_000_000
 MAX_DECODED_BYTES = 4 * MAX_PIXELS  # 40 megapixels of the heaviest modes (float, RGBA, CMYK: 4 bytes a pixel)
 
 
-def default_decode_slots() -> int:
-    """Two at most, and one core left for the server's event loop (a 2-core Space decodes one at a time)."""
-    return max(1, min(2, (os.cpu_count() or 2) - 1))
-
-
-# Images decoded at once by load_image, whoever asks; sized from the CPUs here (nothing is read from the
-# environment at import): the app sizes it from VLM_DECODE_SLOTS in its main() (`use_decode_slots`).
-DECODE_SLOTS = threading.BoundedSemaphore(default_decode_slots())
 # Modes Image.reduce cannot take, and the mode each is reduced in instead.
 REDUCIBLE_AS = {"1": "L", "P": "RGBA", "PA": "RGBA", "I;16": "I", "I;16L": "I", "I;16B": "I", "I;16N": "I"}
 EXIF_ORIENTATION = 0x0112
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes MPO: Pillow opens it through JPEG's factory
 FORMAT_NAMES = "PNG, JPEG, WebP, GIF, BMP and TIFF"
-Image.MAX_IMAGE_PIXELS = MAX_PIXELS  # over twice this, Pillow refuses while opening (DecompressionBombError)
-warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)  # over once: check_header refuses it
-
-
-@dataclass(frozen=True)
-class Decoding:
-    """The app's bound on decoding (docs/security.md), read by engine/settings.py `from_environ`."""
-
-    decode_slots: int | None = setting(None, "images decoded at once, all requests together (default 2, or 1 on "
-                                       "a 2-core machine)", low=0, env="VLM_DECODE_SLOTS")
-
-    def slots(self) -> int:
-        return default_decode_slots() if self.decode_slots is None else max(1, self.decode_slots)
-
-
-def use_decode_slots(slots: int) -> threading.BoundedSemaphore:
-    """Decode at most `slots` images at once from now on, whoever calls load_image without its
-    own `slots` (the app's main(), from VLM_DECODE_SLOTS: `Decoding`)."""
-    global DECODE_SLOTS
-    DECODE_SLOTS = threading.BoundedSemaphore(slots)
-    return DECODE_SLOTS
+# What the processor makes of an upright width x height image (the size to reduce to; None: kept as it is).
+TargetFor = Callable[[int, int], "tuple[int, int] | None"]
 
 
 class ImageError(ValueError):
     """A file that cannot be used as an image; the message names it and the problem."""
 
 
+class TooLarge(ImageError):
+    """Decoding the file ran out of memory (in the jail's child: its address-space limit)."""
+
+
+def use_pixel_bound(max_pixels: int = MAX_PIXELS) -> None:
+    """Pillow's own bomb check (DecompressionBombError while opening, over twice `max_pixels`) for
+    every image this process opens, its warning (over once) silenced: check_header refuses those
+    by their header. Global to the process: the jail's child calls it (engine/image_child.py)."""
+    Image.MAX_IMAGE_PIXELS = max_pixels
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
+
 def load_image(source, name: str | None = None, max_bytes: int = MAX_FILE_BYTES,
                max_pixels: int = MAX_PIXELS, fit=None, max_decoded_bytes: int = MAX_DECODED_BYTES,
-               family=None, slots: threading.Semaphore | None = None) -> Image.Image:
+               family=None) -> Image.Image:
     """source: a path, raw bytes, or a PIL image. Returns a fully decoded RGB image; with `fit`
-    (a VLM processor, or its image processor), the image as `fit_to_processor` makes it, decoded
-    under DECODE_SLOTS and reduced as it is decoded (see the module docstring); `family`: the
-    model's Family (models/families), for its own resize rule; `slots`: the decode slots to wait
-    for (default DECODE_SLOTS, shared by every caller)."""
+    (a VLM processor, or its image processor), the image as `fit_to_processor` makes it, reduced
+    as it is decoded (see the module docstring); `family`: the model's Family (models/families),
+    for its own resize rule. Decodes in this process: for files the program owns. A visitor's
+    file goes through engine/image_jail.py `ImageJail.load`, which runs `decode_file` in a child."""
     if isinstance(source, Image.Image):
         return to_rgb(source) if fit is None else fit_to_processor(to_rgb(source), fit, family)
     name = name or (os.path.basename(source) if isinstance(source, (str, os.PathLike)) else "image")
-    file = _open(source, name, max_bytes)  # a path stays on disk while the request waits for a slot
+    return decode_file(source, name, max_bytes, max_pixels, max_decoded_bytes,
+                       None if fit is None else lambda width, height: fit_size(width, height, fit, family),
+                       Image.Resampling(resample_of(fit)))
+
+
+def decode_file(source, name: str, max_bytes: int = MAX_FILE_BYTES, max_pixels: int = MAX_PIXELS,
+                max_decoded_bytes: int = MAX_DECODED_BYTES, target_for: TargetFor | None = None,
+                resample: Image.Resampling = Image.Resampling.BICUBIC) -> Image.Image:
+    """`source` (a path or bytes) decoded to RGB; `target_for(width, height)`: the size the model
+    takes an upright image of that size at (None: as it is), asked once the header is read; the
+    image is reduced while decoding, then resized to it with `resample`. ImageError names the
+    file and the problem."""
+    file = _open(source, name, max_bytes)
     try:
         with Image.open(file, formats=FORMATS) as image:
             check_header(image, name, max_pixels, max_decoded_bytes)
-            with slots or DECODE_SLOTS:
-                try:
-                    image.seek(0)  # animated images: the first frame
-                    return _decode(image, fit, family)
-                finally:
-                    image.close()  # the full-resolution pixels go before the slot does
-                    _return_freed_memory()
+            try:
+                image.seek(0)  # animated images: the first frame
+                target = None if target_for is None else target_for(*_upright_size(image))
+                return _decode(image, target, resample)
+            finally:
+                image.close()  # the full-resolution pixels go at once
+                _return_freed_memory()
     except Exception as error:
         _return_freed_memory()  # what a refused file made a decoder allocate
         raise _named(error, name, max_pixels, file) from None
     finally:
         file.close()
+
+
+def resample_of(processor) -> int:
+    """The resampling filter `processor` (a VLM processor, or its image processor) resizes with."""
+    images = getattr(processor, "image_processor", processor)
+    return int(getattr(images, "resample", None) or Image.Resampling.BICUBIC)
 
 
 def _named(error: Exception, name: str, max_pixels: int, file) -> ImageError:
@@ -132,7 +133,7 @@ def _named(error: Exception, name: str, max_pixels: int, file) -> ImageError:
         return ImageError(f"{name}: far more than {max_pixels:,} pixels (a likely decompression bomb); resize it "
                           "and send it again")
     if isinstance(error, MemoryError):
-        return ImageError(f"{name}: too large to decode on this server; send a smaller image")
+        return TooLarge(f"{name}: too large to decode on this server; send a smaller image")
     words = " ".join(str(error).split())[:120]
     return ImageError(f"{name}: damaged or truncated image ({type(error).__name__}{': ' + words if words else ''})")
 
@@ -203,22 +204,23 @@ def check_header(image: Image.Image, name: str, max_pixels: int = MAX_PIXELS,
                          "RGB image or smaller")
 
 
-def _decode(image: Image.Image, fit, family=None) -> Image.Image:
-    """`image` decoded; with `fit`, reduced while decoding (JPEG) or right after, to no less than
-    the processor's size, then made exactly that size."""
-    target = None if fit is None else _fit_size(*_upright_size(image), fit, family)
-    if target is not None:
-        if _rotated(image):
-            target = target[::-1]
-        image.draft(image.mode, target)  # JPEG: decode at 1/2, 1/4 or 1/8 scale, still at least `target`
+def _decode(image: Image.Image, target: tuple[int, int] | None, resample: Image.Resampling) -> Image.Image:
+    """`image` decoded to RGB; with `target` (its upright size), reduced while decoding (JPEG) or
+    right after, to no less than `target`, then made exactly that size."""
+    decoded_target = target[::-1] if target is not None and _rotated(image) else target
+    if decoded_target is not None:
+        image.draft(image.mode, decoded_target)  # JPEG: decode at 1/2, 1/4 or 1/8 scale, still at least the target
     image.load()
-    if target is not None:
-        factor = min(image.size[0] // target[0], image.size[1] // target[1])
-        if factor >= 2:
+    if decoded_target is not None:
+        factors = (image.size[0] // decoded_target[0], image.size[1] // decoded_target[1])
+        # One factor for both sides; a side alone for a far longer than wide image (40,000,000x1: resizing
+        # it in one step took +1.2 GB of Pillow's filter coefficients).
+        factor = min(factors) if min(factors) >= 2 else (max(1, factors[0]), max(1, factors[1]))
+        if max(factors) >= 2:
             reducible = image if image.mode not in REDUCIBLE_AS else image.convert(REDUCIBLE_AS[image.mode])
             image = _keep_exif(reducible.reduce(factor), image)
     image = to_rgb(image)
-    return image if fit is None else fit_to_processor(image, fit, family)
+    return image if target is None or image.size == tuple(target) else image.resize(tuple(target), resample)
 
 
 def _upright_size(image: Image.Image) -> tuple[int, int]:
@@ -296,14 +298,13 @@ def fit_to_processor(image: Image.Image, processor, family=None) -> Image.Image:
     bit-for-bit the same as for the full image; Step-3.7 keeps the full resolution for its
     local crops); else processors that resize to a longest or shortest edge, or to a fixed
     height and width, get the largest image that still covers it."""
-    images = getattr(processor, "image_processor", processor)
-    new_size = _fit_size(*image.size, processor, family)
+    new_size = fit_size(*image.size, processor, family)
     if new_size is None:
         return image
-    return image.resize(new_size, Image.Resampling(int(getattr(images, "resample", None) or Image.Resampling.BICUBIC)))
+    return image.resize(new_size, Image.Resampling(resample_of(processor)))
 
 
-def _fit_size(width: int, height: int, processor, family=None) -> tuple[int, int] | None:
+def fit_size(width: int, height: int, processor, family=None) -> tuple[int, int] | None:
     """The size fit_to_processor shrinks a `width` x `height` image to; None: kept as it is."""
     images = getattr(processor, "image_processor", processor)
     size = _size_dict(getattr(images, "size", None))

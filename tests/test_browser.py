@@ -295,7 +295,7 @@ def test_the_message_enters_the_chat_at_once_with_stop_on(fresh, gate):
 
     import app_ui.session
 
-    gate.hold(app_ui.session, "load_image")
+    gate.hold(app_ui.session, "open_upload")
     send(fresh, "chat-input", "Which image has more shapes?", ["two_scenes_a.png", "two_scenes_b.png"])
     chat = fresh.locator("#chatbot")
     expect(chat.locator(".message.user img")).to_have_count(2, timeout=30_000)
@@ -432,7 +432,7 @@ def test_stop_and_retry_leave_the_page_where_it_was(fresh, gate):
     expect(fresh.locator("#chat-stop")).to_be_disabled()
     expect(fresh.locator("#chat-input textarea")).to_be_focused()
     assert fresh.evaluate("window.scrollY") == 60
-    gate.hold(app_ui.session, "load_image")
+    gate.hold(app_ui.session, "open_upload")
     send(fresh, "chat-input", "Describe the image.", ["scene.png"])
     expect(fresh.locator("#chat-stop")).to_be_enabled(timeout=30_000)
     # While preparing, the statistics panel is short and so is the page: scroll to half of what it

@@ -141,8 +141,8 @@ def test_memory_per_visitor_is_bounded_and_idle_visitors_expire(server, engine, 
     # The visitors' conversations expire, and their uploads are deleted from the disk; a visitor
     # who comes back after the idle time is told once, then starts a new conversation.
     opened = []  # the upload of the visitor who comes back: deleted when its conversation expires
-    load_image = session_module.load_image
-    monkeypatch.setattr(session_module, "load_image", lambda path, **kw: opened.append(path) or load_image(path, **kw))
+    load_image = session_module.open_upload
+    monkeypatch.setattr(session_module, "open_upload", lambda path, **kw: opened.append(path) or load_image(path, **kw))
     client = Client(server.url, verbose=False)
     client.predict(message("Describe the image.", photos[:1]), max_new_tokens=3, api_name="/chat")
     assert opened
@@ -176,8 +176,8 @@ def test_an_answer_that_outlasts_the_idle_time_keeps_its_conversation():
 
 def test_deep_links_are_off_and_a_cleared_conversation_deletes_its_uploads(server, photos, monkeypatch):
     opened = []
-    load_image = session_module.load_image
-    monkeypatch.setattr(session_module, "load_image", lambda path, **kw: opened.append(path) or load_image(path, **kw))
+    load_image = session_module.open_upload
+    monkeypatch.setattr(session_module, "open_upload", lambda path, **kw: opened.append(path) or load_image(path, **kw))
     client = Client(server.url, verbose=False)
     client.predict(message("A private question.", photos[:1]), max_new_tokens=3, api_name="/chat")
     response = httpx.get(server.url + "gradio_api/deep_link", params={"session_hash": client.session_hash})
@@ -253,7 +253,7 @@ def test_stop_applies_to_a_queued_request_and_a_stopped_ab_says_so(server, engin
 def test_ttft_counts_image_and_prompt_processing_and_follow_ups_reuse_shrunk_images(server, engine, photos,
                                                                                    monkeypatch):
     delay = 0.4
-    load_image, seen = session_module.load_image, []
+    load_image, seen = session_module.open_upload, []
 
     def slow_load(*args, **kwargs):  # stands in for a slow decode of a 40-megapixel photo
         time.sleep(delay)
@@ -265,7 +265,7 @@ def test_ttft_counts_image_and_prompt_processing_and_follow_ups_reuse_shrunk_ima
         seen.append([part["image"].size for m in messages for part in m["content"] if part["type"] == "image"])
         return prepare(messages, *budget)
 
-    monkeypatch.setattr(session_module, "load_image", slow_load)
+    monkeypatch.setattr(session_module, "open_upload", slow_load)
     monkeypatch.setattr(server.engine, "prepare", spy)
     client = Client(server.url, verbose=False)
     answer, stats = client.predict(message("Describe each image.", photos[:2]), max_new_tokens=3, api_name="/chat")

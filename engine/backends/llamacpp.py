@@ -31,7 +31,7 @@ server-common.cpp `server_slot_stats::to_json`, omitted when nothing was drafted
 not say which tokens were accepted drafts, nor its target passes: those stay unknown.
 
 Images: shrunk to what the model takes before they are sent (`image_fit`, the options the app's
-decoder, engine/images.py `load_image`, shrinks them with as it decodes): from a checkpoint, the
+decoder, engine/image_jail.py `ImageJail.load`, shrinks them with as it decodes): from a checkpoint, the
 size its processor resizes to under a budget of `max_image_tokens` tokens (CPU_IMAGE_TOKENS, as the
 built-in engine on a CPU: the built-in engine's pixels, and far under llama.cpp's batch of 2,048:
 in issue 39 a full-size photo, sent whole, came to 4,112 image tokens and was refused after 93 s

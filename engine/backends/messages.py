@@ -12,7 +12,7 @@ text parts and `image_url` parts with data URLs, in the order the user gave them
   model's template: `labels_images`). A server that hands the template the image parts (vLLM,
   SGLang) lets the template label them itself.
 - Images: shrunk to what the backend's model takes (`fit`: the backend's `image_fit()`, the same
-  options engine/images.py `load_image` decodes with, so an image the app loaded is not touched
+  options engine/image_jail.py `ImageJail.load` decodes with, so an image the app loaded is not touched
   again and one given at full size is shrunk the same way; `fit_to_processor`, never enlarged),
   then a PNG data URL, or a JPEG one (quality 90) when the PNG is over
   PNG_BUDGET bytes and the JPEG is smaller: diagrams and the demo's pictures stay lossless,
@@ -37,7 +37,7 @@ LABEL_RULE = "add_vision_id is not defined or add_vision_id"  # a template that 
 @dataclass(frozen=True)
 class LongestSide:
     """What engine/images.py's `fit` takes (a processor's `size`): at most `longest_edge` pixels on
-    the longest side. `load_image(path, fit=LongestSide(1536))` shrinks as it decodes."""
+    the longest side. `ImageJail.load(path, fit=LongestSide(1536))` shrinks as it decodes."""
 
     longest_edge: int = MAX_SIDE
 

@@ -1,0 +1,168 @@
+"""Untrusted images are decoded in jailed children only (engine/image_jail.py, issue 57): the
+issue's hostile files, built here byte by byte, are refused by name within the child's limits
+(memory, time), the server's memory does not grow with them, the pool answers the next image
+from a new child, a Stop ends a decode in progress, and an upload is never decoded in the
+server's own process. Then the same through the real app (`app.main`): one visitor's TIFF bomb,
+another visitor's picture question answered."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from app_ui.served import Served
+from app_ui.session import Session, new_turn
+from engine import images
+from engine.image_jail import Decoding, ImageJail, Stopped
+from tests.conftest import ROOT
+from tests.helpers import launch_app, rss_bytes
+from measure.image_bombs import repeated_scan_jpeg, strip_tiff, zeros_png
+from tests.test_hostile import api_call, chat_data, file_data, upload
+
+MB = 1024 * 1024
+RSS_BOUND = 40 * MB  # what the server may grow by while a child decodes a bomb (the bombs: +300 MB to +1.4 GB)
+
+
+class LongestSide:
+    """A processor's `size` as engine/images.py `fit_size` reads it (a remote server's: 1536 pixels)."""
+
+    size = {"longest_edge": 1536}
+
+
+def photo_png(tmp_path, name: str = "photo.png") -> str:
+    path = tmp_path / name
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (300, 400, 3), dtype=np.uint8)).save(path)
+    return str(path)
+
+
+def refused(jail: ImageJail, data: bytes, name: str, **options) -> tuple[str, float, int]:
+    """(the refusal, the seconds it took, what the server's RSS grew by meanwhile)."""
+    before, started = rss_bytes(), time.monotonic()
+    with pytest.raises(images.ImageError) as refusal:
+        jail.load(data, name=name, **options)
+    return str(refusal.value), time.monotonic() - started, rss_bytes() - before
+
+
+def test_a_strip_table_bomb_is_refused_at_the_childs_memory_limit_and_a_new_child_serves_the_next(tmp_path):
+    jail = ImageJail(Decoding(decode_slots=1, decode_memory_mb=256, decode_seconds=15))
+    try:
+        first = jail.load(photo_png(tmp_path)).info["decoded_by"]
+        refusal, seconds, grown = refused(jail, strip_tiff(1_000_000), "strips.tif")  # 5 MB; +330 MB in Pillow
+        # Refused by Python's MemoryError, or at the deadline while allocating at the limit; or the child ended
+        # on it (an allocation failing where Python cannot refuse): each names the memory limit.
+        assert re.match(r"strips.tif: (needed more than 256 MB to decode \(the server's limit for one image\)|"
+                        r"the decoder ended on it \(.*256 MB)", refusal), refusal
+        assert seconds < 15 + 5 and grown < RSS_BOUND, (seconds, grown)
+        after = jail.load(photo_png(tmp_path))
+        assert after.size == (400, 300) and after.info["decoded_by"] not in (first, os.getpid())
+    finally:
+        jail.close()
+
+
+def test_a_repeated_scan_jpeg_is_cut_at_the_deadline_and_a_40_megapixel_row_comes_back_small(tmp_path):
+    jail = ImageJail(Decoding(decode_slots=1, decode_seconds=1))
+    try:
+        refusal, seconds, grown = refused(jail, repeated_scan_jpeg(1024, 3000), "scans.jpg")
+        assert re.match(r"scans.jpg: decoding took more than 1 s( of CPU time)? \(the server's limit for one image\)",
+                        refusal), refusal
+        assert seconds < 4 and grown < RSS_BOUND, (seconds, grown)
+        assert jail.load(photo_png(tmp_path), fit=LongestSide()).size == (400, 300)
+    finally:
+        jail.close()
+    jail = ImageJail(Decoding(decode_slots=1))
+    try:
+        before = rss_bytes()
+        row = jail.load(zeros_png(40_000_000, 1), name="row.png", fit=LongestSide())  # 40 MB, 120 MB as RGB
+        assert row.size == (1536, 1) and rss_bytes() - before < RSS_BOUND  # +533 MB in the server before
+    finally:
+        jail.close()
+
+
+def test_a_stop_ends_a_decode_in_progress_and_pillows_own_bound_holds_in_the_child(tmp_path):
+    jail = ImageJail(Decoding(decode_slots=1, decode_seconds=60))
+    stop = threading.Event()
+    try:
+        threading.Timer(0.5, stop.set).start()
+        started = time.monotonic()
+        with pytest.raises(Stopped, match="^scans.jpg: not decoded: the answer was stopped$"):
+            jail.load(repeated_scan_jpeg(1024, 3000), name="scans.jpg", cancelled=stop.is_set)
+        assert time.monotonic() - started < 3
+        with pytest.raises(Stopped):  # stopped before its turn: no child is asked
+            jail.load(photo_png(tmp_path), cancelled=lambda: True)
+        with pytest.raises(images.ImageError, match=r"^bomb.png: far more than 40,000,000 pixels"):
+            jail.load(zeros_png(9000, 9000), name="bomb.png")  # Pillow's check, set in the child: twice our cap
+        assert Image.MAX_IMAGE_PIXELS != images.MAX_PIXELS  # ...and not here
+    finally:
+        jail.close()
+
+
+def test_an_upload_is_decoded_in_a_child_never_in_the_server(tmp_path, monkeypatch):
+    def in_the_server(*args, **kwargs):
+        raise AssertionError("the server process decoded an upload")
+
+    monkeypatch.setattr(images, "decode_file", in_the_server)  # the server's own copy: a child imports its own
+    served = Served(backend=None, model="no model", jail=ImageJail(Decoding(decode_slots=1)))
+    try:
+        message = {"text": "What is this?", "files": [photo_png(tmp_path)]}
+        turn = new_turn(message, served, Session())
+        decoded_by = turn.images[0].info["decoded_by"]
+        assert isinstance(decoded_by, int) and decoded_by != os.getpid()
+        # A Stop since the request came ends its decodes; its time budget bounds them.
+        session, arrived = Session(), time.perf_counter()
+        session.request_stop()
+        with pytest.raises(Stopped, match="^photo.png: not decoded: the answer was stopped$"):
+            new_turn(message, served, session, arrived=arrived)
+        session = Session()
+        session.time_budget_s = 1e-6
+        with pytest.raises(images.ImageError, match="^photo.png: not decoded: the answer's time budget ran out"):
+            new_turn(message, served, session)
+    finally:
+        served.jail.close()
+
+
+def test_no_app_module_decodes_a_file_itself():
+    """Every upload goes through the jail: the app's modules call neither engine/images.py
+    `load_image` nor `decode_file` on a path (only engine/image_jail.py's children do)."""
+    modules = [*pathlib.Path(ROOT, "app_ui").glob("*.py"), *pathlib.Path(ROOT, "engine/backends").glob("*.py"),
+               pathlib.Path(ROOT, "engine/__main__.py"), pathlib.Path(ROOT, "app.py")]
+    assert len(modules) > 10
+    callers = [str(path) for path in modules if re.search(r"\b(load_image|decode_file)\(", path.read_text())]
+    assert not callers, callers
+
+
+@pytest.fixture(scope="module")
+def jailed_server(zoo):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLM_DECODE_MEMORY_MB", "256")
+        patch.setenv("VLM_DECODE_SECONDS", "15")
+        served = launch_app(zoo)
+    yield served
+    served.demo.close()
+
+
+def test_a_tiff_bomb_sent_to_the_app_is_refused_and_another_visitor_gets_an_answer(jailed_server, tmp_path):
+    url = jailed_server.url
+    (bomb,) = upload(url, [("strips.tif", strip_tiff(1_000_000))], "127.0.57.1").json()
+    (photo,) = upload(url, [("photo.png", pathlib.Path(photo_png(tmp_path)).read_bytes())], "127.0.57.2").json()
+    results, before = {}, rss_bytes()
+
+    def ask(who: str, path: str, source: str):
+        results[who] = api_call(url, "chat", chat_data("What is this?", [file_data(path)]), source)
+
+    attacker = threading.Thread(target=ask, args=("attacker", bomb, "127.0.57.1"))
+    attacker.start()
+    time.sleep(0.5)  # the bomb's decode has started
+    ask("visitor", photo, "127.0.57.2")
+    attacker.join(60)
+    kind, error = results["attacker"]
+    assert kind == "error" and error["error"].startswith("strips.tif: needed more than 256 MB to decode"), error
+    kind, (answer, stats) = results["visitor"]
+    assert kind == "complete" and stats["new_tokens"] >= 1, results["visitor"]
+    assert rss_bytes() - before < 2 * RSS_BOUND
