@@ -76,12 +76,8 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
     # 4. The bounds on visitors (docs/security.md); a bad VLM_* value is one line. 5. Uploads an
     #    earlier process left are deleted; this one's are listed for the next (_bounds).
     from gradio.utils import get_upload_folder
-    from starlette.middleware import Middleware
 
-    from app_ui import queue_rules
-    from app_ui.callbacks import GENERATE
     from app_ui.components import CSS, EXAMPLES_DIR
-    from app_ui.guard import Guard
     from app_ui.layout import build_demo
     from app_ui.visitors import Visitors
     from engine.images import MAX_FILE_BYTES
@@ -93,16 +89,7 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
         visitors = Visitors(limits, public=[EXAMPLES_DIR])
         demo = build_demo(served, gpu=gpu_decorator(), visitors=visitors, ab_backend=ab_backend)
         demo.queue(default_concurrency_limit=1)
-    try:  # the Guard reads Gradio's queue for its bounds: every field it reads must be there
-        queue_rules.check_readable(demo)
-    except queue_rules.QueueUnreadable as error:
-        sys.exit(f"error: {error}; install the Gradio of requirements.txt")
-    group = GENERATE["concurrency_id"]  # the events that answer: bounded per session and address (queue_rules)
-    visitors.answering = lambda: queue_rules.sessions(demo, group)
-    guard = Middleware(Guard, visitors=visitors, uploads=get_upload_folder(), answer_group=group)
-    # The Guard reads the client's address itself (X-Forwarded-For only behind VLM_PROXY_HOPS proxies);
-    # uvicorn, which Gradio starts, would otherwise replace a local client's address by the header's.
-    os.environ["FORWARDED_ALLOW_IPS"] = ""  # uvicorn's Config reads it when launch builds one: trust no proxy
+    guard = _guard(demo, visitors, get_upload_folder())
     startup.close()  # the starting page gives the port to the app (the browser, if any, is open on it)
     try:
         demo.launch(server_name=config.host, server_port=startup.port, share=config.share,
@@ -126,6 +113,27 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
     elif block:
         demo.block_thread()
     return demo
+
+
+def _guard(demo, visitors, uploads: str):
+    """The visitors' guard in front of the app (app_ui/guard.py), refusing to start where it could not
+    read Gradio's queue (every field it reads must be there: a check that cannot look refuses)."""
+    from starlette.middleware import Middleware
+
+    from app_ui import queue_rules
+    from app_ui.callbacks import GENERATE
+    from app_ui.guard import Guard
+
+    try:
+        queue_rules.check_readable(demo)
+    except queue_rules.QueueUnreadable as error:
+        sys.exit(f"error: {error}; install the Gradio of requirements.txt")
+    group = GENERATE["concurrency_id"]  # the events that answer: bounded per session and address (queue_rules)
+    visitors.answering = lambda: queue_rules.sessions(demo, group)
+    # The Guard reads the client's address itself (X-Forwarded-For only behind VLM_PROXY_HOPS proxies);
+    # uvicorn, which Gradio starts, would otherwise replace a local client's address by the header's.
+    os.environ["FORWARDED_ALLOW_IPS"] = ""  # uvicorn's Config reads it when launch builds one: trust no proxy
+    return Middleware(Guard, visitors=visitors, uploads=uploads, answer_group=group)
 
 
 def _load(config, startup):

@@ -210,10 +210,6 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
         waiting = callbacks.shown_waiting(session) if session.pending is not None else [gr.skip()] * 5
         return views.chatbot_messages(session), seed, gr.Button(variant="stop", interactive=True), *waiting
 
-    def undo(session: Session):
-        message = session.turns.pop().message if session.pending is None and session.turns else gr.skip()
-        return message, *callbacks.panels(views.chatbot_messages(session))
-
     def new_conversation(session: Session):
         callbacks.clear(session, visitors)
         return None, *callbacks.panels([])
@@ -248,6 +244,12 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
     chat.new_chat.click(new_conversation, [session], [chat.message, *chat.panels], **INSTANT).then(**kept.fresh)
     chat.chatbot.clear(new_conversation, [session], [chat.message, *chat.panels], **INSTANT).then(**kept.fresh)
     chat.stop.click(callbacks.stopper(visitors), [session], None, queue=False, api_name="stop")
+
+
+def undo(session: Session):
+    """The last turn taken back: its message in the box again (nothing while an answer is on its way)."""
+    message = session.turns.pop().message if session.pending is None and session.turns else gr.skip()
+    return message, *callbacks.panels(views.chatbot_messages(session))
 
 
 def _line_timer(served: Served, session: gr.State, chat: SimpleNamespace) -> gr.Timer:

@@ -40,16 +40,16 @@ class Served:
     demo: bool = False  # the bundled demo model
     smol: bool = False  # the SmolLM2 demo (--preset smol): real English text, pictures of the demo world
     engine: Engine | None = None  # the built-in engine; None for another backend
-    answer_times: AnswerTimes = field(default_factory=AnswerTimes)  # the line's estimate (app_ui/line.py)
     # Where visitors' images are decoded (engine/image_jail.py): the app's main() builds it from
     # VLM_DECODE_*; a Served made without one (tests) gets the defaults' own, its children started at first use.
     jail: ImageJail = field(default_factory=ImageJail)
+    answer_times: AnswerTimes = field(default_factory=AnswerTimes)  # the line's estimate (app_ui/line.py)
 
     @classmethod
     def built_in(cls, engine: Engine, jail: ImageJail | None = None) -> Served:
         return cls(BuiltIn(engine), engine.target.name, engine.target.family.name, dict(engine.drafters), engine.auto,
                    engine.max_images, engine.max_image_tokens, _image_budget_range(engine),
-                   _is_demo(engine.target.name), _is_smol(engine.target.name), engine, jail or ImageJail())
+                   _is_demo(engine.target.name), _is_smol(engine.target.name), engine, jail=jail or ImageJail())
 
     @classmethod
     def remote(cls, backend: Backend, max_images: int = 8, jail: ImageJail | None = None) -> Served:

@@ -54,6 +54,7 @@ from engine.settings import setting
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLL_S = 0.05  # how often a wait looks at its caller's stop
 START_S = 60.0  # a new child has this long to import Pillow and say it is ready (outside any image's limit)
+CPU_GRACE_S = 2  # the CPU limit's seconds past the wall deadline (Child.start)
 
 
 def default_decode_slots() -> int:
@@ -100,7 +101,10 @@ class Child:
 
     @classmethod
     def start(cls, decoding: Decoding) -> Child:
-        limits = {"memory_mb": decoding.decode_memory_mb, "cpu_s": math.ceil(decoding.decode_seconds),
+        # The CPU limit a little past the wall deadline: a decode on a free core meets the deadline first,
+        # where the refusal can still read the child's peak address space (a child held at its memory
+        # limit can spend its seconds there, and should be refused for its memory); it is the backstop.
+        limits = {"memory_mb": decoding.decode_memory_mb, "cpu_s": math.ceil(decoding.decode_seconds) + CPU_GRACE_S,
                   "max_pixels": MAX_PIXELS}
         threads = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
         return cls(subprocess.Popen([sys.executable, "-m", "engine.image_child", json.dumps(limits)], cwd=ROOT,
@@ -334,7 +338,7 @@ def _death(name: str, returncode: int | None, decoding: Decoding) -> str:
     if returncode == OUT_OF_MEMORY:
         return _late(name, True, decoding)
     if returncode == -signal.SIGXCPU:
-        return (f"{name}: decoding took more than {math.ceil(decoding.decode_seconds)} s of CPU time (the server's "
+        return (f"{name}: decoding took more than {math.ceil(decoding.decode_seconds) + CPU_GRACE_S} s of CPU time (the server's "
                 "limit for one image)")
     how = f"signal {-returncode}" if returncode is not None and returncode < 0 else f"exit status {returncode}"
     return (f"{name}: the decoder ended on it ({how}; the server's limits for one image: "

@@ -56,9 +56,12 @@ def test_a_strip_table_bomb_is_refused_at_the_childs_memory_limit_and_a_new_chil
         first = jail.load(photo_png(tmp_path)).info["decoded_by"]
         refusal, seconds, grown = refused(jail, strip_tiff(1_000_000), "strips.tif")  # 5 MB; +330 MB in Pillow
         # Refused by Python's MemoryError, or at the deadline while allocating at the limit; or the child ended
-        # on it (an allocation failing where Python cannot refuse): each names the memory limit.
+        # on it (an allocation failing where Python cannot refuse): each names the memory limit. A child held
+        # at its address-space limit may instead spend its CPU seconds there first (seen on a quiet 2-core
+        # AMD EPYC): then the CPU limit is named. Either way the server's process stays small (below).
         assert re.match(r"strips.tif: (needed more than 256 MB to decode \(the server's limit for one image\)|"
-                        r"the decoder ended on it \(.*256 MB)", refusal), refusal
+                        r"the decoder ended on it \(.*256 MB|decoding took more than 15 s( of CPU time)? "
+                        r"\(the server's limit for one image\))", refusal), refusal
         assert seconds < 15 + 5 and grown < RSS_BOUND, (seconds, grown)
         after = jail.load(photo_png(tmp_path))
         assert after.size == (400, 300) and after.info["decoded_by"] not in (first, os.getpid())
