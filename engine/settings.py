@@ -65,7 +65,7 @@ class Settings:
     max_new_tokens: int = setting(256, "the answer's most tokens", "Max new tokens", low=1, high=4096,
                                   ui=(1, 1024, 1), ceiling=4096, ceiling_env="VLM_MAX_NEW_TOKENS")
     seed: int = setting(0, "the sampler's seed (with temperature over 0): the same settings give the same answer "
-                        "again at a fixed draft_tokens; with draft_tokens 0 (k chosen from measured cost) the answer can depend on "
+                        "again at a fixed draft length; with draft length 0 (chosen from measured cost) the answer can depend on "
                         "the machine's load, which changes k and so the random numbers drawn", "Seed", low=0,
                         high=2**63 - 1, high_text="2**63 - 1")
     system_prompt: str = setting("", "an instruction placed before the conversation", "System prompt (optional)")

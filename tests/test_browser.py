@@ -449,13 +449,14 @@ def test_stop_and_retry_leave_the_page_where_it_was(fresh, gate):
 
 def test_statistics_are_light_and_end_with_the_chat(fresh):
     """A thin line between rows, no grid; the statistics column (plots folded) ends where the
-    chat column does, leaving no blank area under the chat."""
+    chat column (the box, its buttons, the demo's hint and "What is this?") does, leaving no blank
+    area under the chat."""
     from playwright.sync_api import expect
 
     fresh.locator("#chatbot .example").first.click()
     expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
     expect(fresh.locator("#answer-details")).to_be_visible()
-    statistics, chat = fresh.locator("#stats-section").bounding_box(), fresh.locator("#chat-new").bounding_box()
+    statistics, chat = fresh.locator("#stats-section").bounding_box(), fresh.locator("#chat-column").bounding_box()
     assert statistics["y"] + statistics["height"] <= chat["y"] + chat["height"] + 40, (statistics, chat)
     grid = fresh.locator("#stats table").evaluate("""table => [table, ...table.querySelectorAll('*')]
         .filter(e => getComputedStyle(e).borderLeftWidth !== '0px').map(e => e.tagName)""")
@@ -789,7 +790,7 @@ def test_a_new_turn_clears_the_last_answers_panel_and_times_its_first_token(fres
     fresh.locator("#chatbot .example").first.click()
     expect(fresh.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
     expect(fresh.locator("#answer-details")).to_be_visible()
-    gate.hold(app_ui.session, "load_image")
+    gate.hold(app_ui.session, "open_upload")
     send(fresh, "chat-input", "Describe the image.", ["scene.png"])
     expect(fresh.locator("#stats")).to_contain_text("Preparing 1 image", timeout=30_000)
     expect(fresh.locator("#answer-details")).to_be_hidden()
