@@ -102,7 +102,7 @@ print(json.dumps({"answer": answer, "seconds": round(seconds, 1), "peak_rss_grow
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m measure.image_bombs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--in-process", action="store_true", help="decode in this process, as the app did before")
     parser.add_argument("--strips", type=int, default=1_000_000, help="the TIFF's strips")
     parser.add_argument("--scans", type=int, default=3_000, help="the JPEG's repeated scans (1024x1024)")
