@@ -165,12 +165,15 @@ class ModelSession:
         return logits.softmax(-1) if sampler.settings.greedy else sampler.probs(logits)
 
     def _sync(self, generated: list[int]) -> None:
-        """Crop the cache to the longest prefix of the answer that it holds correctly. Only the
+        """Crop the cache to the longest prefix of the answer that it holds correctly (never the whole
+        answer: its last token is fed again). Only the
         entries after `verified` can differ (the drafts fed last round: at most k), so a round
         reads O(k) tokens of the answer, not all of it."""
         if self.state.tree_parents:  # a tree that no accept settled (the request fell back)
             self.runner.keep_path(self.state, [])
-        common, end = self.verified, min(len(self.cached_answer), len(generated))
+        # At most all but the answer's last token: propose feeds at least that one, for its logits (the
+        # cache can hold all of the answer when the drafts the target judged were not the ones fed here).
+        common, end = self.verified, min(len(self.cached_answer), len(generated) - 1)
         while common < end and self.cached_answer[common] == generated[common]:
             common += 1
         self.runner.rollback(self.state, len(self.cached_answer) - common)
