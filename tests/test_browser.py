@@ -677,10 +677,16 @@ def test_phone_keeps_stop_and_the_key_figures_on_the_first_screen_while_answerin
         assert on_first_screen(page, "#chat-stop"), page.locator("#chat-stop").bounding_box()
         assert on_first_screen(page, "#chat-figures"), page.locator("#chat-figures").bounding_box()
         assert re.search(r"tok/s|too few tokens", figures.inner_text()) and "first token" in figures.inner_text()
-        page.locator("#chatbot .bubble-wrap").evaluate("e => e.scrollTo(0, 0)")
-        clear = page.locator("#chatbot button[aria-label=Clear]").bounding_box()
-        for icon in page.locator("#chatbot .message.user button").all():
-            box = icon.bounding_box()
+        # The chat at its top (Gradio's autoscroll may move it back while the answer streams: scrolled
+        # again and measured for up to 5 s), the picture's icons below Clear.
+        for _ in range(20):
+            page.locator("#chatbot .bubble-wrap").evaluate("e => e.scrollTo(0, 0)")
+            clear = page.locator("#chatbot button[aria-label=Clear]").bounding_box()
+            boxes = [icon.bounding_box() for icon in page.locator("#chatbot .message.user button").all()]
+            if all(box["y"] >= clear["y"] + clear["height"] + 8 for box in boxes):
+                break
+            page.wait_for_timeout(250)
+        for box in boxes:
             assert box["y"] >= clear["y"] + clear["height"] + 8, (box, clear)
         os.makedirs(SCREENSHOTS, exist_ok=True)
         page.screenshot(path=os.path.join(SCREENSHOTS, f"phone-answering-{page.name}.png"))
