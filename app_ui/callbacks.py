@@ -101,7 +101,7 @@ def check_queue(request: gr.Request | None, visitors: Visitors) -> None:
     now (app_ui/queue_rules.py: one waiting per conversation, a few per address), and when the
     bounds cannot be checked: no queue to read, or no address (the Guard stamps one on every request)."""
     blocks = _blocks_of(request)
-    client = getattr(getattr(getattr(request, "request", None), "state", None), "client", None)
+    client = client_of(request)
     if blocks is None or client is None:
         raise RequestError(f"the server cannot check its queue's bounds for this request (no "
                            f"{'queue' if blocks is None else 'client address'}); it is refused")
