@@ -160,85 +160,145 @@ void portable_block(const Rows& x, int64_t first, const W* weight, int C, float 
     }
 }
 
-#ifdef __AVX2__
-// A block's 32 codes as bytes in input order: Q4 unsigned 0 .. 15, Q8_0 signed.
-inline __m256i codes(const BlockQ4_0& w) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs)), low4 = _mm_set1_epi8(15);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), _mm_and_si128(bytes, low4));
-}
-inline __m256i codes(const BlockQ4_1& w) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs)), low4 = _mm_set1_epi8(15);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), _mm_and_si128(bytes, low4));
-}
-inline __m256i codes(const BlockQ8_0& w) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs)); }
+// The vector kernels read a weight's blocks interleaved at load (`interleave`, as llama.cpp repacks
+// Q4_0 into block_q4_0x8): for each group of GROUP outputs and each block of 32 inputs, one record of
+// the group's scales (and Q4_1's offsets) as GROUP float16 each, then its codes so that each 32-byte
+// vector holds 4 consecutive inputs of each of the 8 outputs (byte 4c + i: output c, input 4j + i).
+// One `vpmaddubsw` (or `vpdpbusd`) of such a vector against 4 bytes of x broadcast to every lane then
+// adds products of 8 outputs at once, each output in its own 32-bit lane, and no sum across outputs
+// is left to do. Q4 codes: vector j's bytes hold inputs 4j .. 4j + 3 in the low nibble and 16 + 4j ..
+// 16 + 4j + 3 in the high one (j = 0 .. 3). Q8_0: 8 vectors of signed codes.
+template <typename W>
+struct Interleaved;
+template <>
+struct Interleaved<BlockQ4_0> {
+  uint16_t d[GROUP];
+  uint8_t qs[4][32];
+};
+template <>
+struct Interleaved<BlockQ4_1> {
+  uint16_t d[GROUP], m[GROUP];
+  uint8_t qs[4][32];
+};
+template <>
+struct Interleaved<BlockQ8_0> {
+  uint16_t d[GROUP];
+  int8_t qs[8][32];
+};
 
-// 8 int32 lanes whose sum is the 32 products of unsigned bytes u and signed bytes s.
-struct Avx2Dot {
-  static __m256i dot(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
-};
+// Input k's code (0 .. 15 for Q4, signed for Q8_0) of one ggml block.
+inline int code(const BlockQ4_0& w, int k) { return k < 16 ? w.qs[k] & 15 : w.qs[k - 16] >> 4; }
+inline int code(const BlockQ4_1& w, int k) { return k < 16 ? w.qs[k] & 15 : w.qs[k - 16] >> 4; }
+inline int code(const BlockQ8_0& w, int k) { return w.qs[k]; }
+
+// The records of outputs 0 .. out - out % GROUP (groups, blocks): group g, block b at g * blocks + b.
+template <typename W>
+Tensor interleave_with(const Tensor& blocks) {
+  const int64_t groups = blocks.size(0) / GROUP, count = blocks.size(1);
+  Tensor records = at::empty({groups * count, int64_t(sizeof(Interleaved<W>))}, blocks.options());
+  const W* weight = reinterpret_cast<const W*>(blocks.data_ptr());
+  auto* out = reinterpret_cast<Interleaved<W>*>(records.data_ptr());
+  at::parallel_for(0, groups, 1, [&](int64_t start, int64_t end) {
+    for (int64_t g = start; g < end; ++g)
+      for (int64_t b = 0; b < count; ++b) {
+        Interleaved<W>& record = out[g * count + b];
+        for (int c = 0; c < GROUP; ++c) {
+          const W& w = weight[(g * GROUP + c) * count + b];
+          record.d[c] = w.d.x;
+          if constexpr (std::is_same_v<W, BlockQ4_1>) record.m[c] = w.m.x;
+          for (int i = 0; i < 4; ++i)
+            if constexpr (std::is_same_v<W, BlockQ8_0>) {
+              for (int j = 0; j < 8; ++j) record.qs[j][4 * c + i] = static_cast<int8_t>(code(w, 4 * j + i));
+            } else {
+              for (int j = 0; j < 4; ++j)
+                record.qs[j][4 * c + i] = static_cast<uint8_t>(code(w, 4 * j + i) | code(w, 16 + 4 * j + i) << 4);
+            }
+        }
+      }
+  });
+  return records;
+}
+
+#ifdef __AVX2__
+// The int32 sums of one record's 8 outputs against one block of a row of x (32 int8 at xs): lane c is
+// output c's exact sum of q_w x q_x (Q4 codes unsigned, Q4_0's -8 applied after). Q4 (vpmaddubsw):
+// each 16-bit lane adds 2 products a vector, 16 over the block, at most 16 * 15 * 127 = 30,480, so
+// the 16-bit adds cannot overflow; then one vpmaddwd pairs them into 32 bits. Q8_0: |w| times x with
+// w's sign (abs(-128) read as the unsigned byte 128), each vector's pairs (at most 2 * 128 * 127)
+// widened by vpmaddwd before the adds. VNNI: vpdpbusd does both steps.
+struct Avx2Dot {};
 #ifdef HAVE_BLOCKS_VNNI
-struct VnniDot {
-  static __m256i dot(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
-};
+struct VnniDot {};
 #endif
 
-// Step 2's int32 lanes of one block of codes against 32 values of x. Q4: codes unsigned (the -8 of
-// Q4_0 comes after the sum); Q8_0: |w| (128 for -128, as an unsigned byte) times x with w's sign.
-// vpmaddubsw's 16-bit pairs do not saturate: at most 2 * 15 * 127 (Q4) or 2 * 128 * 127 (Q8_0).
-template <typename D, typename W>
-inline __m256i block_lanes(__m256i w, __m256i x) {
-  if constexpr (std::is_same_v<W, BlockQ8_0>) return D::dot(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-  else return D::dot(w, x);
+inline __m256i broadcast4(const int8_t* x, int k) {  // x[k .. k + 3] in every 32-bit lane
+  int32_t four;
+  std::memcpy(&four, x + k, 4);
+  return _mm256_set1_epi32(four);
 }
 
-// Lane j: the sum of p[j]'s 8 lanes (integer adds: exact in any order).
-inline __m256i sum_each(const __m256i p[GROUP]) {
-  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+template <typename D>
+inline __m256i q4_sums(const __m256i codes[8], const int8_t* xs) {  // codes[j]: inputs 4j .. (j < 4) or 16 + 4(j - 4) ..
+#ifdef HAVE_BLOCKS_VNNI
+  if constexpr (std::is_same_v<D, VnniDot>) {
+    __m256i sums = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) sums = _mm256_dpbusd_epi32(sums, codes[j], broadcast4(xs, j < 4 ? 4 * j : 16 + 4 * (j - 4)));
+    return sums;
+  }
+#endif
+  __m256i pairs = _mm256_maddubs_epi16(codes[0], broadcast4(xs, 0));
+  for (int j = 1; j < 8; ++j)
+    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(codes[j], broadcast4(xs, j < 4 ? 4 * j : 16 + 4 * (j - 4))));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-// sum_each for Q4 codes' vpmaddubsw pairs (16-bit, each at most 2 * 15 * 127): three rounds of
-// vphaddw keep every partial sum of up to 16 products under 2^15 (at most 30,480), leaving each
-// output's sums over inputs 0 .. 15 (low 128 bits) and 16 .. 31 (high), widened and added: the
-// same integers as sum_each of the vpmaddwd lanes, with 8 vpmaddwd fewer.
-inline __m256i sum_each_pairs(const __m256i p[GROUP]) {
-  const __m256i a = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
-  const __m256i b = _mm256_hadd_epi16(_mm256_hadd_epi16(p[4], p[5]), _mm256_hadd_epi16(p[6], p[7]));
-  const __m256i c = _mm256_hadd_epi16(a, b);
-  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(c)),
-                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(c, 1)));
+template <typename D>
+inline __m256i q8_sums(const __m256i magnitudes[8], const __m256i codes[8], const int8_t* xs) {
+  __m256i sums = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {
+    const __m256i signed_x = _mm256_sign_epi8(broadcast4(xs, 4 * j), codes[j]);
+#ifdef HAVE_BLOCKS_VNNI
+    if constexpr (std::is_same_v<D, VnniDot>) {
+      sums = _mm256_dpbusd_epi32(sums, magnitudes[j], signed_x);
+      continue;
+    }
+#endif
+    sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes[j], signed_x), _mm256_set1_epi16(1)));
+  }
+  return sums;
 }
 
-// portable_block for GROUP weight rows with lanes = outputs: each block's codes and scales unpacked
-// once for the R rows, the sums made by D, step 3 in 8 float lanes (the scalar `term`, lane by lane).
+// portable_block for one group's records with lanes = outputs: each record's codes unpacked once for
+// the R rows, the sums made by D, step 3 in 8 float lanes (the scalar `term`, lane by lane).
 template <typename D, typename W, int R>
-void vector_block(const Rows& x, int64_t first, const W* weight, float totals[R][GROUP]) {
+void vector_block(const Rows& x, int64_t first, const Interleaved<W>* records, float totals[R][GROUP]) {
   __m256 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
-    __m256i w[GROUP];
-    alignas(16) uint16_t d_bits[GROUP], m_bits[GROUP] = {};
-    for (int c = 0; c < GROUP; ++c) {
-      const W& block = weight[c * x.blocks + b];
-      w[c] = codes(block);
-      d_bits[c] = block.d.x;
-      if constexpr (std::is_same_v<W, BlockQ4_1>) m_bits[c] = block.m.x;
+    const Interleaved<W>& record = records[b];
+    __m256i codes[8], magnitudes[8];
+    if constexpr (std::is_same_v<W, BlockQ8_0>) {
+      for (int j = 0; j < 8; ++j) {
+        codes[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record.qs[j]));
+        magnitudes[j] = _mm256_abs_epi8(codes[j]);
+      }
+    } else {
+      const __m256i low4 = _mm256_set1_epi8(15);
+      for (int j = 0; j < 4; ++j) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record.qs[j]));
+        codes[j] = _mm256_and_si256(bytes, low4);
+        codes[4 + j] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      }
     }
-    const __m256 d_w = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(d_bits)));
-    const __m256 m_w = std::is_same_v<W, BlockQ4_1> ? _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(m_bits)))
-                                                    : _mm256_setzero_ps();
+    const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record.d)));
+    __m256 m_w = _mm256_setzero_ps();
+    if constexpr (std::is_same_v<W, BlockQ4_1>) m_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record.m)));
     for (int r = 0; r < R; ++r) {
       const int64_t at = (first + r) * x.blocks + b;
-      const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.values.data() + at * BLOCK));
-      __m256i p[GROUP], sums;
-      if constexpr (std::is_same_v<D, Avx2Dot> && !std::is_same_v<W, BlockQ8_0>) {
-        for (int c = 0; c < GROUP; ++c) p[c] = _mm256_maddubs_epi16(w[c], xs);
-        sums = sum_each_pairs(p);
-      } else {
-        for (int c = 0; c < GROUP; ++c) p[c] = block_lanes<D, W>(w[c], xs);
-        sums = sum_each(p);
-      }
+      const int8_t* xs = x.values.data() + at * BLOCK;
+      __m256i sums;
+      if constexpr (std::is_same_v<W, BlockQ8_0>) sums = q8_sums<D>(magnitudes, codes, xs);
+      else sums = q4_sums<D>(codes, xs);
       if constexpr (std::is_same_v<W, BlockQ4_0>) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(8 * x.sums[at]));
       __m256 value = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d_w, _mm256_set1_ps(x.scales[at])));
       if constexpr (std::is_same_v<W, BlockQ4_1>)
@@ -250,39 +310,51 @@ void vector_block(const Rows& x, int64_t first, const W* weight, float totals[R]
 }
 #endif
 
-// y rows first .. first + R - 1, outputs column .. column + C - 1 (C <= GROUP) by `kernel`.
+// A weight's blocks as the kernels read them, made once when the weight is loaded (`prepare`): the
+// ggml blocks (the portable kernel, and the outputs past the last whole group) and, for a vector
+// kernel, their records interleaved by groups of GROUP outputs.
+struct Prepared {
+  Tensor blocks;  // (out, in / 32, bytes) uint8
+  Tensor records;  // (out / GROUP * in / 32, record bytes) uint8, or undefined for the portable kernel
+  Kernel kernel;
+  std::string name;  // the kernel's, as `built` spells it
+};
+
+// y rows first .. first + R - 1, outputs column .. column + C - 1 (C <= GROUP; a vector kernel takes
+// whole groups only, from the records).
 template <typename W, int R>
-void rows_block(Kernel kernel, const Rows& x, int64_t first, const W* weight, int64_t column, int C,
-                const float* bias, float* y, int64_t out) {
+void rows_block(const Prepared& weight, const Rows& x, int64_t first, int64_t column, int C, const float* bias,
+                float* y, int64_t out) {
   float totals[R][GROUP];
-  const W* rows = weight + column * x.blocks;
+  [[maybe_unused]] const auto* records = weight.records.defined()
+      ? reinterpret_cast<const Interleaved<W>*>(weight.records.data_ptr()) + column / GROUP * x.blocks : nullptr;
 #ifdef HAVE_BLOCKS_VNNI
-  if (kernel == Kernel::vnni && C == GROUP) vector_block<VnniDot, W, R>(x, first, rows, totals);
+  if (weight.kernel == Kernel::vnni && C == GROUP) vector_block<VnniDot, W, R>(x, first, records, totals);
   else
 #endif
 #ifdef __AVX2__
-  if (kernel == Kernel::avx2 && C == GROUP) vector_block<Avx2Dot, W, R>(x, first, rows, totals);
+  if (weight.kernel == Kernel::avx2 && C == GROUP) vector_block<Avx2Dot, W, R>(x, first, records, totals);
   else
 #endif
-    portable_block<W, R>(x, first, rows, C, totals);
+    portable_block<W, R>(x, first, reinterpret_cast<const W*>(weight.blocks.data_ptr()) + column * x.blocks, C, totals);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) y[(first + r) * out + column + c] = bias ? totals[r][c] + bias[column + c] : totals[r][c];
 }
 
 // Every row of x (ROWS at a time) for outputs column .. column + C - 1.
 template <typename W>
-void all_rows(Kernel kernel, const Rows& x, int64_t n, const W* weight, int64_t column, int C,
-              const float* bias, float* y, int64_t out) {
+void all_rows(const Prepared& weight, const Rows& x, int64_t n, int64_t column, int C, const float* bias, float* y,
+              int64_t out) {
   int64_t r = 0;
-  for (; r + ROWS <= n; r += ROWS) rows_block<W, ROWS>(kernel, x, r, weight, column, C, bias, y, out);
+  for (; r + ROWS <= n; r += ROWS) rows_block<W, ROWS>(weight, x, r, column, C, bias, y, out);
   switch (n - r) {
-    case 7: rows_block<W, 7>(kernel, x, r, weight, column, C, bias, y, out); break;
-    case 6: rows_block<W, 6>(kernel, x, r, weight, column, C, bias, y, out); break;
-    case 5: rows_block<W, 5>(kernel, x, r, weight, column, C, bias, y, out); break;
-    case 4: rows_block<W, 4>(kernel, x, r, weight, column, C, bias, y, out); break;
-    case 3: rows_block<W, 3>(kernel, x, r, weight, column, C, bias, y, out); break;
-    case 2: rows_block<W, 2>(kernel, x, r, weight, column, C, bias, y, out); break;
-    case 1: rows_block<W, 1>(kernel, x, r, weight, column, C, bias, y, out); break;
+    case 7: rows_block<W, 7>(weight, x, r, column, C, bias, y, out); break;
+    case 6: rows_block<W, 6>(weight, x, r, column, C, bias, y, out); break;
+    case 5: rows_block<W, 5>(weight, x, r, column, C, bias, y, out); break;
+    case 4: rows_block<W, 4>(weight, x, r, column, C, bias, y, out); break;
+    case 3: rows_block<W, 3>(weight, x, r, column, C, bias, y, out); break;
+    case 2: rows_block<W, 2>(weight, x, r, column, C, bias, y, out); break;
+    case 1: rows_block<W, 1>(weight, x, r, column, C, bias, y, out); break;
   }
 }
 
@@ -290,20 +362,19 @@ void all_rows(Kernel kernel, const Rows& x, int64_t n, const W* weight, int64_t 
 // float32 or none: groups of GROUP outputs in parallel, the outputs past the last whole group by
 // the portable loops (the same bits).
 template <typename W>
-Tensor product_with(Kernel kernel, const Tensor& x, const Tensor& blocks, const c10::optional<Tensor>& bias) {
-  const int64_t n = x.size(0), in = x.size(1), out = blocks.size(0);
+Tensor product_with(const Prepared& weight, const Tensor& x, const c10::optional<Tensor>& bias) {
+  const int64_t n = x.size(0), in = x.size(1), out = weight.blocks.size(0);
   const Tensor rows_x = x.contiguous();
   const Rows rows = quantize(rows_x.data_ptr<float>(), n, in);
   Tensor y = at::empty({n, out}, x.options());
-  const W* weight = reinterpret_cast<const W*>(blocks.data_ptr());
   const float* bias_values = bias ? bias->data_ptr<float>() : nullptr;
   float* y_values = y.data_ptr<float>();
   const int64_t groups = out / GROUP, grain = std::max<int64_t>(1, 2048 / in);
   at::parallel_for(0, groups, grain, [&](int64_t start, int64_t end) {
     for (int64_t group = start; group < end; ++group)
-      all_rows<W>(kernel, rows, n, weight, group * GROUP, GROUP, bias_values, y_values, out);
+      all_rows<W>(weight, rows, n, group * GROUP, GROUP, bias_values, y_values, out);
   });
-  if (out % GROUP) all_rows<W>(Kernel::portable, rows, n, weight, groups * GROUP, out % GROUP, bias_values, y_values, out);
+  if (out % GROUP) all_rows<W>(weight, rows, n, groups * GROUP, out % GROUP, bias_values, y_values, out);
   return y;
 }
 
@@ -315,19 +386,31 @@ inline Kernel kernel_named(const std::string& name) {
   return chosen == "avx512-vnni" ? Kernel::vnni : chosen == "avx2" ? Kernel::avx2 : Kernel::portable;
 }
 
-// x (n, in) float32 times ggml blocks (out, in / 32, bytes) uint8: 18 bytes Q4_0, 20 Q4_1, 34 Q8_0.
-inline Tensor product(const Tensor& x, const Tensor& blocks, const c10::optional<Tensor>& bias,
-                      const std::string& kernel_name) {
+// ggml blocks (out, in / 32, bytes) uint8, 18 bytes Q4_0, 20 Q4_1, 34 Q8_0, made ready for the kernel
+// named (refused: other shapes or types, a kernel this build lacks).
+inline Prepared prepare(const Tensor& blocks, const std::string& kernel_name) {
   const int64_t bytes = blocks.dim() == 3 ? blocks.size(2) : 0;
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && (bytes == 18 || bytes == 20 || bytes == 34) &&
-                  x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == BLOCK * blocks.size(1) &&
-                  (!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == blocks.size(0))),
-              "integer rows take float32 x (n, in) and (out, in / 32, 18) Q4_0, 20 Q4_1 or 34 Q8_0 uint8 blocks, "
-              "and a float32 bias (out,) or none");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && (bytes == 18 || bytes == 20 || bytes == 34),
+              "integer rows take a weight in ggml's blocks (out, in / 32, 18) Q4_0, 20 Q4_1 or 34 Q8_0 uint8 (engine/packed.py), not a ", blocks.scalar_type(),
+              " tensor of ", blocks.dim(), " dimensions");
   const Kernel kernel = kernel_named(kernel_name);
-  if (bytes == 18) return product_with<BlockQ4_0>(kernel, x, blocks, bias);
-  if (bytes == 20) return product_with<BlockQ4_1>(kernel, x, blocks, bias);
-  return product_with<BlockQ8_0>(kernel, x, blocks, bias);
+  Tensor records;
+  if (kernel != Kernel::portable)
+    records = bytes == 18 ? interleave_with<BlockQ4_0>(blocks) : bytes == 20 ? interleave_with<BlockQ4_1>(blocks)
+                                                                             : interleave_with<BlockQ8_0>(blocks);
+  return Prepared{blocks, records, kernel, kernel_name.empty() ? built.front() : kernel_name};
+}
+
+// x (n, in) float32 times a prepared weight, plus a float32 bias (out,) or none.
+inline Tensor product(const Tensor& x, const Prepared& weight, const c10::optional<Tensor>& bias) {
+  const Tensor& blocks = weight.blocks;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == BLOCK * blocks.size(1) &&
+                  (!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == blocks.size(0))),
+              "integer rows take float32 x (n, in) for blocks of in / 32, and a float32 bias (out,) or none");
+  const int64_t bytes = blocks.size(2);
+  if (bytes == 18) return product_with<BlockQ4_0>(weight, x, bias);
+  if (bytes == 20) return product_with<BlockQ4_1>(weight, x, bias);
+  return product_with<BlockQ8_0>(weight, x, bias);
 }
 
 }  // namespace block_rows

@@ -602,26 +602,25 @@ struct Weight {
   c10::optional<Tensor> sums;  // (out,) int32 for int8 activations, else none
   c10::optional<Tensor> down;  // a low-rank update's (in, rank) float32, a transposed view of (rank, in); or none
   c10::optional<Tensor> up;  // its (rank, out), a transposed view of (out, rank)
-  // ggml blocks only: the integer rows' kernel (fast_blocks.h; "" the widest this build has), or none: float rows
-  c10::optional<std::string> integer_rows;
+  // ggml blocks only: the blocks prepared for integer rows' kernel (fast_blocks.h), or none: float rows
+  c10::optional<block_rows::Prepared> integer_rows;
 };
 
 // A Weight as Python makes it (engine/quantized.py native_weight): integer rows on anything but
 // ggml blocks, or with a kernel this build lacks, are refused here, when the weight is loaded.
 static Weight weight_of(Tensor values, c10::optional<Tensor> scales, c10::optional<Tensor> sums,
                         c10::optional<Tensor> down, c10::optional<Tensor> up, c10::optional<std::string> integer_rows) {
+  c10::optional<block_rows::Prepared> prepared;
   if (integer_rows.has_value()) {
-    TORCH_CHECK(values.dim() == 3 && values.scalar_type() == at::kByte && !scales && !sums,
-                "integer rows take a weight in ggml's blocks (out, in / 32, bytes) uint8 (engine/packed.py), not a ",
-                values.scalar_type(), " tensor of ", values.dim(), " dimensions");
-    block_rows::kernel_named(*integer_rows);
+    TORCH_CHECK(!scales && !sums, "integer rows take a weight in ggml's blocks (engine/packed.py), without scales or sums");
+    prepared = block_rows::prepare(values, *integer_rows);
   }
-  return Weight{values, scales, sums, down, up, integer_rows};
+  return Weight{values, scales, sums, down, up, prepared};
 }
 
 // fast_decode.linear: x (n, in) times weight, plus bias.
 static Tensor linear(const Tensor& x, const Weight& weight, const c10::optional<Tensor>& bias) {
-  Tensor y = weight.integer_rows ? block_rows::product(x, weight.values, bias, *weight.integer_rows)
+  Tensor y = weight.integer_rows ? block_rows::product(x, *weight.integer_rows, bias)
                                  : product(x, weight.values, bias, weight.scales, weight.sums);
   if (weight.down.has_value())  // plus (x down) up: two more products of the rows kernel, row by row
     y.add_(product(product(x, *weight.down, c10::nullopt), *weight.up, c10::nullopt));
@@ -1086,7 +1085,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Weight>(m, "Weight")
       .def(py::init(&weight_of), py::arg("values"), py::arg("scales") = c10::nullopt, py::arg("sums") = c10::nullopt,
            py::arg("down") = c10::nullopt, py::arg("up") = c10::nullopt, py::arg("integer_rows") = c10::nullopt)
-      .def_property_readonly("integer_rows", [](const Weight& w) { return w.integer_rows; });
+      .def_property_readonly("integer_rows", [](const Weight& w) {
+        return w.integer_rows ? c10::optional<std::string>(w.integer_rows->name) : c10::nullopt;
+      });
   py::class_<Layer>(m, "Layer")
       .def(py::init<Tensor, Weight, c10::optional<Tensor>, Weight, c10::optional<Tensor>, Tensor, Weight, Weight>(),
            py::arg("input_norm"), py::arg("qkv_weight"), py::arg("qkv_bias"), py::arg("o_weight"), py::arg("o_bias"),
@@ -1111,7 +1112,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_int8_kernel", &int8_rows::use);
   m.def("int8_fallback_reason", &int8_rows::fallback_reason);
   // integer rows on ggml blocks (engine/fast_blocks.h): the product with its kernel named ("" the widest), the built ones
-  m.def("integer_rows_product", &block_rows::product, py::arg("x"), py::arg("blocks"), py::arg("bias") = c10::nullopt,
-        py::arg("kernel") = "");
+  m.def(
+      "integer_rows_product",
+      [](const Tensor& x, const Tensor& blocks, const c10::optional<Tensor>& bias, const std::string& kernel) {
+        return block_rows::product(x, block_rows::prepare(blocks, kernel), bias);
+      },
+      py::arg("x"), py::arg("blocks"), py::arg("bias") = c10::nullopt, py::arg("kernel") = "");
   m.def("integer_rows_kernels_built", [] { return block_rows::built; });
 }
