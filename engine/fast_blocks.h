@@ -24,11 +24,11 @@
 //    ones for output j, so every kernel gives the scalar bits, and a pass over n rows is bitwise
 //    n one-row passes.
 //
-// Kernels: "portable" (plain loops, everywhere), "avx2" (`vpmaddubsw`, then Q4 codes' 16-bit pairs
-// summed across outputs by `vphaddw`, Q8_0's (|w| times x with w's sign) widened by `vpmaddwd`
-// first) and "avx512-vnni" (`vpdpbusd` on 256-bit registers, the same lanes; built where
-// -march=native has AVX512-VNNI and AVX512-VL; compiled, never run, in this workplace: no such
-// CPU). `product` takes the kernel by name; docs/performance.md has the measured figures.
+// Kernels: "portable" (plain loops over the ggml blocks, everywhere), "avx2" (`vpmaddubsw` on the
+// blocks interleaved by 8 outputs at load, `Interleaved`; Q8_0 as |w| times x with w's sign) and
+// "avx512-vnni" (`vpdpbusd` on 256-bit registers, the same lanes; built where -march=native has
+// AVX512-VNNI and AVX512-VL; compiled, never run, in this workplace: no such CPU). `prepare` makes a
+// weight ready for a kernel once, when it is loaded; docs/performance.md has the measured figures.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -93,25 +93,58 @@ struct Rows {
   int64_t in, blocks;
 };
 
+// Step 1 for one block of 32 values: its int8 values, d_x, the sum of its q_x and s_x. The AVX2 body
+// is the same operations on 8 lanes (max, one float32 multiply, round to nearest even, clamp), so the
+// same bits.
+inline void quantize_block(const float* values, int8_t* q_out, float& scale, int32_t& sum_out, float& scaled_sum) {
+  float top = 0.f;
+#ifdef __AVX2__
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 tops = _mm256_setzero_ps();
+  for (int i = 0; i < BLOCK; i += 8) tops = _mm256_max_ps(tops, _mm256_and_ps(_mm256_loadu_ps(values + i), magnitude));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, tops);
+  for (float lane : lanes) top = std::max(top, lane);
+#else
+  for (int64_t i = 0; i < BLOCK; ++i) top = std::max(top, std::fabs(values[i]));
+#endif
+  const float inverse = top > 0.f ? 127.f / top : 0.f;
+  int32_t sum = 0;
+#ifdef __AVX2__
+  const __m256 scale_by = _mm256_set1_ps(inverse), high = _mm256_set1_ps(127.f), low = _mm256_set1_ps(-127.f);
+  __m256i ints[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(values + 8 * i), scale_by),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    ints[i] = _mm256_cvtps_epi32(_mm256_min_ps(high, _mm256_max_ps(low, q)));
+  }
+  const __m256i all = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
+  alignas(32) int32_t partial[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(partial), all);
+  for (int32_t value : partial) sum += value;
+  // int32 -> int16 -> int8 (packs work within 128-bit halves: put the values back in order after)
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(ints[0], ints[1]), 0xd8);
+  const __m256i words2 = _mm256_permute4x64_epi64(_mm256_packs_epi32(ints[2], ints[3]), 0xd8);
+  const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words2), 0xd8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q_out), bytes);
+#else
+  for (int64_t i = 0; i < BLOCK; ++i) {
+    const float q = std::min(127.f, std::max(-127.f, std::nearbyint(values[i] * inverse)));
+    q_out[i] = static_cast<int8_t>(q);
+    sum += static_cast<int32_t>(q);
+  }
+#endif
+  scale = top / 127.f;
+  sum_out = sum;
+  scaled_sum = scale * static_cast<float>(sum);
+}
+
 inline Rows quantize(const float* x, int64_t n, int64_t in) {
   const int64_t blocks = in / BLOCK;
   Rows rows{std::vector<int8_t>(n * in), std::vector<float>(n * blocks), std::vector<int32_t>(n * blocks),
             std::vector<float>(n * blocks), in, blocks};
-  for (int64_t b = 0; b < n * blocks; ++b) {
-    const float* values = x + b * BLOCK;
-    float top = 0.f;
-    for (int64_t i = 0; i < BLOCK; ++i) top = std::max(top, std::fabs(values[i]));
-    const float inverse = top > 0.f ? 127.f / top : 0.f;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < BLOCK; ++i) {
-      const float q = std::min(127.f, std::max(-127.f, std::nearbyint(values[i] * inverse)));
-      rows.values[b * BLOCK + i] = static_cast<int8_t>(q);
-      sum += static_cast<int32_t>(q);
-    }
-    rows.scales[b] = top / 127.f;
-    rows.sums[b] = sum;
-    rows.scaled_sums[b] = rows.scales[b] * static_cast<float>(sum);
-  }
+  for (int64_t b = 0; b < n * blocks; ++b)
+    quantize_block(x + b * BLOCK, rows.values.data() + b * BLOCK, rows.scales[b], rows.sums[b], rows.scaled_sums[b]);
   return rows;
 }
 
