@@ -54,7 +54,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import fast_native, huge_pages, packed
-from engine.quantized import QUANTIZED, Int8Weight, Q4Weight, native_layer, native_weight, quantized_linear
+from engine.quantized import QUANTIZED, Int8Weight, Q4Weight, log_slow_path, native_layer, native_weight, quantized_linear
+from engine.rotary import RotaryTable
 from engine.static_cache import StaticKVCache
 from models.families import fast_text_types
 
@@ -169,42 +170,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
-class RotaryTable:
-    """Rotary cos and signed sin by position, as transformers computes them: in float32, then
-    cast. signed_sin = sin with its first half negated: with x's halves swapped (x rolled by
-    half its width), swapped(x) * signed_sin == rotate_half(x) * sin."""
-
-    def __init__(self, rotary: torch.nn.Module, head_dim: int, dtype: torch.dtype):
-        """rotary: the model's rotary embedding module (its inv_freq, and mrope_section if M-RoPE)."""
-        self.inv_freq = rotary.inv_freq.float()
-        self.head_dim, self.dtype = head_dim, dtype
-        self.cos = self.signed_sin = torch.empty(0, head_dim, dtype=dtype, device=self.inv_freq.device)
-        section = getattr(rotary, "mrope_section", None)
-        if section is not None:  # M-RoPE: the row (0 time, 1 height, 2 width) each dimension reads
-            rows = torch.cat([torch.full((size,), i % 3) for i, size in enumerate(section)])
-            self.row_of = torch.cat([rows, rows]).to(self.inv_freq.device)  # (D,)
-
-    def __call__(self, positions: torch.Tensor | range) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin (n, 1, D) at positions (n,) or a range of them (views of the table), or at
-        M-RoPE positions (3, n): dimension d reads row row_of[d] (transformers' recomposition by
-        mrope_section)."""
-        end = positions.stop if isinstance(positions, range) else int(positions.max()) + 1
-        if end > len(self.cos):  # extend the table (doubling) to cover `end`
-            table_len = max(end, 2 * len(self.cos), 1024)
-            freqs = torch.arange(table_len, device=self.inv_freq.device)[:, None].float() * self.inv_freq
-            emb = torch.cat((freqs, freqs), dim=-1)
-            sin = emb.sin()
-            half = self.head_dim // 2
-            self.cos = emb.cos().to(self.dtype)
-            self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.dtype)
-        if isinstance(positions, range):  # consecutive: slices of the table
-            return self.cos[positions.start:end, None], self.signed_sin[positions.start:end, None]
-        if positions.dim() == 1:
-            return self.cos[positions][:, None], self.signed_sin[positions][:, None]
-        index = self.row_of.expand(1, positions.shape[1], -1)  # (1, n, D)
-        return tuple(table[positions].gather(0, index)[0][:, None] for table in (self.cos, self.signed_sin))
-
-
 def decoder_layer(layer: Layer, sizes: Attention, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                   keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None,
                   left_out=frozenset()) -> torch.Tensor:
@@ -281,6 +246,7 @@ class FastStack:
         if getattr(self, "_packed_for", None) is not self.layers:
             self._packed = [native_layer(self.native, layer) for layer in self.layers]
             self._packed_for = self.layers
+            log_slow_path([getattr(layer, name) for layer in self._packed for name in PRODUCTS])
         return self._packed
 
     def new_cache(self, capacity: int) -> StaticKVCache:
@@ -344,9 +310,11 @@ class FastDecoder:
         """Passes read float32 weights from the GGUF blocks they came from (engine/packed.py)."""
         self._convert(lambda weight: packed.pack(weight) or weight)
         packed.place([w for w in self.weights() if isinstance(w, packed.PackedWeight)])
+        self._build_native()
 
     def use_weight_arithmetic(self, arithmetic: str, kernel: str = "") -> None:  # over GGUF blocks: packed.py
         self._convert(lambda weight: packed.with_arithmetic(weight, arithmetic, kernel))
+        self._build_native()
 
     @property
     def packed_bytes(self) -> int:  # the bytes of the weights read from blocks (0: none)
@@ -358,6 +326,7 @@ class FastDecoder:
         (engine/quantized.py: `int8`; with int8 activations too, `w8a8`; llama.cpp's Q4_0 weights times int8
         activations, `q4_0`); the model's own weights stay for prefill (transformers' forward)."""
         self._convert(lambda weight: QUANTIZED[quantization].quantize(packed.values(weight)))
+        self._build_native()
 
     def weights(self) -> list:  # every product's weight: the layers' (PRODUCTS each), then the output layer's
         return [getattr(layer, name) for layer in self.stack.layers for name in PRODUCTS] + [self.head_weight]
@@ -366,6 +335,21 @@ class FastDecoder:
         self.stack.layers = [replace(layer, **{name: convert(getattr(layer, name)) for name in PRODUCTS})
                              for layer in self.stack.layers]
         self.head_weight = convert(self.head_weight)
+
+    def _build_native(self) -> None:
+        """The compiled path's weights made now, at load, not in the first pass (integer rows
+        interleave their blocks: engine/fast_blocks.h `prepare`)."""
+        if self.stack.native is not None:
+            self.stack._native_layers()
+            self._native_head()
+
+    def _native_head(self):
+        """The output layer's weight as the compiled path takes it (quantized.py `native_weight`), once a head_weight."""
+        if getattr(self, "_native_head_for", None) is not self.head_weight:
+            self._native_head_weight = native_weight(self.stack.native, self.head_weight)
+            self._native_head_for = self.head_weight
+            log_slow_path([self._native_head_weight])
+        return self._native_head_weight
 
     def forward(self, cache: StaticKVCache, token_ids: list[int], positions: torch.Tensor | range,
                 attention_mask: torch.Tensor | None, num_logits: int,
@@ -393,8 +377,6 @@ class FastDecoder:
         hidden = {i: hidden[num_layers if i == -1 else i] for i in hidden_layers}
         if native is not None:  # final norm and output layer in one call, whatever a drafter reads: the
             # same kernel as plain decoding's passes (torch.mm here read the head at half the speed)
-            if getattr(self, "_native_head_for", None) is not self.head_weight:
-                self._native_head, self._native_head_for = native_weight(native, self.head_weight), self.head_weight
-            return native.logits(x, self.final_norm, self._native_head, self.lm_head.bias, self.eps, num_logits), hidden
+            return native.logits(x, self.final_norm, self._native_head(), self.lm_head.bias, self.eps, num_logits), hidden
         normed = self.stack.norm(x[-num_logits:], self.final_norm) if normed is None else normed[-num_logits:]
         return linear(normed, self.head_weight, self.lm_head.bias), hidden

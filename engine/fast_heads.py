@@ -26,7 +26,8 @@ from types import SimpleNamespace
 import torch
 
 from engine import fast_native
-from engine.fast_decode import FastStack, RotaryTable, attention_dtype, default_input_major, share, stack_unsupported
+from engine.fast_decode import FastStack, attention_dtype, default_input_major, share, stack_unsupported
+from engine.rotary import RotaryTable
 from engine.quantized import native_layer
 from engine.rows_kernel import rows_product
 from engine.static_cache import HEADROOM, StaticKVCache

@@ -62,8 +62,14 @@ static void rotate_and_write(const Tensor& qkv, const Tensor& cos, const Tensor&
   }
 }
 
-// x (n, in) times weight (in, out), plus bias (fast_decode.linear, float weights).
-static Tensor aten_product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias) {
+// x (n, in) times weight (in, out), plus bias, by ATen (fast_decode.linear): float weights, or int8
+// ones with per-output scales (out,).
+static Tensor aten_product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias,
+                           const c10::optional<Tensor>& scales = c10::nullopt) {
+  if (scales.has_value()) {
+    const Tensor y = at::_weight_int8pack_mm(x, weight.t(), *scales);
+    return bias.has_value() ? y + *bias : y;
+  }
   return bias.has_value() ? at::addmm(*bias, x, weight) : at::mm(x, weight);
 }
 
@@ -547,19 +553,50 @@ static Tensor blocks_product(const Tensor& x, const Tensor& blocks, const c10::o
   return rows_product<float, BlockQ8_0>(x, blocks, c10::nullopt, bias);
 }
 
-// x (n, in) times weight (in, out) (float, or int8 with scales (out,): fast_decode.Int8Weight's
-// values transposed), plus bias: the rows kernel where it applies (the weight a transposed view of
-// an (out, in) buffer, fast_decode.default_input_major), else ATen's; or ggml blocks (blocks_product).
-static Tensor product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias,
-                      const c10::optional<Tensor>& scales = c10::nullopt,
-                      const c10::optional<Tensor>& sums = c10::nullopt) {
+// The CPU path's format table: each storage a product's weight comes in is one entry, recognised once
+// when the weight is loaded (`storage_of`) and multiplied by its one kernel (`product_by`); its
+// packing and its readable reference product are in Python (engine/quantized.py, engine/packed.py):
+//   rows: float32 / bfloat16 / float16 (in, out) views of (out, in) buffers, in a multiple of 16;
+//         int8 the same with per-output scales (quantized.Int8Weight): the rows kernel above
+//   int8 activations: int8 values, scales and row sums (quantized.W8A8Weight): fast_int8.h
+//   q4_0: codes and block scales (quantized.Q4Weight): fast_q4.h
+//   blocks: ggml Q4_1 / Q8_0 blocks times float32 rows (packed.PackedWeight): the rows kernel
+//   integer blocks: ggml Q4_0 / Q4_1 / Q8_0 blocks times int8 rows (packed, integer): fast_blocks.h
+//   aten: any other weight, named with why when it is loaded (Weight.storage, logged by
+//         engine/fast_decode.py as the slow path), never found only by timing.
+// A rows weight also takes ATen's product for a pass longer than any verify pass (a prompt's), where
+// ATen is faster and no pass is compared with it.
+enum class Storage { rows, int8_activations, q4_0, blocks, integer_blocks, aten };
+
+struct Recognised {
+  Storage storage;
+  std::string name;  // the entry's name, and for aten why no kernel takes the weight
+};
+
+static Recognised storage_of(const Tensor& weight, const c10::optional<Tensor>& scales,
+                             const c10::optional<Tensor>& sums, bool integer_rows) {
+  if (integer_rows) return {Storage::integer_blocks, "integer blocks"};
+  if (sums.has_value()) return {Storage::int8_activations, "int8 activations"};
+  if (weight.dim() == 3) return {Storage::blocks, "blocks"};
+  if (weight.scalar_type() == at::kByte) return {Storage::q4_0, "q4_0"};
+  const auto type = weight.scalar_type();
   const int64_t in = weight.size(0);
+  if (type != at::kFloat && type != at::kBFloat16 && type != at::kHalf && type != at::kChar)
+    return {Storage::aten, std::string("aten: no rows kernel for ") + c10::toString(type) + " weights"};
+  if (scales.has_value() != (type == at::kChar))
+    return {Storage::aten, "aten: scales " + std::string(scales ? "beside float" : "missing for int8") + " weights"};
+  if (in % 16 || weight.stride(0) != 1 || weight.stride(1) != in)
+    return {Storage::aten, "aten: the rows kernel takes (in, out) views of (out, in) buffers, in a multiple of 16"};
+  return {Storage::rows, "rows"};
+}
+
+// x (n, in) times weight (in, out) (float, or int8 with scales (out,): fast_decode.Int8Weight's
+// values transposed), plus bias, by the rows kernel: ATen's for longer passes and for x, bias or
+// scales in another dtype than the kernel takes.
+static Tensor rows_or_aten(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias,
+                           const c10::optional<Tensor>& scales) {
   const auto type = x.scalar_type();
-  if (sums.has_value()) return int8_activations_product(x, weight, bias, scales, *sums);
-  if (weight.dim() == 3) return blocks_product(x, weight, bias);
-  if (weight.scalar_type() == at::kByte) return q4_product(x, weight, bias, scales);
-  if (x.size(0) <= ROWS_KERNEL_MAX && in % 16 == 0 && weight.stride(0) == 1 && weight.stride(1) == in &&
-      plain(bias, type) && plain(scales, type) && scales.has_value() == (weight.scalar_type() == at::kChar) &&
+  if (x.size(0) <= ROWS_KERNEL_MAX && plain(bias, type) && plain(scales, type) &&
       (weight.scalar_type() == type || weight.scalar_type() == at::kChar)) {
     const Tensor rows = weight.t();  // (out, in), contiguous
     switch (weight.scalar_type()) {
@@ -574,11 +611,30 @@ static Tensor product(const Tensor& x, const Tensor& weight, const c10::optional
       default: break;
     }
   }
-  if (scales.has_value()) {  // fast_decode.linear's int8 product
-    const Tensor y = at::_weight_int8pack_mm(x, weight.t(), *scales);
-    return bias.has_value() ? y + *bias : y;
+  return aten_product(x, weight, bias, scales);
+}
+
+// x (n, in) times a weight of `storage` (the tensors as fast_decode.linear takes them), plus bias.
+static Tensor product_by(Storage storage, const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias,
+                         const c10::optional<Tensor>& scales, const c10::optional<Tensor>& sums,
+                         const c10::optional<block_rows::Prepared>& prepared) {
+  switch (storage) {
+    case Storage::integer_blocks: return block_rows::product(x, *prepared, bias);
+    case Storage::int8_activations: return int8_activations_product(x, weight, bias, scales, *sums);
+    case Storage::blocks: return blocks_product(x, weight, bias);
+    case Storage::q4_0: return q4_product(x, weight, bias, scales);
+    case Storage::rows: return rows_or_aten(x, weight, bias, scales);
+    case Storage::aten: break;
   }
-  return aten_product(x, weight, bias);
+  return aten_product(x, weight, bias, scales);
+}
+
+// A product with its weight's tensors given each call (tests, measure/kernels.py, engine/rows_kernel.py's
+// drafter products): the same entry of the table as that weight loaded.
+static Tensor product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias,
+                      const c10::optional<Tensor>& scales = c10::nullopt,
+                      const c10::optional<Tensor>& sums = c10::nullopt) {
+  return product_by(storage_of(weight, scales, sums, false).storage, x, weight, bias, scales, sums, c10::nullopt);
 }
 
 // The rows kernel that runs ("avx512", "avx2" or "portable"), and the ones this build has; choosing a
@@ -604,6 +660,7 @@ struct Weight {
   c10::optional<Tensor> up;  // its (rank, out), a transposed view of (out, rank)
   // ggml blocks only: the blocks prepared for integer rows' kernel (fast_blocks.h), or none: float rows
   c10::optional<block_rows::Prepared> integer_rows;
+  Recognised storage;  // its entry of the format table, found once here
 };
 
 // A Weight as Python makes it (engine/quantized.py native_weight): integer rows on anything but
@@ -615,13 +672,13 @@ static Weight weight_of(Tensor values, c10::optional<Tensor> scales, c10::option
     TORCH_CHECK(!scales && !sums, "integer rows take a weight in ggml's blocks (engine/packed.py), without scales or sums");
     prepared = block_rows::prepare(values, *integer_rows);
   }
-  return Weight{values, scales, sums, down, up, prepared};
+  const Recognised storage = storage_of(values, scales, sums, prepared.has_value());
+  return Weight{values, scales, sums, down, up, prepared, storage};
 }
 
 // fast_decode.linear: x (n, in) times weight, plus bias.
 static Tensor linear(const Tensor& x, const Weight& weight, const c10::optional<Tensor>& bias) {
-  Tensor y = weight.integer_rows ? block_rows::product(x, *weight.integer_rows, bias)
-                                 : product(x, weight.values, bias, weight.scales, weight.sums);
+  Tensor y = product_by(weight.storage.storage, x, weight.values, bias, weight.scales, weight.sums, weight.integer_rows);
   if (weight.down.has_value())  // plus (x down) up: two more products of the rows kernel, row by row
     y.add_(product(product(x, *weight.down, c10::nullopt), *weight.up, c10::nullopt));
   return y;
@@ -1085,13 +1142,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Weight>(m, "Weight")
       .def(py::init(&weight_of), py::arg("values"), py::arg("scales") = c10::nullopt, py::arg("sums") = c10::nullopt,
            py::arg("down") = c10::nullopt, py::arg("up") = c10::nullopt, py::arg("integer_rows") = c10::nullopt)
+      .def_property_readonly("storage", [](const Weight& w) { return w.storage.name; })
       .def_property_readonly("integer_rows", [](const Weight& w) {
         return w.integer_rows ? c10::optional<std::string>(w.integer_rows->name) : c10::nullopt;
       });
   py::class_<Layer>(m, "Layer")
       .def(py::init<Tensor, Weight, c10::optional<Tensor>, Weight, c10::optional<Tensor>, Tensor, Weight, Weight>(),
            py::arg("input_norm"), py::arg("qkv_weight"), py::arg("qkv_bias"), py::arg("o_weight"), py::arg("o_bias"),
-           py::arg("post_norm"), py::arg("gate_up_weight"), py::arg("down_weight"));
+           py::arg("post_norm"), py::arg("gate_up_weight"), py::arg("down_weight"))
+      .def_readonly("qkv_weight", &Layer::qkv_weight)
+      .def_readonly("o_weight", &Layer::o_weight)
+      .def_readonly("gate_up_weight", &Layer::gate_up_weight)
+      .def_readonly("down_weight", &Layer::down_weight);
   m.def("embed", &embed);
   m.def("stack", &stack);
   m.def("eagle3_layer", &eagle3_layer);

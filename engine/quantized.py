@@ -24,11 +24,15 @@ int8 weights and activations are symmetric: a row's largest |value| becomes 127 
 
 from __future__ import annotations
 
+import collections
+import logging
 from dataclasses import dataclass, fields
 
 import torch
 
 from engine.packed import Adapted, PackedWeight
+
+log = logging.getLogger(__name__)
 
 QUANTIZE_ROWS = 4096  # rows of a weight quantized at once (a 2048-wide block: 32 MB of float32)
 
@@ -215,3 +219,11 @@ def native_layer(native, layer):
     values = {f.name: getattr(layer, f.name) for f in fields(layer)}
     return native.Layer(**{name: native_weight(native, value) if name.endswith("_weight") else value
                            for name, value in values.items()})
+
+
+def log_slow_path(weights: list) -> None:
+    """Name the compiled products no kernel of the format table takes (engine/fast_layer.cpp
+    `storage_of`: they run ATen's product), once each time such weights are made."""
+    slow = collections.Counter(w.storage for w in weights if w.storage.startswith("aten"))
+    for why, count in slow.items():
+        log.warning("%d product(s) of the compiled decode path take the slow path: %s", count, why)

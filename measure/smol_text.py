@@ -91,6 +91,18 @@ def reference_ids(llama, tokenizer, prompt: str, max_new_tokens: int) -> list[in
     return [t for t in out[0, ids.shape[1]:].tolist() if t != 2]
 
 
+def top1_agreement(engine, messages, want: list[int]) -> int:
+    """How many of the reference answer's tokens are the engine's own top-1 choice after the prompt and
+    the reference's tokens before it (teacher-forced: one pass over the whole answer)."""
+    runner = engine.target.runner
+    prompt = engine.prepare(messages)
+    first, state = runner.prefill(prompt.target_inputs)
+    logits = first.reshape(-1, first.shape[-1])[-1:]
+    if len(want) > 1:
+        logits = torch.cat([logits, runner.extend(state, want[:-1])])
+    return int((logits.argmax(-1) == torch.tensor(want)).sum()) if want else 0
+
+
 def main(argv=None) -> int:
     from engine.engine import Engine
     from engine.loop import DecodeSettings, Done
@@ -106,13 +118,19 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--drafter", action="append", default=[], help="also speculative with this drafter")
     parser.add_argument("--draft-tokens", type=int, default=None, help="fixed k (default: chosen from cost)")
+    parser.add_argument("--weight-arithmetic", choices=("float", "integer"), default=None,
+                        help="the engine's products over the GGUF blocks (default: the smol preset's)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     folder = args.model or str(smol.assemble())
     llama, tokenizer = smol.load_smollm2(smol.fetch_gguf())
-    target = load_target(folder, LoadOptions(dtype="float32", device="cpu"))
-    print(f"engine decode path: {'fast' if target.runner.fast is not None else target.runner.fast_fallback}")
+    from models.presets import PRESETS
+
+    arithmetic = args.weight_arithmetic or PRESETS["smol"].weight_arithmetic
+    target = load_target(folder, LoadOptions(dtype="float32", device="cpu", weight_arithmetic=arithmetic))
+    print(f"engine decode path: {'fast' if target.runner.fast is not None else target.runner.fast_fallback}, "
+          f"{arithmetic} arithmetic")
     from engine.build import drafter_key
     from engine.drafters.registry import load_drafter
 
@@ -132,8 +150,9 @@ def main(argv=None) -> int:
         got = [t for t in done.token_ids if t != 2]
         same = got == want
         first = first_difference_index(got, want)
+        agree = top1_agreement(engine, messages, want)
         row = {"prompt": prompt, "identical": same, "tokens": len(want), "first_difference": first,
-               "answer": tokenizer.decode(want)}
+               "top1_agreement": agree, "answer": tokenizer.decode(want)}
         for key in drafters:
             answer = [e for e in engine.stream(messages, drafter=key, decode=speculative) if isinstance(e, Done)][0]
             stats, total, same_answer = answer.stats, totals[key], answer.token_ids == done.token_ids
@@ -147,8 +166,11 @@ def main(argv=None) -> int:
         print(f"{number + 1:2d} {'same' if same else f'DIFFERS at {first}'} ({len(want)} tokens): "
               f"{tokenizer.decode(want)[:70]!r}", flush=True)
     identical = sum(r["identical"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
     summary = {"identical": identical, "prompts": len(rows), "max_new_tokens": args.max_new_tokens,
-               "tokens": sum(r["tokens"] for r in rows), "seconds": round(time.time() - started)}
+               "weight_arithmetic": arithmetic, "tokens": tokens,
+               "top1_agreement": round(sum(r["top1_agreement"] for r in rows) / max(1, tokens), 4),
+               "seconds": round(time.time() - started)}
     for key, total in totals.items():
         summary[key] = {"identical_to_plain": total["identical"], "draft_tokens": args.draft_tokens or "cost",
                         "acceptance": round(total["accepted"] / max(1, total["drafted"]), 3),
