@@ -156,6 +156,35 @@ def start(session: Session, turn: Turn) -> None:
     session.pending = turn
 
 
+def edit(served: Served, session: Session, visitors: Visitors, index, value, request: gr.Request | None) -> None:
+    """The chat's edit of an earlier question (`index`: its chat message, Gradio's EditData.index;
+    `value`: the new words): it and the turns after it make way for the edited question, its
+    pictures kept, which is then answered like a new message (Session.edit). RequestError while an
+    answer is on its way, for an index that names no question, an empty or over-long text."""
+    number = index[0] if isinstance(index, (list, tuple)) and index else index
+    if session.pending is not None or session.running:
+        raise RequestError("an answer is still streaming: wait for it, or press Stop, then edit")
+    if not isinstance(number, int) or number % 2 or not 0 <= number // 2 < len(session.turns):
+        raise RequestError(f"there is no question {str(index)[:20]} in this chat to edit")
+    session.check_not_expired(visitors.limits.idle_s)
+    turn = session.turns[number // 2]
+    text, _ = read_message({"text": _edited_text(value), "files": turn.files}, served)
+    check_queue(request, visitors)
+    visitors.release(session, session.edit(number // 2, text))
+    session.pending.arrived = arrival(request)
+
+
+def _edited_text(value) -> str:
+    """The words of an edited message as the chat sends them (a string; a message's parts, of which the text)."""
+    if isinstance(value, dict):
+        value = value.get("text", value.get("content", ""))
+    if isinstance(value, (list, tuple)):
+        value = " ".join(part for part in value if isinstance(part, str))
+    if not isinstance(value, str):
+        raise RequestError(f"an edited message must be text, not {type(value).__name__}")
+    return value
+
+
 def refused_files(served: Served, message, checked: dict[str, str | None], keep: int = 512,
                   client: str | None = None):
     """{"paths": [...]} of the message's files that are not usable images, each named in a notice

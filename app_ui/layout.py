@@ -56,6 +56,7 @@ def build_demo(served: Served | Engine, gpu: Callable = lambda fn: fn, visitors:
         demo.load(None, js=DROP_ON_CHAT)
         demo.load(None, js=KEYBOARD)
         demo.load(None, js=components.tooltips())
+        demo.load(None, js=components.own_words())
         with gr.Tab("Chat"):
             chat = components.chat_tab(examples, served.demo, served.reads_images,
                                        components.SMOL_NOTE if served.smol else None)
@@ -214,6 +215,11 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
         callbacks.clear(session, visitors)
         return None, *callbacks.panels([])
 
+    def edit(event: gr.EditData, session: Session, request: gr.Request):
+        visitors.touch(session, request.session_hash)
+        with callbacks.user_errors():
+            callbacks.edit(served, session, visitors, event.index, event.value, request)
+
     @gpu
     def respond(session: Session, *values):
         visitors.touch(session)
@@ -240,6 +246,10 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
     chat.chatbot.retry(retry, [session, settings["temperature"], settings["seed"]],
                        [chat.chatbot, settings["seed"], chat.stop, *waiting], **INSTANT) \
         .success(**respond_event).then(**idle).then(**kept.save).then(**focus)
+    edited = chat.chatbot.edit(edit, [session], None, **INSTANT)  # a refused edit: the chat as it was
+    edited.failure(lambda session: views.chatbot_messages(session), [session], [chat.chatbot], **INSTANT)
+    edited.success(lambda session: show(session, clear_box=False), [session], shown, **INSTANT) \
+        .success(**prepare).success(**respond_event).then(**idle).then(**kept.save).then(**focus)
     chat.chatbot.undo(undo, [session], [chat.message, *chat.panels], **INSTANT).then(**kept.save)
     chat.new_chat.click(new_conversation, [session], [chat.message, *chat.panels], **INSTANT).then(**kept.fresh)
     chat.chatbot.clear(new_conversation, [session], [chat.message, *chat.panels], **INSTANT).then(**kept.fresh)
@@ -285,14 +295,19 @@ def _wire_ab(served: Served, gpu: Callable, session: gr.State, settings: list, a
         yield from callbacks.ab_live(served, message_value, session, options, callbacks.arrival(request), ab_backend,
                                      callbacks.client_of(request))
 
-    running = dict(fn=lambda: (gr.Button(variant="stop", interactive=True), gr.Accordion(open=False)),
-                   outputs=[ab.stop, ab.examples], **INSTANT) if ab.examples else \
-        dict(fn=lambda: gr.Button(variant="stop", interactive=True), outputs=[ab.stop], **INSTANT)
+    def start_run(message_value):  # Enter in an empty box: nothing happens, no toast (as in the chat)
+        if callbacks.is_empty(message_value):
+            raise gr.Error("the message is empty", visible=False, print_exception=False)
+        stop = gr.Button(variant="stop", interactive=True)
+        return (stop, gr.Accordion(open=False)) if ab.examples else stop
+
+    running = dict(fn=start_run, inputs=[ab.message], outputs=[ab.stop, ab.examples] if ab.examples else [ab.stop],
+                   **INSTANT)
     idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[ab.stop], **INSTANT)
     # Like the chat's: once the run has taken the message, the box empties (the verdict shows what was
     # asked), so the next run's inputs are what the box then shows, never copies added to the last ones.
     # A refused message stays in the box.
-    live = ab.message.submit(**running).then(ab_live, [ab.message, session, *settings.values()], ab.panels,
+    live = ab.message.submit(**running).success(ab_live, [ab.message, session, *settings.values()], ab.panels,
                                              show_progress_on=ab.panels[:1], api_visibility="private", **GENERATE)
     live.then(**idle)
     live.success(lambda: gr.MultimodalTextbox(value=None), None, [ab.message], **INSTANT)

@@ -9,6 +9,7 @@ import time
 from difflib import SequenceMatcher
 
 import pandas as pd
+from markdown_it import MarkdownIt
 
 from app_ui.line import Place
 from app_ui.session import Session, Turn
@@ -42,7 +43,9 @@ FINISH_REASONS = {"stop_token": "end of answer", "max_new_tokens": "max new toke
 
 # The note under an answer in the chat that did not end by itself (engine/stats.py finish reasons).
 CUT_NOTES = {"stopped": "stopped: the answer ends here", "time_budget": "cut at the server's time budget",
-             "context": "cut: the model's context is full"}
+             "context": "cut: the model's context is full",
+             "max_new_tokens": "cut at the Max new tokens setting ({tokens}): for more, raise it in the settings "
+                               "and press Retry"}
 
 
 class Throttle:
@@ -149,7 +152,7 @@ UNKNOWN_ROWS = {"Accepted / drafted": {"accepted", "drafted"}, "Acceptance": {"a
 
 def _prompt_row(stats: Stats, unknown: set[str]) -> str:
     tokens = NOT_REPORTED if "prefill_tokens" in unknown else plural(stats.prefill_tokens, "token")
-    read = f"{NOT_REPORTED}" if "prefill_s" in unknown else f"{stats.prefill_s * 1000:.0f} ms"
+    read = f"{NOT_REPORTED}" if "prefill_s" in unknown else seconds(stats.prefill_s)
     return f"{tokens}; read in: {read}"
 
 
@@ -163,9 +166,8 @@ def _measured_rows(stats: Stats) -> list[tuple[str, str | None]]:
     return [
         ("Decode speed", speed),
         ("Time to first token", _first_token_row(stats)),
-        ("Prompt", f"{plural(stats.prefill_tokens, 'token')}{images} read in {stats.prefill_s * 1000:.0f} ms"),
-        ("Answer", f"{plural(stats.new_tokens, 'token')} in {stats.total_s:.2f} s "
-                   f"({plural(stats.decode_tokens, 'token')} decoded in {stats.decode_s:.2f} s)"),
+        ("Prompt", f"{plural(stats.prefill_tokens, 'token')}{images} read in {seconds(stats.prefill_s)}"),
+        ("Answer", _answer_row(stats)),
         ("Accepted / drafted", f"{stats.accepted} / {plural(stats.drafted, 'token')}" + (
             f" (approximate: {stats.drafts_approximate})" if stats.drafts_approximate else "") if speculative else None),
         ("Acceptance", None if stats.acceptance is None else f"{stats.acceptance:.0%}"),
@@ -198,11 +200,24 @@ def _first_token_row(stats: Stats) -> str:
     there was one), preparing the prompt (with its images, when it has any), then the target's
     pass over the prompt that gives the first token."""
     prepared = max(stats.prepare_s - stats.queue_wait_s, 0.0)
-    parts = [f"waiting in line {stats.queue_wait_s * 1000:.0f} ms"] if stats.queue_wait_s >= 0.0005 else []
-    parts.append(f"{'images and prompt' if stats.prefill_image_tokens else 'prompt'} prepared in {prepared * 1000:.0f} ms")
+    parts = [f"waiting in line {seconds(stats.queue_wait_s)}"] if stats.queue_wait_s >= 0.0005 else []
+    parts.append(f"{'images and prompt' if stats.prefill_image_tokens else 'prompt'} prepared in {seconds(prepared)}")
     if "prefill_s" not in stats.unknown:
-        parts.append(f"prompt read to the first token in {stats.prefill_s * 1000:.0f} ms")
-    return f"{stats.ttft_s * 1000:.0f} ms ({' · '.join(parts)})"
+        parts.append(f"prompt read to the first token in {seconds(stats.prefill_s)}")
+    return f"{seconds(stats.ttft_s)} ({' · '.join(parts)})"
+
+
+def _answer_row(stats: Stats) -> str:
+    """The answer's tokens and time; an answer that ended by itself says that its last token is the
+    end-of-answer token ("4" is 2 tokens)."""
+    ended = ", the last one the end-of-answer token," if stats.finish_reason == "stop_token" else ""
+    return (f"{plural(stats.new_tokens, 'token')}{ended} in {seconds(stats.total_s)} "
+            f"({plural(stats.decode_tokens, 'token')} after the first, in {seconds(stats.decode_s)})")
+
+
+def seconds(value: float) -> str:
+    """A time in the panel, always in seconds (never ms beside s): 2 decimals, 3 under 0.1 s."""
+    return f"{value:.2f} s" if value >= 0.1 else f"{value:.3f} s"
 
 
 def drafter_name(kind: str | None) -> str:
@@ -260,13 +275,59 @@ def _aligned(spans: list[tuple[str, str]], text: str) -> list[tuple[str, str]]:
     return runs
 
 
+# The answer's Markdown rendered as the chat renders it (a line break is a break), its raw HTML,
+# links and images shown as text: a model's words never fetch anything or run in the page.
+MARKDOWN = MarkdownIt("commonmark", {"html": False, "breaks": True}).disable(["link", "image", "autolink"])
+TAG = re.compile(r"(<[^>]*>)")
+MATCH_WITHIN = 64  # characters of the answer searched for a shown one (Markdown's own marks lie between)
+
+
+def marked_markdown(text: str, runs: list[tuple[str, str | None]]) -> str:
+    """`text` (spelled by `runs`, highlighted's) rendered from Markdown, each shown character
+    marked as its origin in the answer: the answer's characters are walked in order, and each
+    shown one takes the next matching one's origin (the `**`, `#` and list marks Markdown turns
+    into style are skipped). Marks never cross a tag, and leave out the spaces at their ends."""
+    drafted = [label is not None for piece, label in runs for _ in piece]
+    shown, position, in_pre = [], 0, 0
+    for part in TAG.split(MARKDOWN.render(text)):
+        if part.startswith("<"):
+            in_pre += part.startswith("<pre") - part.startswith("</pre")
+            shown.append(part)
+            continue
+        if not part or part == "\n" and not in_pre:  # the renderer's line ends between blocks
+            continue
+        flags = []
+        for char in html.unescape(part):
+            found = text.find(char, position, position + MATCH_WITHIN)
+            flags.append(found >= 0 and drafted[found])
+            position = found + 1 if found >= 0 else position
+        shown.append(_marks(html.unescape(part), flags))
+    return "".join(shown)
+
+
+def _marks(text: str, drafted: list[bool]) -> str:
+    """`text` escaped, its drafted characters' runs in <mark>, each less its leading and trailing spaces."""
+    pieces, start = [], 0
+    for end in range(1, len(text) + 1):
+        if end == len(text) or drafted[end] != drafted[start]:
+            piece = text[start:end]
+            if drafted[start] and piece.strip():
+                core = piece.strip()
+                lead, trail = piece[:len(piece) - len(piece.lstrip())], piece[len(piece.rstrip()):]
+                pieces.append(f'{html.escape(lead)}<mark class="draft">{html.escape(core)}</mark>{html.escape(trail)}')
+            else:
+                pieces.append(html.escape(piece))
+            start = end
+    return "".join(pieces)
+
+
 def highlight_html(side: Side | None, title: str = "Latest answer") -> str:
-    """The answer as running text, accepted draft tokens marked green, under a legend (plain text,
-    not a control). Its text is the answer's, character for character."""
+    """The answer as the chat shows it (its Markdown rendered), accepted draft tokens marked green,
+    under a legend (plain text, not a control). Its characters are the answer's, Markdown's
+    marks aside."""
     if side is None or not side.text:
         return ""
-    runs = "".join(f'<mark class="draft">{html.escape(text)}</mark>' if label else html.escape(text)
-                   for text, label in highlighted(side))
+    runs = marked_markdown(side.text, highlighted(side))
     origins_known = any(origin != "unknown" for _, origin in side.spans) or not side.spans
     stats = side.stats  # plain decoding where the backend reports it (a server that decides may draft)
     plain = side.mode == "plain" if stats is None else stats.mode == "plain" and "mode" not in stats.unknown
@@ -340,24 +401,28 @@ def waiting(place: Place) -> tuple[str, str]:
 
 
 def _user_message(turn: Turn) -> dict:
-    pictures = [kept_pictures(turn.saved)] if turn.saved and not turn.files and turn.saved.get("pictures") else []
+    pictures = [kept_pictures(turn.pictures)] if turn.pictures and not turn.files else []
     return {"role": "user", "content": [{"path": path} for path in turn.files] + pictures
             + ([turn.text] if turn.text else [])}
 
 
-def kept_pictures(kept: dict) -> str:
+def kept_pictures(pictures: list[dict]) -> str:
     """A restored turn's pictures (app_ui/browser_chats.py): thumbnails where the browser kept
     them, else their names."""
     return " ".join(f"![{p['name']}]({p['thumbnail']})" if p.get("thumbnail") else f"🖼 *{p['name']}*"
-                    for p in kept["pictures"])
+                    for p in pictures)
 
 
 def _assistant_message(turn: Turn, left_out: int = 0) -> dict:
-    """An answer, and under it what the panel says of an answer that is not whole: stopped, cut,
-    or given without the `left_out` oldest turns (newly left out for this one)."""
+    """An answer, and under it what the panel says of an answer that is not whole: stopped, cut (at
+    the Max new tokens setting too, saying how to get more), or given without the `left_out` oldest
+    turns (newly left out for this one)."""
     if turn.error:
         return {"role": "assistant", "content": f"**Cannot answer:** {turn.error}"}
-    notes = [CUT_NOTES[turn.stats.finish_reason]] if turn.stats and turn.stats.finish_reason in CUT_NOTES else []
+    kept = (turn.saved or {}).get("stats") or {}  # a restored turn's, as the browser kept them
+    finish, tokens = (turn.stats.finish_reason, turn.stats.new_tokens) if turn.stats else \
+        (kept.get("finish_reason"), kept.get("new_tokens") or 0)
+    notes = [CUT_NOTES[finish].format(tokens=plural(tokens, "token"))] if finish in CUT_NOTES else []
     if left_out > 0:
         notes.append(f"answered without the {plural(left_out, 'oldest turn')} of this chat: it outgrew the model's context")
     return {"role": "assistant", "content": turn.answer + "".join(f"\n\n*— {note}*" for note in notes)}
