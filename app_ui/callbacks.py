@@ -19,7 +19,7 @@ from gradio.components.multimodal_textbox import MultimodalData
 from gradio.data_classes import FileData
 from pydantic import field_validator, model_validator
 
-from app_ui import ab_views, queue_rules, views
+from app_ui import ab_views, highlight, queue_rules, views
 from app_ui.components import ab_names
 from app_ui.line import place
 from app_ui.served import Served, served_of
@@ -156,35 +156,6 @@ def start(session: Session, turn: Turn) -> None:
     session.pending = turn
 
 
-def edit(served: Served, session: Session, visitors: Visitors, index, value, request: gr.Request | None) -> None:
-    """The chat's edit of an earlier question (`index`: its chat message, Gradio's EditData.index;
-    `value`: the new words): it and the turns after it make way for the edited question, its
-    pictures kept, which is then answered like a new message (Session.edit). RequestError while an
-    answer is on its way, for an index that names no question, an empty or over-long text."""
-    number = index[0] if isinstance(index, (list, tuple)) and index else index
-    if session.pending is not None or session.running:
-        raise RequestError("an answer is still streaming: wait for it, or press Stop, then edit")
-    if not isinstance(number, int) or number % 2 or not 0 <= number // 2 < len(session.turns):
-        raise RequestError(f"there is no question {str(index)[:20]} in this chat to edit")
-    session.check_not_expired(visitors.limits.idle_s)
-    turn = session.turns[number // 2]
-    text, _ = read_message({"text": _edited_text(value), "files": turn.files}, served)
-    check_queue(request, visitors)
-    visitors.release(session, session.edit(number // 2, text))
-    session.pending.arrived = arrival(request)
-
-
-def _edited_text(value) -> str:
-    """The words of an edited message as the chat sends them (a string; a message's parts, of which the text)."""
-    if isinstance(value, dict):
-        value = value.get("text", value.get("content", ""))
-    if isinstance(value, (list, tuple)):
-        value = " ".join(part for part in value if isinstance(part, str))
-    if not isinstance(value, str):
-        raise RequestError(f"an edited message must be text, not {type(value).__name__}")
-    return value
-
-
 def refused_files(served: Served, message, checked: dict[str, str | None], keep: int = 512,
                   client: str | None = None):
     """{"paths": [...]} of the message's files that are not usable images, each named in a notice
@@ -315,7 +286,7 @@ def panels(messages: list[dict], side=None, statistics: str | None = None,
         speed_max = max([10] + [tokens for tokens, _ in points])
         plots = (gr.update(value=views.acceptance_frame(stats), visible=drafted),
                  gr.update(value=views.speed_frame(list(points)), x_lim=[0, speed_max]))
-    return (messages, statistics or views.stats_markdown(None), views.highlight_html(side), *plots,
+    return (messages, statistics or views.stats_markdown(None), highlight.highlight_html(side), *plots,
             gr.Column(visible=bool(side and side.text)), views.key_figures(stats))
 
 
@@ -384,9 +355,9 @@ def ab_live(served: Served, message_value, session: Session, options: Options, a
             done = not isinstance(event, ABProgress)
             if done or tick.ready():
                 verdict = asked + ab_views.ab_markdown(event if done else None, None if done else event, names)
-                first = (views.plain_html(event.plain.text) if ab_backend is None
-                         else views.highlight_html(event.plain, names[0]))
-                yield (verdict, first, views.highlight_html(event.speculative, "Speculative" if ab_backend is None else names[1]),
+                first = (highlight.plain_html(event.plain.text) if ab_backend is None
+                         else highlight.highlight_html(event.plain, names[0]))
+                yield (verdict, first, highlight.highlight_html(event.speculative, "Speculative" if ab_backend is None else names[1]),
                        ab_views.ab_table(event.plain.stats, event.speculative.stats, names))
 
 

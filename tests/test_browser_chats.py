@@ -239,6 +239,7 @@ def test_an_earlier_question_is_edited_from_the_keyboard_answered_again_and_kept
     expect(chatbot.locator(".message.user img")).to_have_count(1)  # its thumbnail, kept
     expect(page.locator("#chat-list label")).to_have_count(1)
     expect(page.locator("#chat-list label")).to_contain_text("Which bar is the tallest?")
+    expect(chatbot.locator("button[aria-label=Edit]:visible")).to_have_count(1)  # the words; not the thumbnails
     context.close()
 
 

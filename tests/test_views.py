@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app_ui import ab_views, views
+from app_ui import ab_views, highlight, views
 from app_ui.session import Session, Turn
 from engine.ab import ABResult, Difference, Side
 from engine.stats import PAUSED, Stats
@@ -13,17 +13,17 @@ def test_the_highlight_spells_the_final_text_when_the_stream_differs_from_it():
     decoded whole. The runs follow the final text, keeping each matched character's origin."""
     side = Side("speculative", text="Café au lait.", spans=[("Caf", "target"), ("\ufffd au", "draft"),
                                                              (" lait.", "target")])
-    runs = views.highlighted(side)
+    runs = highlight.highlighted(side)
     assert "".join(text for text, _ in runs) == side.text
-    assert (" au", views.DRAFT_LABEL) in runs
-    html = views.highlight_html(side)
+    assert (" au", highlight.DRAFT_LABEL) in runs
+    html = highlight.highlight_html(side)
     assert "\ufffd" not in html and "\n" not in html.split('class="answer-text">')[1]
 
 
 def test_the_highlight_escapes_markup_and_marks_drafts():
     side = Side("speculative", text="<b>a</b> b", spans=[("<b>a</b>", "draft"), (" b", "target")])
-    assert '<p><mark class="draft">&lt;b&gt;a&lt;/b&gt;</mark> b</p></div>' in views.highlight_html(side)
-    assert views.highlight_html(Side("speculative")) == ""
+    assert '<p><mark class="draft">&lt;b&gt;a&lt;/b&gt;</mark> b</p></div>' in highlight.highlight_html(side)
+    assert highlight.highlight_html(Side("speculative")) == ""
 
 
 def test_the_highlight_renders_markdown_and_marks_words_not_spaces():
@@ -34,7 +34,7 @@ def test_the_highlight_renders_markdown_and_marks_words_not_spaces():
     side = Side("speculative", text=text, spans=[("The", "target"), (" **cat**", "draft"), (" sat.", "target"),
                                                   ("\n\n1. First", "draft"), (" ", "draft"),
                                                   (text[text.index(" *one*"):], "target")])
-    shown = views.highlight_html(side).split('class="answer-text">')[1]
+    shown = highlight.highlight_html(side).split('class="answer-text">')[1]
     assert "**" not in shown and '<strong><mark class="draft">cat</mark></strong>' in shown
     assert '<li><mark class="draft">First</mark> <em>one</em></li>' in shown
     assert "<mark class=\"draft\"> " not in shown and " </mark>" not in shown
@@ -124,7 +124,7 @@ def test_a_ratio_with_a_missing_side_reads_not_measurable():
 def test_plain_decoding_shows_no_speculative_labels():
     side = Side("plain", text="a cat", spans=[("a cat", "target")],
                 stats=Stats(mode="plain", new_tokens=3, decode_tokens=2))
-    html = views.highlight_html(side)
+    html = highlight.highlight_html(side)
     assert "drafter" not in html and "green" not in html and "a cat" in html
 
 
