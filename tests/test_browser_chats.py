@@ -265,6 +265,9 @@ def test_screenshots_of_the_chat_list_in_dark_mode_and_on_a_phone(url, browser, 
     expect(phone.locator("#chat-list label")).to_have_count(1, timeout=30_000)
     toggle = phone.locator(".sidebar .toggle-button").bounding_box()  # whole on the screen (once cut in half)
     assert toggle["x"] >= 0 and toggle["x"] + toggle["width"] <= 390, toggle
+    assert phone.evaluate("""() => { const arrow = document.querySelector('#chatbot .scroll-down-button-container');
+        const z = (e) => +getComputedStyle(e).zIndex;  // the chat's arrow stays under the open sidebar
+        return !arrow || z(arrow) < z(document.querySelector('.sidebar')); }""")
     phone.locator("#chat-list label").first.click()
     expect(phone.locator("#chatbot .message.bot")).to_have_count(2, timeout=30_000)
     phone.screenshot(path=os.path.join(SCREENSHOTS, "chats-phone.png"))
