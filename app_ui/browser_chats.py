@@ -59,7 +59,8 @@ def kept_turn(turn: Turn, drafters: dict[str, str] | None = None) -> dict:
     (`drafters`: key -> kind, to name auto's choice as the menu does)."""
     if turn.saved is None:
         stats = turn.stats
-        turn.saved = {"text": turn.text, "pictures": [picture(path) for path in turn.files], "answer": turn.answer,
+        pictures = turn.pictures if turn.pictures is not None else [picture(path) for path in turn.files]
+        turn.saved = {"text": turn.text, "pictures": pictures, "answer": turn.answer,
                      "error": turn.error,
                      "statistics": views.stats_markdown(stats, drafters=drafters) if stats else "",
                      "figures": views.key_figures(stats), "stats": views.stats_dict(stats) if stats else None}
@@ -68,8 +69,9 @@ def kept_turn(turn: Turn, drafters: dict[str, str] | None = None) -> dict:
 
 def restored_turn(kept: dict) -> Turn:
     """A kept turn back in a session: its words (the model reads them again), no pictures."""
+    pictures = [p for p in kept.get("pictures") or [] if isinstance(p, dict) and p.get("name")]
     turn = Turn(str(kept.get("text") or ""), [], [], answer=str(kept.get("answer") or ""),
-                error=str(kept.get("error") or ""))
+                error=str(kept.get("error") or ""), pictures=pictures)
     turn.saved = kept
     return turn
 

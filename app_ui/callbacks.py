@@ -19,7 +19,7 @@ from gradio.components.multimodal_textbox import MultimodalData
 from gradio.data_classes import FileData
 from pydantic import field_validator, model_validator
 
-from app_ui import ab_views, queue_rules, views
+from app_ui import ab_views, highlight, queue_rules, views
 from app_ui.components import ab_names
 from app_ui.line import place
 from app_ui.served import Served, served_of
@@ -286,7 +286,7 @@ def panels(messages: list[dict], side=None, statistics: str | None = None,
         speed_max = max([10] + [tokens for tokens, _ in points])
         plots = (gr.update(value=views.acceptance_frame(stats), visible=drafted),
                  gr.update(value=views.speed_frame(list(points)), x_lim=[0, speed_max]))
-    return (messages, statistics or views.stats_markdown(None), views.highlight_html(side), *plots,
+    return (messages, statistics or views.stats_markdown(None), highlight.highlight_html(side), *plots,
             gr.Column(visible=bool(side and side.text)), views.key_figures(stats))
 
 
@@ -355,9 +355,9 @@ def ab_live(served: Served, message_value, session: Session, options: Options, a
             done = not isinstance(event, ABProgress)
             if done or tick.ready():
                 verdict = asked + ab_views.ab_markdown(event if done else None, None if done else event, names)
-                first = (views.plain_html(event.plain.text) if ab_backend is None
-                         else views.highlight_html(event.plain, names[0]))
-                yield (verdict, first, views.highlight_html(event.speculative, "Speculative" if ab_backend is None else names[1]),
+                first = (highlight.plain_html(event.plain.text) if ab_backend is None
+                         else highlight.highlight_html(event.plain, names[0]))
+                yield (verdict, first, highlight.highlight_html(event.speculative, "Speculative" if ab_backend is None else names[1]),
                        ab_views.ab_table(event.plain.stats, event.speculative.stats, names))
 
 

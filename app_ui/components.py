@@ -15,6 +15,7 @@ from app_ui import ab_views, views
 from app_ui.served import Served
 from engine import settings as schema
 from engine.backend import Backend
+from engine.images import FORMAT_NAMES, MAX_FILE_BYTES
 
 PAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "page")
 
@@ -99,6 +100,12 @@ def tooltips() -> str:
     return script("tooltips").replace("ROW_HELP", json.dumps(ROW_HELP))
 
 
+def own_words() -> str:
+    """page/own_words.js with the formats the app reads and its upload limit in MB, as the server's
+    refusals write them (engine/images.py)."""
+    return script("own_words").replace("FORMATS", FORMAT_NAMES).replace("LIMIT_MB", f"{MAX_FILE_BYTES / 1e6:.0f}")
+
+
 with open(os.path.join(PAGE_DIR, "page.css"), encoding="utf-8") as _file:
     CSS = _file.read()  # launch(css=CSS)
 CHAT_HEIGHT = "min(560px, calc(100dvh - 290px))"  # the message box stays on the first screen, phones too
@@ -131,7 +138,7 @@ def chat_tab(examples: list[dict], demo_model: bool, reads_images: bool = True, 
             chatbot = gr.Chatbot(label="Chat", show_label=False, height=CHAT_HEIGHT, elem_id="chatbot",
                                  buttons=["copy"], placeholder=placeholder,
                                  examples=[{**example, "display_text": example["text"]} for example in examples] or None,
-                                 group_consecutive_messages=False)
+                                 group_consecutive_messages=False, editable="user")
             message = _message_box("chat-input", box_placeholder(demo_model, reads_images, note))
             with gr.Row():  # side by side on a phone too (Gradio wraps buttons under 160 px each)
                 stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="chat-stop", interactive=False,
@@ -200,7 +207,8 @@ def ab_tab(examples: list[dict], served: Served, ab_backend: Backend | None) -> 
                     "decodes), in alternating pairs; each side's timings count only its own run. At temperature 0, with the same model "
                     "and weights, the two answers should be identical (compared as text when a backend gives no "
                     "token ids).")
-    message = _message_box("ab-input")
+    note = SMOL_NOTE if served.smol else None
+    message = _message_box("ab-input", box_placeholder(served.demo, served.reads_images, note))  # the chat's words
     with gr.Row():
         stop = gr.Button("Stop", variant="secondary", size="sm", elem_id="ab-stop", interactive=False, scale=0,
                          min_width=160)
@@ -304,8 +312,7 @@ def _hide_what_the_backend_decides(served: Served, settings: dict) -> None:
         settings[name].visible = False  # before the page is built: Gradio reads it when it launches
 
 
-def _message_box(elem_id: str, placeholder: str = "Ask about the images… (drop, paste or upload several)"
-                 ) -> gr.MultimodalTextbox:
+def _message_box(elem_id: str, placeholder: str) -> gr.MultimodalTextbox:
     return gr.MultimodalTextbox(file_types=["image"], file_count="multiple", show_label=False, elem_id=elem_id,
                                 placeholder=placeholder)
 

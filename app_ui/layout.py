@@ -56,6 +56,7 @@ def build_demo(served: Served | Engine, gpu: Callable = lambda fn: fn, visitors:
         demo.load(None, js=DROP_ON_CHAT)
         demo.load(None, js=KEYBOARD)
         demo.load(None, js=components.tooltips())
+        demo.load(None, js=components.own_words())
         with gr.Tab("Chat"):
             chat = components.chat_tab(examples, served.demo, served.reads_images,
                                        components.SMOL_NOTE if served.smol else None)
@@ -197,22 +198,14 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
         return (gr.MultimodalTextbox(value=None) if clear_box else gr.skip(), views.chatbot_messages(session),
                 gr.Button(variant="stop", interactive=True), *callbacks.shown_waiting(session))
 
-    def retry(session: Session, temperature, seed, request: gr.Request):
-        """The last turn again; with sampling, from the next seed (the same seed gives the same answer;
-        after 2**63 - 1 comes 0; a seed that is not one is left for the answer to name)."""
-        visitors.touch(session, request.session_hash)
-        if session.pending is None and session.turns:
-            if callbacks.number(temperature) > 0:
-                seed = callbacks.next_seed(seed)
-            last = session.turns.pop()
-            callbacks.start(session, Turn(last.text, last.files, last.images))
-        # The panel says the new answer is on its way: the last one's figures would read as this one's.
-        waiting = callbacks.shown_waiting(session) if session.pending is not None else [gr.skip()] * 5
-        return views.chatbot_messages(session), seed, gr.Button(variant="stop", interactive=True), *waiting
-
     def new_conversation(session: Session):
         callbacks.clear(session, visitors)
         return None, *callbacks.panels([])
+
+    def edit(event: gr.EditData, session: Session, request: gr.Request):
+        visitors.touch(session, request.session_hash)
+        with callbacks.user_errors():
+            edit_turn(served, session, visitors, event.index, event.value, request)
 
     @gpu
     def respond(session: Session, *values):
@@ -231,19 +224,69 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
     waiting = [statistics, chat.panels[2], chat.panels[5], figures, _line_timer(served, session, chat)]
     shown = [chat.message, chat.chatbot, chat.stop, *waiting]  # waiting: callbacks.shown_waiting's
     prepare = _prepare_event(served, session, chat.chatbot)
-    chat.message.submit(accept, [chat.message, session], None, **INSTANT) \
-        .success(show, [session], shown, **INSTANT).success(**prepare).success(**respond_event).then(**idle) \
-        .then(**kept.save).then(**focus)
-    chat.chatbot.example_select(accept_example, [session], None, **INSTANT) \
-        .success(lambda session: show(session, clear_box=False), [session], shown, **INSTANT) \
-        .success(**prepare).success(**respond_event).then(**idle).then(**kept.save).then(**focus)
-    chat.chatbot.retry(retry, [session, settings["temperature"], settings["seed"]],
+
+    def answered(accepted, clear_box: bool = True):  # a turn accepted: shown, its images prepared, answered, kept
+        accepted.success(lambda session: show(session, clear_box), [session], shown, **INSTANT).success(**prepare) \
+            .success(**respond_event).then(**idle).then(**kept.save).then(**focus)
+
+    answered(chat.message.submit(accept, [chat.message, session], None, **INSTANT))
+    answered(chat.chatbot.example_select(accept_example, [session], None, **INSTANT), clear_box=False)
+    edited = chat.chatbot.edit(edit, [session], None, **INSTANT)  # the box keeps what is being typed there
+    answered(edited, clear_box=False)
+    edited.failure(views.chatbot_messages, [session], [chat.chatbot], **INSTANT)  # refused: the chat as it was
+    chat.chatbot.retry(_retry(visitors), [session, settings["temperature"], settings["seed"]],
                        [chat.chatbot, settings["seed"], chat.stop, *waiting], **INSTANT) \
         .success(**respond_event).then(**idle).then(**kept.save).then(**focus)
     chat.chatbot.undo(undo, [session], [chat.message, *chat.panels], **INSTANT).then(**kept.save)
     chat.new_chat.click(new_conversation, [session], [chat.message, *chat.panels], **INSTANT).then(**kept.fresh)
     chat.chatbot.clear(new_conversation, [session], [chat.message, *chat.panels], **INSTANT).then(**kept.fresh)
     chat.stop.click(callbacks.stopper(visitors), [session], None, queue=False, api_name="stop")
+
+
+def _retry(visitors: Visitors):
+    def retry(session: Session, temperature, seed, request: gr.Request):
+        """The last turn again; with sampling, from the next seed (the same seed gives the same answer;
+        after 2**63 - 1 comes 0; a seed that is not one is left for the answer to name)."""
+        visitors.touch(session, request.session_hash)
+        if session.pending is None and session.turns:
+            if callbacks.number(temperature) > 0:
+                seed = callbacks.next_seed(seed)
+            last = session.turns.pop()
+            callbacks.start(session, Turn(last.text, last.files, last.images, pictures=last.pictures))
+        # The panel says the new answer is on its way: the last one's figures would read as this one's.
+        waiting = callbacks.shown_waiting(session) if session.pending is not None else [gr.skip()] * 5
+        return views.chatbot_messages(session), seed, gr.Button(variant="stop", interactive=True), *waiting
+    return retry
+
+
+def edit_turn(served: Served, session: Session, visitors: Visitors, index, value, request: gr.Request | None
+              ) -> None:
+    """The chat's edit of an earlier question (`index`: its chat message, Gradio's EditData.index;
+    `value`: the new words): it and the turns after it make way for the edited question, its
+    pictures kept, which is then answered like a new message (Session.edit). RequestError while an
+    answer is on its way, for an index that names no question, an empty or over-long text."""
+    number = index[0] if isinstance(index, (list, tuple)) and index else index
+    if session.pending is not None or session.running:
+        raise RequestError("an answer is still streaming: wait for it, or press Stop, then edit")
+    if not isinstance(number, int) or number % 2 or not 0 <= number // 2 < len(session.turns):
+        raise RequestError(f"there is no question {str(index)[:20]} in this chat to edit")
+    session.check_not_expired(visitors.limits.idle_s)
+    turn = session.turns[number // 2]
+    text, _ = read_message({"text": _edited_text(value), "files": turn.files}, served)
+    callbacks.check_queue(request, visitors)
+    visitors.release(session, session.edit(number // 2, text))
+    session.pending.arrived = callbacks.arrival(request)
+
+
+def _edited_text(value) -> str:
+    """The words of an edited message as the chat sends them (a string; a message's parts, of which the text)."""
+    if isinstance(value, dict):
+        value = value.get("text", value.get("content", ""))
+    if isinstance(value, (list, tuple)):
+        value = " ".join(part for part in value if isinstance(part, str))
+    if not isinstance(value, str):
+        raise RequestError(f"an edited message must be text, not {type(value).__name__}")
+    return value
 
 
 def undo(session: Session):
@@ -285,14 +328,19 @@ def _wire_ab(served: Served, gpu: Callable, session: gr.State, settings: list, a
         yield from callbacks.ab_live(served, message_value, session, options, callbacks.arrival(request), ab_backend,
                                      callbacks.client_of(request))
 
-    running = dict(fn=lambda: (gr.Button(variant="stop", interactive=True), gr.Accordion(open=False)),
-                   outputs=[ab.stop, ab.examples], **INSTANT) if ab.examples else \
-        dict(fn=lambda: gr.Button(variant="stop", interactive=True), outputs=[ab.stop], **INSTANT)
+    def start_run(message_value):  # Enter in an empty box: nothing happens, no toast (as in the chat)
+        if callbacks.is_empty(message_value):
+            raise gr.Error("the message is empty", visible=False, print_exception=False)
+        stop = gr.Button(variant="stop", interactive=True)
+        return (stop, gr.Accordion(open=False)) if ab.examples else stop
+
+    running = dict(fn=start_run, inputs=[ab.message], outputs=[ab.stop, ab.examples] if ab.examples else [ab.stop],
+                   **INSTANT)
     idle = dict(fn=lambda: gr.Button(variant="secondary", interactive=False), outputs=[ab.stop], **INSTANT)
     # Like the chat's: once the run has taken the message, the box empties (the verdict shows what was
     # asked), so the next run's inputs are what the box then shows, never copies added to the last ones.
     # A refused message stays in the box.
-    live = ab.message.submit(**running).then(ab_live, [ab.message, session, *settings.values()], ab.panels,
+    live = ab.message.submit(**running).success(ab_live, [ab.message, session, *settings.values()], ab.panels,
                                              show_progress_on=ab.panels[:1], api_visibility="private", **GENERATE)
     live.then(**idle)
     live.success(lambda: gr.MultimodalTextbox(value=None), None, [ab.message], **INSTANT)

@@ -61,6 +61,7 @@ class Turn:
     answering: bool = False  # its answer's handler has started (it no longer waits in the queue)
     dropped: int = 0  # the oldest answered turns its prompt left out (Session.dropped when it was answered)
     saved: dict | None = None  # what the visitor's browser keeps of it, once answered (app_ui/browser_chats.py)
+    pictures: list[dict] | None = None  # a restored turn's pictures as the browser kept them (name, thumbnail)
 
     @property
     def message(self) -> dict:
@@ -154,6 +155,16 @@ class Session:
         waiting for its answer is dropped (so a send failed on the way can never wedge the chat)."""
         self.request_stop()
         self.turns, self.dropped, self.expired, self.pending = [], 0, False, None
+
+    def edit(self, number: int, text: str) -> set[str]:
+        """Turn `number`'s question replaced by `text` and sent again, its pictures kept (as
+        ChatGPT does): it and every turn after it leave the history, the edited turn is pending.
+        Returns the files that no turn shows any more."""
+        shown, old = self.files(), self.turns[number]
+        del self.turns[number:]
+        self.dropped = min(self.dropped, len(self.answered()))
+        self.pending = Turn(text, old.files, old.images, pictures=old.pictures)
+        return shown - self.files()
 
     def drop_pending(self) -> set[str]:
         """Drop the turn waiting for its answer (none will come); the files only it showed."""

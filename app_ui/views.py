@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import html
 import re
 import time
-from difflib import SequenceMatcher
 
 import pandas as pd
 
@@ -17,7 +15,6 @@ from engine.stats import Stats
 
 UPDATES_PER_SECOND = 15  # text and statistics; the plots refresh less often
 PLOT_UPDATES_PER_SECOND = 2
-DRAFT_LABEL = "accepted draft tokens"  # the highlight's category of tokens the drafter proposed
 # Plain words for each kind of drafter: "name: what it does" (the settings show the name, then the rest).
 DRAFTER_LABELS = {"vlm": "Small VLM: sees the images", "text_lm": "Text-only LM: reads the text, not the images",
                   "ngram": "N-gram lookup: no model, repeats earlier text",
@@ -25,11 +22,6 @@ DRAFTER_LABELS = {"vlm": "Small VLM: sees the images", "text_lm": "Text-only LM:
                   "dflash": "Block drafter: a whole draft in one pass",
                   "shared_cache": "Assistant: shares the target's cache",
                   "eagle3": "EAGLE-3 head: reads three of the target's layers"}
-HIGHLIGHT_LEGEND = ('<p class="legend"><strong>{title}</strong>: <mark class="draft">green</mark> tokens the '
-                    'drafter guessed and the target accepted; the rest the target wrote itself.</p>')
-PLAIN_LEGEND = '<p class="legend"><strong>{title}</strong>: decoded plainly, every token by the target.</p>'
-NO_ORIGINS_LEGEND = ('<p class="legend"><strong>{title}</strong>: which tokens were drafted is not reported by '
-                     'this server.</p>')
 NO_PICTURE_HINT = ("The demo model only learned to answer about pictures like the examples (coloured shapes, bar "
                    "charts, text cards); without one, its answer is a guess.")
 STOPPED_BEFORE_START = ("**Stopped before it started**: nothing was answered; your message and its images are back "
@@ -42,7 +34,9 @@ FINISH_REASONS = {"stop_token": "end of answer", "max_new_tokens": "max new toke
 
 # The note under an answer in the chat that did not end by itself (engine/stats.py finish reasons).
 CUT_NOTES = {"stopped": "stopped: the answer ends here", "time_budget": "cut at the server's time budget",
-             "context": "cut: the model's context is full"}
+             "context": "cut: the model's context is full",
+             "max_new_tokens": "cut at the Max new tokens setting ({tokens}): for more, raise it in the settings "
+                               "and press Retry"}
 
 
 class Throttle:
@@ -149,7 +143,7 @@ UNKNOWN_ROWS = {"Accepted / drafted": {"accepted", "drafted"}, "Acceptance": {"a
 
 def _prompt_row(stats: Stats, unknown: set[str]) -> str:
     tokens = NOT_REPORTED if "prefill_tokens" in unknown else plural(stats.prefill_tokens, "token")
-    read = f"{NOT_REPORTED}" if "prefill_s" in unknown else f"{stats.prefill_s * 1000:.0f} ms"
+    read = f"{NOT_REPORTED}" if "prefill_s" in unknown else seconds(stats.prefill_s)
     return f"{tokens}; read in: {read}"
 
 
@@ -163,9 +157,8 @@ def _measured_rows(stats: Stats) -> list[tuple[str, str | None]]:
     return [
         ("Decode speed", speed),
         ("Time to first token", _first_token_row(stats)),
-        ("Prompt", f"{plural(stats.prefill_tokens, 'token')}{images} read in {stats.prefill_s * 1000:.0f} ms"),
-        ("Answer", f"{plural(stats.new_tokens, 'token')} in {stats.total_s:.2f} s "
-                   f"({plural(stats.decode_tokens, 'token')} decoded in {stats.decode_s:.2f} s)"),
+        ("Prompt", f"{plural(stats.prefill_tokens, 'token')}{images} read in {seconds(stats.prefill_s)}"),
+        ("Answer", _answer_row(stats)),
         ("Accepted / drafted", f"{stats.accepted} / {plural(stats.drafted, 'token')}" + (
             f" (approximate: {stats.drafts_approximate})" if stats.drafts_approximate else "") if speculative else None),
         ("Acceptance", None if stats.acceptance is None else f"{stats.acceptance:.0%}"),
@@ -198,11 +191,24 @@ def _first_token_row(stats: Stats) -> str:
     there was one), preparing the prompt (with its images, when it has any), then the target's
     pass over the prompt that gives the first token."""
     prepared = max(stats.prepare_s - stats.queue_wait_s, 0.0)
-    parts = [f"waiting in line {stats.queue_wait_s * 1000:.0f} ms"] if stats.queue_wait_s >= 0.0005 else []
-    parts.append(f"{'images and prompt' if stats.prefill_image_tokens else 'prompt'} prepared in {prepared * 1000:.0f} ms")
+    parts = [f"waiting in line {seconds(stats.queue_wait_s)}"] if stats.queue_wait_s >= 0.0005 else []
+    parts.append(f"{'images and prompt' if stats.prefill_image_tokens else 'prompt'} prepared in {seconds(prepared)}")
     if "prefill_s" not in stats.unknown:
-        parts.append(f"prompt read to the first token in {stats.prefill_s * 1000:.0f} ms")
-    return f"{stats.ttft_s * 1000:.0f} ms ({' · '.join(parts)})"
+        parts.append(f"prompt read to the first token in {seconds(stats.prefill_s)}")
+    return f"{seconds(stats.ttft_s)} ({' · '.join(parts)})"
+
+
+def _answer_row(stats: Stats) -> str:
+    """The answer's tokens and time; an answer that ended by itself says that its last token is the
+    end-of-answer token ("4" is 2 tokens)."""
+    ended = ", the last one the end-of-answer token," if stats.finish_reason == "stop_token" else ""
+    return (f"{plural(stats.new_tokens, 'token')}{ended} in {seconds(stats.total_s)} "
+            f"({plural(stats.decode_tokens, 'token')} after the first, in {seconds(stats.decode_s)})")
+
+
+def seconds(value: float) -> str:
+    """A time in the panel, always in seconds (never ms beside s): 2 decimals, 3 under 0.1 s."""
+    return f"{value:.2f} s" if value >= 0.1 else f"{value:.3f} s"
 
 
 def drafter_name(kind: str | None) -> str:
@@ -229,54 +235,6 @@ def _table(header: list[str], rows: list[tuple[str, ...]]) -> str:
 
 def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
-
-
-def highlighted(side: Side) -> list[tuple[str, str | None]]:
-    """The answer in runs of one origin: ("text", DRAFT_LABEL) for accepted draft tokens,
-    ("text", None) for the target's own; the runs spell `side.text` exactly. They come decoded
-    with the stream (engine/loop.py), so an update costs nothing that grows with the answer; the
-    final text is decoded whole, and where it differs from the streamed runs (a character whose
-    bytes spanned two runs), the runs are aligned to it."""
-    spans = side.spans
-    if "".join(text for text, _ in spans) != side.text:
-        spans = _aligned(spans, side.text)
-    return [(text, DRAFT_LABEL if origin == "draft" else None) for text, origin in spans]
-
-
-def _aligned(spans: list[tuple[str, str]], text: str) -> list[tuple[str, str]]:
-    """`text` in runs of one origin, each character taking the origin of the streamed character
-    it matches (characters with no match: the target's)."""
-    streamed = "".join(piece for piece, _ in spans)
-    streamed_origins = [origin for piece, origin in spans for _ in piece]
-    origins = ["target"] * len(text)
-    for a, b, size in SequenceMatcher(None, streamed, text, autojunk=False).get_matching_blocks():
-        origins[b:b + size] = streamed_origins[a:a + size]
-    runs: list[tuple[str, str]] = []
-    for char, origin in zip(text, origins):
-        if runs and runs[-1][1] == origin:
-            runs[-1] = (runs[-1][0] + char, origin)
-        else:
-            runs.append((char, origin))
-    return runs
-
-
-def highlight_html(side: Side | None, title: str = "Latest answer") -> str:
-    """The answer as running text, accepted draft tokens marked green, under a legend (plain text,
-    not a control). Its text is the answer's, character for character."""
-    if side is None or not side.text:
-        return ""
-    runs = "".join(f'<mark class="draft">{html.escape(text)}</mark>' if label else html.escape(text)
-                   for text, label in highlighted(side))
-    origins_known = any(origin != "unknown" for _, origin in side.spans) or not side.spans
-    stats = side.stats  # plain decoding where the backend reports it (a server that decides may draft)
-    plain = side.mode == "plain" if stats is None else stats.mode == "plain" and "mode" not in stats.unknown
-    legend = PLAIN_LEGEND if plain else HIGHLIGHT_LEGEND if origins_known else NO_ORIGINS_LEGEND
-    return f'{legend.format(title=title)}<div class="answer-text">{runs}</div>'
-
-
-def plain_html(text: str) -> str:
-    """An answer as running text (the A/B tab's plain side)."""
-    return highlight_html(Side("plain", text=text), "Plain")
 
 
 def acceptance_frame(stats: Stats | None) -> pd.DataFrame:
@@ -340,24 +298,28 @@ def waiting(place: Place) -> tuple[str, str]:
 
 
 def _user_message(turn: Turn) -> dict:
-    pictures = [kept_pictures(turn.saved)] if turn.saved and not turn.files and turn.saved.get("pictures") else []
+    pictures = [kept_pictures(turn.pictures)] if turn.pictures and not turn.files else []
     return {"role": "user", "content": [{"path": path} for path in turn.files] + pictures
             + ([turn.text] if turn.text else [])}
 
 
-def kept_pictures(kept: dict) -> str:
+def kept_pictures(pictures: list[dict]) -> str:
     """A restored turn's pictures (app_ui/browser_chats.py): thumbnails where the browser kept
     them, else their names."""
     return " ".join(f"![{p['name']}]({p['thumbnail']})" if p.get("thumbnail") else f"🖼 *{p['name']}*"
-                    for p in kept["pictures"])
+                    for p in pictures)
 
 
 def _assistant_message(turn: Turn, left_out: int = 0) -> dict:
-    """An answer, and under it what the panel says of an answer that is not whole: stopped, cut,
-    or given without the `left_out` oldest turns (newly left out for this one)."""
+    """An answer, and under it what the panel says of an answer that is not whole: stopped, cut (at
+    the Max new tokens setting too, saying how to get more), or given without the `left_out` oldest
+    turns (newly left out for this one)."""
     if turn.error:
         return {"role": "assistant", "content": f"**Cannot answer:** {turn.error}"}
-    notes = [CUT_NOTES[turn.stats.finish_reason]] if turn.stats and turn.stats.finish_reason in CUT_NOTES else []
+    kept = (turn.saved or {}).get("stats") or {}  # a restored turn's, as the browser kept them
+    finish, tokens = (turn.stats.finish_reason, turn.stats.new_tokens) if turn.stats else \
+        (kept.get("finish_reason"), kept.get("new_tokens") or 0)
+    notes = [CUT_NOTES[finish].format(tokens=plural(tokens, "token"))] if finish in CUT_NOTES else []
     if left_out > 0:
         notes.append(f"answered without the {plural(left_out, 'oldest turn')} of this chat: it outgrew the model's context")
     return {"role": "assistant", "content": turn.answer + "".join(f"\n\n*— {note}*" for note in notes)}

@@ -12,7 +12,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 import app
-from app_ui import callbacks, views
+from app_ui import callbacks, highlight, views
 from app_ui.session import Options, Session, new_turn
 from app_ui.setup import read_config
 from engine.ab import Side, compare, first_difference_index
@@ -188,11 +188,11 @@ def test_highlighted_spans_follow_token_origins(engine):
     side = Side("speculative")
     for event in engine.stream(messages, drafter="text", decode=DecodeSettings(max_new_tokens=40)):
         side.update(event)
-    spans = views.highlighted(side)
+    spans = highlight.highlighted(side)
     assert "".join(text for text, _ in spans) == side.text
     labels = [label for _, label in spans]
     assert all(a != b for a, b in zip(labels, labels[1:]))
-    assert side.stats.accepted > 0 or views.DRAFT_LABEL not in labels
+    assert side.stats.accepted > 0 or highlight.DRAFT_LABEL not in labels
 
 
 def test_the_image_token_budget_is_a_setting_of_the_api(url):
@@ -222,9 +222,9 @@ def test_tree_setting_drafts_trees_and_the_panel_shows_them(engine):
         side.update(event)
     assert side.stats.draft_shape == "tree" and "nodes verified" in views.stats_markdown(side.stats)
     assert side.token_ids == reference(engine, [(messages[0]["content"], [], None)], None, 40).token_ids
-    spans = views.highlighted(side)
+    spans = highlight.highlighted(side)
     assert "".join(text for text, _ in spans) == side.text
-    assert side.stats.accepted > 0 or views.DRAFT_LABEL not in [label for _, label in spans]
+    assert side.stats.accepted > 0 or highlight.DRAFT_LABEL not in [label for _, label in spans]
 
 
 def test_the_starting_page_names_the_step_until_it_closes(capsys):

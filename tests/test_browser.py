@@ -207,6 +207,41 @@ def test_a_file_that_is_not_an_image_is_flagged_on_attach_and_the_text_stays(pag
     expect(page.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
 
 
+def test_gradios_own_refusals_and_an_empty_ab_send_speak_as_the_app(fresh, tmp_path):
+    """Issue 60, item 10: a file Gradio refuses in the page is named in the app's words (not "Only
+    image allowed." or "20.0 Mb"); Enter in the A/B tab's empty box shows no red "Error (2)"; its
+    box asks as the chat's does."""
+    from playwright.sync_api import expect
+
+    from engine.images import MAX_FILE_BYTES
+
+    box = fresh.locator("#chat-input")
+    (tmp_path / "notes.txt").write_text("not a picture")
+    box.locator("input[type=file]").set_input_files([str(tmp_path / "notes.txt")])
+    expect(fresh.locator(".toast-body").first).to_contain_text("notes.txt: not a picture; the chat takes images (PNG",
+                                                                timeout=30_000)
+    fresh.locator(".toast-close").first.click()
+    big = tmp_path / "big.png"
+    big.write_bytes(b"\0" * (MAX_FILE_BYTES + 2_000_000))
+    box.locator("input[type=file]").set_input_files([str(big)])
+    expect(fresh.locator(".toast-body").first).to_contain_text(
+        f"big.png: {big.stat().st_size / 1e6:.1f} MB is over the upload limit of {MAX_FILE_BYTES / 1e6:.0f} MB",
+        timeout=30_000)
+    words = fresh.locator(".toast-body").all_inner_texts()
+    assert not any("allowed" in said or "Mb" in said or "Error" in said for said in words), words
+    fresh.locator(".toast-close").first.click()
+    expect(fresh.locator(".toast-body")).to_have_count(0)
+    placeholder = box.locator("textarea").get_attribute("placeholder")
+    fresh.get_by_role("tab", name="A/B").click()
+    ab_box = fresh.locator("#ab-input textarea")
+    assert ab_box.get_attribute("placeholder") == placeholder
+    ab_box.press("Enter")
+    ab_box.press("Enter")
+    fresh.wait_for_timeout(1500)  # a toast would be shown by now (the events are instant)
+    expect(fresh.locator(".toast-body")).to_have_count(0)
+    expect(fresh.locator("#ab-stop")).to_be_disabled()
+
+
 # --- The page as a first-time visitor sees it ---------------------------------------------------
 
 DESKTOP = {"width": 1440, "height": 900}
@@ -321,6 +356,9 @@ def test_the_highlight_view_spells_the_answer(fresh):
     expect(highlight.locator("mark")).not_to_have_count(0)
     assert highlight.inner_text() == last_answer(fresh).inner_text().strip()
     assert "\ufffd" not in highlight.inner_text()
+    marks = highlight.locator("mark").all_inner_texts()
+    assert all(mark == mark.strip() and mark for mark in marks), marks  # no thin green slivers of space
+    assert contrast(fresh, "#tokens .legend") >= 4.5  # the legend reads as text, not a pale hint
     focusable = fresh.locator("#tokens").locator("button, a, input, [tabindex]")
     expect(focusable).to_have_count(0)
     # An unbroken word ("Theorangeorangeorange...", as a confused model writes) wraps inside the box.
@@ -415,6 +453,7 @@ def test_wording_of_a_one_token_answer(fresh):
     assert not re.search(r"(^|\s)--[a-z]", text), re.findall(r".{30}--[a-z].{20}", text)
     assert not re.search(r"\w+_drafter\b", text)
     expect(fresh.locator("#stats")).to_contain_text("too few tokens to measure")
+    expect(last_answer(fresh)).to_contain_text("cut at the Max new tokens setting (1 token): for more, raise it")
 
 
 def test_stop_and_retry_leave_the_page_where_it_was(fresh, gate):
@@ -470,8 +509,11 @@ def contrast(page, selector: str) -> float:
         const lum = (c) => { const [r, g, b] = rgb(c).map(v => { v /= 255;
             return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4); });
             return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
-        const style = getComputedStyle(e);
-        const [a, b] = [lum(style.color), lum(style.backgroundColor)].sort((x, y) => y - x);
+        let back = e;  // the first background drawn behind the text (its own, or an ancestor's)
+        while (back.parentElement && /^rgba\(.*, 0\)$|^transparent$/.test(getComputedStyle(back).backgroundColor)) {
+            back = back.parentElement; }
+        const [a, b] = [lum(getComputedStyle(e).color), lum(getComputedStyle(back).backgroundColor)]
+            .sort((x, y) => y - x);
         return (a + 0.05) / (b + 0.05);
     }""")
 
@@ -483,7 +525,7 @@ def test_dark_mode_highlight_is_readable(url, browser):
     page.goto(url.rstrip("/") + "/?__theme=dark")
     page.locator("#chatbot .example").nth(2).click()
     expect(page.locator("#stats")).to_contain_text(FINISHED, timeout=120_000)
-    assert contrast(page, "#tokens mark.draft") >= 4.5
+    assert contrast(page, "#tokens mark.draft") >= 4.5 and contrast(page, "#tokens .legend") >= 4.5
     os.makedirs(SCREENSHOTS, exist_ok=True)
     page.screenshot(path=os.path.join(SCREENSHOTS, "dark.png"))
     page.close()
@@ -750,8 +792,15 @@ def test_a_message_stopped_in_line_comes_back_and_a_stopped_answer_says_so(url, 
     """Visitor B sends chart.png with a question while A's answer runs (held after its first words):
     B's panel names the line (place, wait expected), not "Preparing 1 image". B presses Stop: the
     question and its picture are back in B's box, the panel says it was stopped before it started,
-    and the chat does not show it. A presses Stop: A's answer says in the chat that it stops there."""
+    and the chat does not show it. A presses Stop: A's answer says in the chat that it stops there.
+    On a desktop both press Esc instead of Stop (issue 60, item 12), on a phone they tap Stop."""
     from playwright.sync_api import expect
+
+    def stop(page):
+        if viewport == "desktop":
+            page.locator("#chat-input textarea").press("Escape")
+        else:
+            page.locator("#chat-stop").tap()
 
     options = {"viewport": DESKTOP} if viewport == "desktop" else PHONE
     contexts = [browser.new_context(**options) for _ in range(2)]
@@ -770,16 +819,17 @@ def test_a_message_stopped_in_line_comes_back_and_a_stopped_answer_says_so(url, 
             expect(b.locator("#stats")).to_contain_text("next in line")
             expect(b.locator("#stats")).not_to_contain_text("Preparing")
             b.screenshot(path=os.path.join(SHOTS, f"waiting-{viewport}.png"))
-            b.locator("#chat-stop").click()
+            stop(b)
             expect(b.locator("#stats")).to_contain_text("Stopped before it started", timeout=30_000)
             expect(b.locator("#chat-input textarea")).to_have_value("What does this chart show?")
             expect(b.locator("#chat-input img")).to_have_count(1)
             expect(b.locator("#chatbot .message")).to_have_count(0)
             b.screenshot(path=os.path.join(SHOTS, f"stopped-in-line-{viewport}.png"))
-            a.locator("#chat-stop").click()
+            stop(a)
             gate.set()
             expect(last_answer(a)).to_contain_text("stopped: the answer ends here", timeout=60_000)
             expect(a.locator("#stats")).to_contain_text("stopped")
+            expect(a.get_by_role("link", name="Runs")).to_have_count(0)  # Gradio's run history, after Stop too
             a.screenshot(path=os.path.join(SHOTS, f"stopped-answer-{viewport}.png"))
     finally:
         for context in contexts:

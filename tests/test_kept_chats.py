@@ -81,3 +81,38 @@ def test_only_the_settings_the_loaded_model_takes_come_back():
     assert browser_chats.usable_settings(stored, ["drafter", "temperature", "mode"], check) == {
         "temperature": 0.5, "mode": "plain"}
     assert browser_chats.usable_settings("damaged", ["mode"], check) == {}
+
+
+def test_an_edited_question_keeps_its_pictures_and_the_turns_after_it_go():
+    """Session.edit (the chat's Edit, app_ui/layout.py edit_turn): the edited question is pending
+    with its files (a live turn) or its kept thumbnails (a restored one), the later turns leave,
+    and the files only they showed are returned for release; kept again, the chat is the edited one.
+    An edit while an answer is on its way, or of an index that names no question, is refused."""
+    import pytest
+
+    from app_ui.layout import edit_turn
+    from engine.engine import RequestError
+
+    session = Session()
+    session.turns = [answered_turn("Describe the image.", ["scene.png"]), answered_turn("And this?", ["chart.png"]),
+                     answered_turn("Thanks")]
+    session.dropped = 2
+    freed = session.edit(0, "How many shapes are there?")
+    assert session.turns == [] and session.dropped == 0 and freed == {os.path.join(EXAMPLES, "chart.png")}
+    assert (session.pending.text, session.pending.files) == ("How many shapes are there?",
+                                                             [os.path.join(EXAMPLES, "scene.png")])
+    session.turns = [answered_turn("Hi")]
+    for index in (0, 1, "0", 2):  # an answer is on its way; then no question there; a script's index; past the end
+        with pytest.raises(RequestError):
+            edit_turn(None, session, None, index, "Hi", None)
+        session.pending = None
+    kept = browser_chats.with_chat(browser_chats.EMPTY, [browser_chats.kept_turn(answered_turn("Describe the image.",
+                                                                                               ["scene.png"]))])
+    restored = Session()
+    browser_chats.restore(restored, kept)
+    restored.edit(0, "What colour is it?")
+    restored.pending.answer, restored.pending.stats = "Red.", answered_turn("x").stats
+    restored.turns.append(restored.pending)
+    (turn,) = browser_chats.with_chat(kept, [browser_chats.kept_turn(t) for t in restored.turns])["chats"][0]["turns"]
+    assert turn["text"] == "What colour is it?" and turn["answer"] == "Red."
+    assert turn["pictures"][0]["name"] == "scene.png" and turn["pictures"][0]["thumbnail"].startswith("data:image/jpeg")

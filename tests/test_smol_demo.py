@@ -300,7 +300,10 @@ def test_the_app_offers_the_smol_demo_its_own_examples_and_note(tiny):
 
     with gr.Blocks():
         chat = components.chat_tab([], served.demo, served.reads_images, components.SMOL_NOTE)
+        ab = components.ab_tab([], served, None)
     assert components.SMOL_NOTE in chat.chatbot.placeholder and components.DEMO_NOTE not in chat.chatbot.placeholder
+    # Text questions too, in both boxes (the A/B box once said "Ask about the images…": issue 60, item 10).
+    assert chat.message.placeholder == ab.message.placeholder and chat.message.placeholder.startswith("Ask anything")
     assert "Model `SmolLM2-135M-Instruct + a vision tower" in components.header(served)  # not its cache folder
     assert str(folder.name) not in components.header(served)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app_ui import ab_views, views
+from app_ui import ab_views, highlight, views
 from app_ui.session import Session, Turn
 from engine.ab import ABResult, Difference, Side
 from engine.stats import PAUSED, Stats
@@ -13,17 +13,32 @@ def test_the_highlight_spells_the_final_text_when_the_stream_differs_from_it():
     decoded whole. The runs follow the final text, keeping each matched character's origin."""
     side = Side("speculative", text="Café au lait.", spans=[("Caf", "target"), ("\ufffd au", "draft"),
                                                              (" lait.", "target")])
-    runs = views.highlighted(side)
+    runs = highlight.highlighted(side)
     assert "".join(text for text, _ in runs) == side.text
-    assert (" au", views.DRAFT_LABEL) in runs
-    html = views.highlight_html(side)
+    assert (" au", highlight.DRAFT_LABEL) in runs
+    html = highlight.highlight_html(side)
     assert "\ufffd" not in html and "\n" not in html.split('class="answer-text">')[1]
 
 
 def test_the_highlight_escapes_markup_and_marks_drafts():
     side = Side("speculative", text="<b>a</b> b", spans=[("<b>a</b>", "draft"), (" b", "target")])
-    assert '<mark class="draft">&lt;b&gt;a&lt;/b&gt;</mark> b</div>' in views.highlight_html(side)
-    assert views.highlight_html(Side("speculative")) == ""
+    assert '<p><mark class="draft">&lt;b&gt;a&lt;/b&gt;</mark> b</p></div>' in highlight.highlight_html(side)
+    assert highlight.highlight_html(Side("speculative")) == ""
+
+
+def test_the_highlight_renders_markdown_and_marks_words_not_spaces():
+    """Issue 60, item 10: no raw `**` (the answer's Markdown is rendered, as the chat renders it,
+    each shown character keeping its token's origin); a mark leaves out the spaces at its ends,
+    so no thin green sliver between words; links and images stay text."""
+    text = "The **cat** sat.\n\n1. First *one*\n2. Second [a](javascript:x) ![i](http://x/i.png)"
+    side = Side("speculative", text=text, spans=[("The", "target"), (" **cat**", "draft"), (" sat.", "target"),
+                                                  ("\n\n1. First", "draft"), (" ", "draft"),
+                                                  (text[text.index(" *one*"):], "target")])
+    shown = highlight.highlight_html(side).split('class="answer-text">')[1]
+    assert "**" not in shown and '<strong><mark class="draft">cat</mark></strong>' in shown
+    assert '<li><mark class="draft">First</mark> <em>one</em></li>' in shown
+    assert "<mark class=\"draft\"> " not in shown and " </mark>" not in shown
+    assert "<a " not in shown and "<img" not in shown and "[a](javascript:x)" in shown
 
 
 def test_statistics_speak_plainly():
@@ -109,7 +124,7 @@ def test_a_ratio_with_a_missing_side_reads_not_measurable():
 def test_plain_decoding_shows_no_speculative_labels():
     side = Side("plain", text="a cat", spans=[("a cat", "target")],
                 stats=Stats(mode="plain", new_tokens=3, decode_tokens=2))
-    html = views.highlight_html(side)
+    html = highlight.highlight_html(side)
     assert "drafter" not in html and "green" not in html and "a cat" in html
 
 
@@ -161,13 +176,23 @@ def test_time_to_first_token_is_split_into_what_the_turn_had():
     some) and the prompt's pass, each on its own."""
     waited = Stats(mode="plain", ttft_s=4.754, prepare_s=4.117, queue_wait_s=3.997, prefill_s=0.637)
     row = dict(views._stat_rows(waited))["Time to first token"]
-    assert row == ("4754 ms (waiting in line 3997 ms · prompt prepared in 120 ms · prompt read to the first token "
-                   "in 637 ms)")
+    assert row == ("4.75 s (waiting in line 4.00 s · prompt prepared in 0.12 s · prompt read to the first token "
+                   "in 0.64 s)")
     assert "images" not in row
     pictured = Stats(mode="plain", ttft_s=0.9, prepare_s=0.3, prefill_s=0.6, prefill_image_tokens=64)
     row = dict(views._stat_rows(pictured))["Time to first token"]
-    assert row.startswith("900 ms (images and prompt prepared in 300 ms") and "waiting" not in row
-    assert views.key_figures(pictured).split(" · ")[1] == "first token 900 ms"
+    assert row.startswith("0.90 s (images and prompt prepared in 0.30 s") and "waiting" not in row
+    assert views.key_figures(pictured).split(" · ")[1] == "first token 0.90 s"
+
+
+def test_times_are_in_seconds_and_a_finished_answer_counts_its_end_token():
+    """Issue 60, item 10: "ms" beside "s" in one panel; "Answer 2 tokens" for "4", the end token unexplained."""
+    four = Stats(mode="plain", new_tokens=2, decode_tokens=1, total_s=0.05, decode_s=0.012, ttft_s=0.038,
+                 prefill_s=0.03, finish_reason="stop_token")
+    text = views.stats_markdown(four)
+    assert " ms" not in text and "0.038 s" in text
+    assert "2 tokens, the last one the end-of-answer token, in 0.050 s (1 token after the first, in 0.012 s)" in text
+    assert "end-of-answer" not in views.stats_markdown(Stats(mode="plain", new_tokens=2, finish_reason="max_new_tokens"))
 
 
 def test_the_place_in_line_and_the_wait_expected_are_said():
@@ -193,6 +218,13 @@ def test_a_cut_or_stopped_answer_says_so_in_the_chat():
     assert answers[0] == "Hello." and answers[3] == "So."  # whole, and nothing newly left out
     assert answers[1] == "Once\n\n*— stopped: the answer ends here*"
     assert "cut at the server's time budget" in answers[2] and "without the 2 oldest turns" in answers[2]
+    long = Turn("Explain", [], [], answer="First,", stats=Stats(finish_reason="max_new_tokens", new_tokens=40))
+    restored = Turn("Explain", [], [], answer="First,", saved={"stats": {"finish_reason": "max_new_tokens",
+                                                                           "new_tokens": 40}})
+    session.turns = [long, restored]
+    answers = [m["content"] for m in views.chatbot_messages(session) if m["role"] == "assistant"]
+    assert answers[0] == answers[1] == ("First,\n\n*— cut at the Max new tokens setting (40 tokens): for more, raise it "
+                                        "in the settings and press Retry*")
 
 
 def test_the_draft_length_row_covers_the_whole_answer():
