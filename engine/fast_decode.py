@@ -293,28 +293,65 @@ class FastStack:
         entries. attention_mask: None (causal over the new rows, every cached entry visible) or
         (n, length + n), bool (True = attend) or additive. Returns the last layer's output
         (n, H), not normed, and {i: (n, H)} for i in `keep` (0 = x, i = the output of layer i)."""
-        n, start = len(x), cache.length
-        cache.reserve(n)
-        cos, signed_sin = self.rotary(positions)
-        if attention_mask is None and n > 1:  # causal: row i sees slots 0 .. start + i
-            attention_mask = torch.ones(n, start + n, dtype=torch.bool, device=x.device).tril(start)
-        if attention_mask is not None and attention_mask.is_floating_point():
-            attention_mask = attention_mask.to(self.cache_dtype)  # additive: in the attention's dtype
-        mask = None if attention_mask is None else attention_mask[None, None]
+        return self.forward_parts([cache], x, [positions], [attention_mask], keep)
+
+    def forward_parts(self, caches: list[StaticKVCache], x: torch.Tensor, positions: list[torch.Tensor | range],
+                      attention_masks: list[torch.Tensor | None], keep: set[int] = frozenset()
+                      ) -> tuple[torch.Tensor, dict]:
+        """`forward` for several requests in one pass: x (N, H) holds each request's rows after the ones
+        before it, request p's at its positions[p] over its own caches[p] under its attention_masks[p]. The
+        products run over all N rows, the attention per request (engine/fast_layer.cpp `stack_parts`); only
+        the compiled stack takes several, and only where every product sums each row alone
+        (`FastDecoder.shares_passes`). Returns (N, H) and {i: (N, H)} as `forward` does."""
+        if len(caches) > 1 and self.native is None:
+            raise ValueError("the Python layer's products are not summed row by row: pass each request alone")
+        rows = [len(p) if isinstance(p, range) else p.shape[-1] for p in positions]
+        starts = [cache.length for cache in caches]
+        for cache, n in zip(caches, rows):
+            cache.reserve(n)
+        tables = [self.rotary(p) for p in positions]
+        cos, signed_sin = tables[0] if len(tables) == 1 else (torch.cat(table) for table in zip(*tables))
+        masks = [self._mask(mask, start, n, x.device) for mask, start, n in zip(attention_masks, starts, rows)]
         hidden = {0: x} if 0 in keep else {}
         if self.native is not None:  # every layer in one call (engine/fast_layer.cpp)
             later = sorted(keep - {0})
-            x, *kept = self.native.stack(x, self._native_layers(), cos, signed_sin, cache.keys, cache.values, start,
-                                         mask, *self.sizes_args, later)
+            x, *kept = self.native.stack_parts(x, self._native_layers(), cos, signed_sin,
+                                               [cache.keys for cache in caches], [cache.values for cache in caches],
+                                               starts, rows, masks, *self.sizes_args, later)
             hidden.update(zip(later, kept))
         else:
+            cache, start, mask = caches[0], starts[0], masks[0]
             for index, layer in enumerate(self.layers):
                 x = self.layer_fn(layer, self.sizes, x, cos, signed_sin, cache.keys[index], cache.values[index],
                                   start, mask)
                 if index + 1 in keep:
                     hidden[index + 1] = x
-        cache.length = start + n
+        for cache, start, n in zip(caches, starts, rows):
+            cache.length = start + n
         return x, hidden
+
+    def _mask(self, attention_mask: torch.Tensor | None, start: int, n: int, device) -> torch.Tensor | None:
+        """A pass's mask as the layers take it, (1, 1, n, start + n), or None (one row, every slot visible)."""
+        if attention_mask is None and n > 1:  # causal: row i sees slots 0 .. start + i
+            attention_mask = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.to(self.cache_dtype)  # additive: in the attention's dtype
+        return None if attention_mask is None else attention_mask[None, None]
+
+
+@dataclass
+class PassPart:
+    """One request's rows in a pass (FastDecoder.forward): token_ids (n,) at rotary `positions` (n,)
+    (or a range of them), appended after `cache`'s entries under attention_mask (None: causal over
+    the new rows, or an additive (n, length + n) one, a draft tree's), keeping {layer: (n, H)} for
+    `hidden_layers` (indexed as output_hidden_states: 0 embeddings, i the output of layer i, -1 / L
+    the final norm's)."""
+
+    cache: StaticKVCache
+    token_ids: list[int]
+    positions: torch.Tensor | range
+    attention_mask: torch.Tensor | None = None
+    hidden_layers: tuple[int, ...] = ()
 
 
 class FastDecoder:
@@ -367,34 +404,46 @@ class FastDecoder:
                              for layer in self.stack.layers]
         self.head_weight = convert(self.head_weight)
 
-    def forward(self, cache: StaticKVCache, token_ids: list[int], positions: torch.Tensor | range,
-                attention_mask: torch.Tensor | None, num_logits: int,
-                hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run token_ids (n,) at rotary `positions` (n,) (or a range of them), appended after the
-        cache's entries.
-
-        attention_mask: None (causal over the new tokens, all cached entries visible) or an
-        additive (n, length + n) one (a draft tree's). Returns the logits of the last
-        `num_logits` tokens, (num_logits, V), and {layer: (n, H)} for `hidden_layers` (indexed as
-        output_hidden_states: 0 embeddings, i the output of layer i, -1 / L the final norm's).
-        """
-        num_layers = len(self.stack.layers)
-        keep = {num_layers if i == -1 else i for i in hidden_layers}
+    def shares_passes(self, num_rows: int, dtype: torch.dtype) -> bool:
+        """Whether a pass of `num_rows` rows can hold several requests' (`forward` with several parts):
+        the compiled stack, every product summing each row alone at that many rows (engine/fast_layer.cpp
+        `rows_alone`: the rows kernel, up to tree.MAX_VERIFY_ROWS rows, or the integer kernels), so each
+        request's logits are bitwise its own pass's."""
         native = self.stack.native
+        return native is not None and native.rows_alone(self.stack._native_layers(), self._head(native),
+                                                        self.lm_head.bias, num_rows, torch.empty(0, dtype=dtype))
+
+    def forward(self, parts: list[PassPart]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """Run each part's tokens over its cache in one pass (several only where `shares_passes`). Returns
+        for each part the logits of all its tokens, (n, V), and {layer: (n, H)} for its hidden_layers."""
+        num_layers = len(self.stack.layers)
+        keep = {num_layers if i == -1 else i for part in parts for i in part.hidden_layers}
+        native = self.stack.native
+        token_ids = [token for part in parts for token in part.token_ids]
         weight = self.embed.weight  # the covered families' embedding: a lookup
         if native is not None and weight.is_contiguous():
             x = native.embed(weight, token_ids)
         else:  # a GPU, or a tied embedding stored (in, out)
             x = F.embedding(torch.tensor(token_ids, device=weight.device), weight)
-        x, hidden = self.stack.forward(cache, x, positions, attention_mask, keep - {num_layers})
-        normed = None  # the final norm's rows, (n, H) where a drafter reads them
+        x, hidden = self.stack.forward_parts([part.cache for part in parts], x, [part.positions for part in parts],
+                                             [part.attention_mask for part in parts], keep - {num_layers})
         if num_layers in keep:
-            hidden[num_layers] = normed = self.stack.norm(x, self.final_norm)
-        hidden = {i: hidden[num_layers if i == -1 else i] for i in hidden_layers}
+            hidden[num_layers] = self.stack.norm(x, self.final_norm)
         if native is not None:  # final norm and output layer in one call, whatever a drafter reads: the
             # same kernel as plain decoding's passes (torch.mm here read the head at half the speed)
-            if getattr(self, "_native_head_for", None) is not self.head_weight:
-                self._native_head, self._native_head_for = native_weight(native, self.head_weight), self.head_weight
-            return native.logits(x, self.final_norm, self._native_head, self.lm_head.bias, self.eps, num_logits), hidden
-        normed = self.stack.norm(x[-num_logits:], self.final_norm) if normed is None else normed[-num_logits:]
-        return linear(normed, self.head_weight, self.lm_head.bias), hidden
+            logits = native.logits(x, self.final_norm, self._head(native), self.lm_head.bias, self.eps, len(x))
+        else:
+            normed = hidden[num_layers] if num_layers in keep else self.stack.norm(x, self.final_norm)
+            logits = linear(normed, self.head_weight, self.lm_head.bias)
+        out, first = [], 0
+        for part in parts:
+            rows = slice(first, first + len(part.token_ids))
+            out.append((logits[rows], {i: hidden[num_layers if i == -1 else i][rows] for i in part.hidden_layers}))
+            first = rows.stop
+        return out
+
+    def _head(self, native):
+        """The output layer's weight as the compiled stack takes it, made once a head weight."""
+        if getattr(self, "_native_head_for", None) is not self.head_weight:
+            self._native_head, self._native_head_for = native_weight(native, self.head_weight), self.head_weight
+        return self._native_head
