@@ -80,8 +80,9 @@ class Running:
     def advance(self) -> PassRequest | None:
         """Go on to the answer's next target pass (returned), each event on the way into the job's
         queue; None when the answer ended (its queue closed)."""
+        ended = None
+        reply, self.reply = self.reply, None
         try:
-            reply, self.reply = self.reply, None
             if isinstance(reply, Exception):
                 item = self.steps.throw(reply)
             else:
@@ -93,7 +94,12 @@ class Running:
         except StopIteration:
             pass
         except Exception as error:  # the reader raises it
-            self.job.events.put(error)
+            ended = error
+        # The answer's tensors go before its reader hears the end: one freed on this thread while the
+        # reader's process exits aborts it ("terminate called without an active exception").
+        reply = self.steps = None
+        if ended is not None:
+            self.job.events.put(ended)
         self.job.events.put(_END)
         return None
 

@@ -127,3 +127,24 @@ def test_beyond_running_requests_a_request_waits_with_its_place_in_line(engine, 
 def live_caches() -> int:
     gc.collect()
     return sum(type(obj) is StaticKVCache for obj in gc.get_objects())
+
+
+def test_running_requests_comes_from_its_flag_or_variable():
+    """--running-requests, else VLM_RUNNING_REQUESTS (the app reads variables), else 4, reaches the
+    engine's spec; out of its range it is refused naming the variable."""
+    import argparse
+
+    from engine.build import spec_from_args
+    from engine.load_settings import add_model_flags
+    from models.loading import LoadError
+
+    def running(environ: dict, *flags: str) -> int:
+        parser = argparse.ArgumentParser()
+        add_model_flags(parser, environ)
+        return spec_from_args(parser.parse_args(["--preset", "demo", *flags])).running_requests
+
+    assert running({}) == 4
+    assert running({"VLM_RUNNING_REQUESTS": "8"}) == 8
+    assert running({"VLM_RUNNING_REQUESTS": "8"}, "--running-requests", "2") == 2
+    with pytest.raises(LoadError, match="VLM_RUNNING_REQUESTS: 0 is under 1"):
+        running({"VLM_RUNNING_REQUESTS": "0"})
