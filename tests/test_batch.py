@@ -1,9 +1,9 @@
 """Several requests' passes in one target pass (engine/runner.py `Runner.run`, engine/fast_layer.cpp
 `stack_parts`): the products over all their rows, the attention per request over its own cache.
 Each request's logits are bitwise those of its own pass (torch.equal), with any mix of neighbours
-(a plain step, chains, trees, prompts with 0-2 images), in float32, bfloat16 and int8, on the
-compiled stack and on the Python paths (which run each request's pass alone), and the caches they
-leave are the same."""
+(a plain step, chains, trees, prompts with 0-2 images), and the caches they leave are the same: on
+the compiled stack in float32 and bfloat16, with int8 and w8a8 weights and over GGUF blocks (float
+and integer rows), and on the Python paths, which run each request's pass alone."""
 
 from __future__ import annotations
 
@@ -117,6 +117,29 @@ def test_requests_sharing_a_compiled_pass_get_their_own_passes_logits(zoo, dtype
     assert_shared_is_alone(runner, target)
     # the shared decode's rounds: 74 rows (over MAX_VERIFY_ROWS) as 3 requests' pass and 1's, then one pass of 4
     assert sum(len(rounds[0][0]) + 1 for _, rounds in REQUESTS) > MAX_VERIFY_ROWS
+    assert recorder.sizes[-3:] == [3, 1, 4]
+
+
+@NO_COMPILER
+@pytest.mark.parametrize("arithmetic", ["float", "integer"])
+def test_requests_sharing_a_pass_over_gguf_blocks_get_their_own_passes_logits(zoo, monkeypatch, arithmetic,
+                                                                              one_thread):
+    """Weights read from GGUF blocks (engine/packed.py): float32 rows, and integer rows, which make each
+    row of x int8 on its own (engine/fast_blocks.h)."""
+    from engine import packed
+    from engine.fast_decode import FastDecoder
+    from tests.test_packed import gguf_model
+
+    monkeypatch.setenv("VLM_PACKED_WEIGHTS", "1")
+    target = copy.copy(gguf_model(zoo.target("qwen2_vl")))
+    target.model = copy.deepcopy(target.model)
+    runner = Runner(target.model, target.family)
+    runner.fast = FastDecoder(target.model, input_major=False)
+    assert runner.fast.packed_bytes > 0
+    runner.fast.use_weight_arithmetic(arithmetic)
+    assert {w.arithmetic for w in runner.fast.weights() if isinstance(w, packed.PackedWeight)} == {arithmetic}
+    recorder = Recorder(runner.fast)
+    assert_shared_is_alone(runner, target)
     assert recorder.sizes[-3:] == [3, 1, 4]
 
 
