@@ -73,6 +73,7 @@ class PassRequest:
 
     target: Runner
     one: tree.Pass
+    beside: int = 0  # the other answers stepped in the same round (engine/worker.py), whose work is in its time
 
 
 def generate(target: Runner, *args, **kwargs) -> Iterator[Chunk | Done]:
@@ -152,7 +153,8 @@ def answer(
         drafted_at = clock.now()
         # 3. Verify: one target pass over the last committed token and every draft node, (n+1, V)
         #    (run by the caller: alone, or in one pass with other requests', bitwise the same).
-        target_logits = yield PassRequest(target, tree.verify_pass(target, state, generated[-1], draft))
+        verify = PassRequest(target, tree.verify_pass(target, state, generated[-1], draft))
+        target_logits = yield verify
         verified_at = clock.now()
         # 4. Accept the path of nodes the target agrees with plus the target's own bonus token.
         path, bonus_token = accept_tree(sampler, draft.token_ids, draft.parents, draft.probs, target_logits)
@@ -168,7 +170,7 @@ def answer(
         now = clock.now()
         stats.record_time(started, first_token_at, now)
         length.update(len(draft.token_ids) + 1, depth, len(path), draft.parents is not None,
-                      drafted_at - round_started, verified_at - drafted_at, now - round_started)
+                      drafted_at - round_started, verified_at - drafted_at, now - round_started, not verify.beside)
         yield _chunk(text, new_tokens, min(len(path), len(new_tokens)), stats)
     length.finish()
     stats.record_time(started, first_token_at, clock.now())

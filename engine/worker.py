@@ -153,6 +153,7 @@ class Worker:
         asked = [(request, item) for request in running if (item := request.advance()) is not None]
         by_target: dict[int, list[tuple[Running, PassRequest]]] = {}
         for request, item in asked:
+            item.beside = len(asked) - 1
             by_target.setdefault(id(item.target), []).append((request, item))
         for group in by_target.values():
             try:

@@ -148,3 +148,13 @@ def test_running_requests_comes_from_its_flag_or_variable():
     assert running({"VLM_RUNNING_REQUESTS": "8"}, "--running-requests", "2") == 2
     with pytest.raises(LoadError, match="VLM_RUNNING_REQUESTS: 0 is under 1"):
         running({"VLM_RUNNING_REQUESTS": "0"})
+
+
+def test_rounds_beside_other_answers_are_not_priced_as_the_engines_pass_costs(zoo):
+    """A round's times beside other answers hold their work too (engine/draft_length.py): the engine's
+    measured pass costs learn from rounds alone only."""
+    engine = Engine(zoo.target("qwen2_vl"), running_requests=3)
+    together(engine, [(0, None, DECODE)] * 3)
+    assert engine.costs.rounds == 0
+    alone(engine, 0, None, DECODE)
+    assert engine.costs.rounds == DECODE.max_new_tokens - 1  # the first token is the prefill's
