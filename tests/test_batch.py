@@ -1,7 +1,8 @@
 """Several requests' passes in one target pass (engine/runner.py `Runner.run`, engine/fast_layer.cpp
 `stack_parts`): the products over all their rows, the attention per request over its own cache.
 Each request's logits are bitwise those of its own pass (torch.equal), with any mix of neighbours
-(a plain step, chains, trees, prompts with 0-2 images), and the caches they leave are the same: on
+(a plain step, chains, trees, prompts with 0-2 images), and so are the hidden rows a drafter reads
+and the caches they leave: on
 the compiled stack in float32 and bfloat16, with int8 and w8a8 weights and over GGUF blocks (float
 and integer rows), and on the Python paths, which run each request's pass alone."""
 
@@ -12,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from engine.runner import Runner
+from engine.runner import NO_READS, Runner, TargetReads
 from engine.tree import MAX_VERIFY_ROWS, Pass
 from tests.test_fast_decode import prompt_of
 from tests.test_fast_native import NO_COMPILER, bitwise_target
@@ -26,13 +27,14 @@ REQUESTS = [  # (images in the prompt, rounds)
     (2, [([7, 9, 11, 5, 3, 2], TREE, [0, 1, 2, 4]), ([9], None, 2)]),  # a tree, then a chain
     (0, [([5] * 60, None, 31), ([8, 6], [-1, 0], [0, 1, 2])]),  # 61 rows: the first round runs as two passes
 ]
+READS = {2: TargetReads(hidden_layers=(0, 1, -1))}  # a request whose drafter reads the target's hidden rows
 
 
 def requests(runner, target) -> list:
     """Each request's state after its prompt, and its first token."""
     states = []
-    for num_images, _ in REQUESTS:
-        logits, state = runner.prefill(prompt_of(target, num_images).target_inputs)
+    for index, (num_images, _) in enumerate(REQUESTS):
+        logits, state = runner.prefill(prompt_of(target, num_images).target_inputs, READS.get(index, NO_READS))
         states.append((state, int(logits.argmax())))
     return states
 
@@ -60,8 +62,9 @@ def settle(runner, states, passes, round_index: int) -> list:
 
 
 def decode(runner, target, shared: bool) -> tuple[list[torch.Tensor], list]:
-    """Every request's logits over the rounds: all requests' passes of a round through one `run`
-    (shared), or each through its own extend / extend_tree; and the caches left."""
+    """Every request's logits over the rounds, and the hidden rows a drafter reads after each pass and
+    after its settling: all requests' passes of a round through one `run` (shared), or each through its
+    own extend / extend_tree; and the caches left."""
     states = requests(runner, target)
     logits = []
     for round_index in range(2):
@@ -71,8 +74,16 @@ def decode(runner, target, shared: bool) -> tuple[list[torch.Tensor], list]:
         else:
             logits += [runner.extend(one.state, one.token_ids) if one.parents is None
                        else runner.extend_tree(one.state, one.token_ids, one.parents) for one in passes]
+        logits += hidden_rows(states)
         states = settle(runner, states, passes, round_index)
+        logits += hidden_rows(states)
     return logits, [committed(state) for state, _ in states]
+
+
+def hidden_rows(states) -> list[torch.Tensor]:
+    rows = [state.hidden[layer].clone() for state, _ in states if state.reads for layer in state.reads.hidden_layers]
+    assert len(rows) == 3
+    return rows
 
 
 def committed(state) -> list[torch.Tensor]:
@@ -98,7 +109,7 @@ class Recorder:
 def assert_shared_is_alone(runner, target) -> None:
     alone, alone_caches = decode(runner, target, shared=False)
     shared, shared_caches = decode(runner, target, shared=True)
-    assert len(shared) == len(alone) == 2 * len(REQUESTS)
+    assert len(shared) == len(alone) == 2 * (len(REQUESTS) + 2 * 3)
     for a, b in zip(shared, alone):
         assert torch.equal(a, b)
     for a, b in zip(shared_caches, alone_caches):
