@@ -2,9 +2,9 @@
 `stack_parts`): the products over all their rows, the attention per request over its own cache.
 Each request's logits are bitwise those of its own pass (torch.equal), with any mix of neighbours
 (a plain step, chains, trees, prompts with 0-2 images), and so are the hidden rows a drafter reads
-and the caches they leave: on
-the compiled stack in float32 and bfloat16, with int8 and w8a8 weights and over GGUF blocks (float
-and integer rows), and on the Python paths, which run each request's pass alone."""
+and the caches they leave: on the compiled stack in float32 and bfloat16, with int8 and w8a8
+weights and over GGUF blocks (float and integer rows), and on the Python paths, which run each
+request's pass alone."""
 
 from __future__ import annotations
 
