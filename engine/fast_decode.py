@@ -34,8 +34,8 @@ below is its reference and the fallback.
 One decoder-layer function (`decoder_layer`) and one stack of them (`FastStack`) serve every
 user: the target's and model drafters' forward (`FastDecoder`, through engine/runner.py) and
 the drafter heads' (engine/fast_heads.py: the MTP head and the block drafter, whose entries
-sit at the target's M-RoPE positions, three rows that differ after an image: `RotaryTable`
-takes (3, n) positions and recomposes the rows by `mrope_section` as transformers does).
+sit at the target's M-RoPE positions, three rows that differ after an image: engine/rotary.py's
+`RotaryTable` takes (3, n) positions and recomposes the rows by `mrope_section` as transformers does).
 
 Covered: text stacks of full-attention layers with default RoPE, SiLU MLP and plain float
 Linear weights: Qwen2-VL / Qwen2.5-VL (text tokens move all three M-RoPE rows together, which
@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from engine import fast_native, huge_pages, packed
 from engine.quantized import QUANTIZED, Int8Weight, Q4Weight, native_layer, native_weight, quantized_linear
+from engine.rotary import RotaryTable
 from engine.static_cache import StaticKVCache
 from models.families import fast_text_types
 
@@ -169,42 +170,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
-class RotaryTable:
-    """Rotary cos and signed sin by position, as transformers computes them: in float32, then
-    cast. signed_sin = sin with its first half negated: with x's halves swapped (x rolled by
-    half its width), swapped(x) * signed_sin == rotate_half(x) * sin."""
-
-    def __init__(self, rotary: torch.nn.Module, head_dim: int, dtype: torch.dtype):
-        """rotary: the model's rotary embedding module (its inv_freq, and mrope_section if M-RoPE)."""
-        self.inv_freq = rotary.inv_freq.float()
-        self.head_dim, self.dtype = head_dim, dtype
-        self.cos = self.signed_sin = torch.empty(0, head_dim, dtype=dtype, device=self.inv_freq.device)
-        section = getattr(rotary, "mrope_section", None)
-        if section is not None:  # M-RoPE: the row (0 time, 1 height, 2 width) each dimension reads
-            rows = torch.cat([torch.full((size,), i % 3) for i, size in enumerate(section)])
-            self.row_of = torch.cat([rows, rows]).to(self.inv_freq.device)  # (D,)
-
-    def __call__(self, positions: torch.Tensor | range) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin (n, 1, D) at positions (n,) or a range of them (views of the table), or at
-        M-RoPE positions (3, n): dimension d reads row row_of[d] (transformers' recomposition by
-        mrope_section)."""
-        end = positions.stop if isinstance(positions, range) else int(positions.max()) + 1
-        if end > len(self.cos):  # extend the table (doubling) to cover `end`
-            table_len = max(end, 2 * len(self.cos), 1024)
-            freqs = torch.arange(table_len, device=self.inv_freq.device)[:, None].float() * self.inv_freq
-            emb = torch.cat((freqs, freqs), dim=-1)
-            sin = emb.sin()
-            half = self.head_dim // 2
-            self.cos = emb.cos().to(self.dtype)
-            self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.dtype)
-        if isinstance(positions, range):  # consecutive: slices of the table
-            return self.cos[positions.start:end, None], self.signed_sin[positions.start:end, None]
-        if positions.dim() == 1:
-            return self.cos[positions][:, None], self.signed_sin[positions][:, None]
-        index = self.row_of.expand(1, positions.shape[1], -1)  # (1, n, D)
-        return tuple(table[positions].gather(0, index)[0][:, None] for table in (self.cos, self.signed_sin))
-
-
 def decoder_layer(layer: Layer, sizes: Attention, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                   keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None,
                   left_out=frozenset()) -> torch.Tensor:
@@ -287,22 +252,15 @@ class FastStack:
         return StaticKVCache(len(self.layers), self.sizes.kv_heads, self.sizes.head_dim, capacity, self.cache_dtype,
                              self.device)
 
-    def forward(self, cache: StaticKVCache, x: torch.Tensor, positions: torch.Tensor | range,
-                attention_mask: torch.Tensor | None, keep: set[int] = frozenset()) -> tuple[torch.Tensor, dict]:
-        """Run x (n, H) at rotary positions (n,) (or a range of them) or M-RoPE (3, n), appended after the cache's
-        entries. attention_mask: None (causal over the new rows, every cached entry visible) or
-        (n, length + n), bool (True = attend) or additive. Returns the last layer's output
-        (n, H), not normed, and {i: (n, H)} for i in `keep` (0 = x, i = the output of layer i)."""
-        return self.forward_parts([cache], x, [positions], [attention_mask], keep)
-
-    def forward_parts(self, caches: list[StaticKVCache], x: torch.Tensor, positions: list[torch.Tensor | range],
-                      attention_masks: list[torch.Tensor | None], keep: set[int] = frozenset()
-                      ) -> tuple[torch.Tensor, dict]:
-        """`forward` for several requests in one pass: x (N, H) holds each request's rows after the ones
-        before it, request p's at its positions[p] over its own caches[p] under its attention_masks[p]. The
-        products run over all N rows, the attention per request (engine/fast_layer.cpp `stack_parts`); only
-        the compiled stack takes several, and only where every product sums each row alone
-        (`FastDecoder.shares_passes`). Returns (N, H) and {i: (N, H)} as `forward` does."""
+    def forward(self, caches: list[StaticKVCache], x: torch.Tensor, positions: list[torch.Tensor | range],
+                attention_masks: list[torch.Tensor | None], keep: set[int] = frozenset()) -> tuple[torch.Tensor, dict]:
+        """Run x (N, H), appended after each cache's entries: request p's rows (after those of the requests
+        before it) at its rotary positions[p], (n,) or a range of them, or M-RoPE (3, n), over its own
+        caches[p] under attention_masks[p]: None (causal over the new rows, every cached entry visible) or
+        (n, length + n), bool (True = attend) or additive. Several requests only on the compiled stack
+        (engine/fast_layer.cpp `stack_parts`: the products over all N rows, the attention per request),
+        where every product sums each row alone (`FastDecoder.shares_passes`). Returns the last layer's
+        output (N, H), not normed, and {i: (N, H)} for i in `keep` (0 = x, i = the output of layer i)."""
         if len(caches) > 1 and self.native is None:
             raise ValueError("the Python layer's products are not summed row by row: pass each request alone")
         rows = [len(p) if isinstance(p, range) else p.shape[-1] for p in positions]
@@ -331,27 +289,12 @@ class FastStack:
         return x, hidden
 
     def _mask(self, attention_mask: torch.Tensor | None, start: int, n: int, device) -> torch.Tensor | None:
-        """A pass's mask as the layers take it, (1, 1, n, start + n), or None (one row, every slot visible)."""
+        """A request's mask as the layers take it, (1, 1, n, start + n), or None (one row, all visible)."""
         if attention_mask is None and n > 1:  # causal: row i sees slots 0 .. start + i
             attention_mask = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
         if attention_mask is not None and attention_mask.is_floating_point():
             attention_mask = attention_mask.to(self.cache_dtype)  # additive: in the attention's dtype
         return None if attention_mask is None else attention_mask[None, None]
-
-
-@dataclass
-class PassPart:
-    """One request's rows in a pass (FastDecoder.forward): token_ids (n,) at rotary `positions` (n,)
-    (or a range of them), appended after `cache`'s entries under attention_mask (None: causal over
-    the new rows, or an additive (n, length + n) one, a draft tree's), keeping {layer: (n, H)} for
-    `hidden_layers` (indexed as output_hidden_states: 0 embeddings, i the output of layer i, -1 / L
-    the final norm's)."""
-
-    cache: StaticKVCache
-    token_ids: list[int]
-    positions: torch.Tensor | range
-    attention_mask: torch.Tensor | None = None
-    hidden_layers: tuple[int, ...] = ()
 
 
 class FastDecoder:
@@ -405,17 +348,17 @@ class FastDecoder:
         self.head_weight = convert(self.head_weight)
 
     def shares_passes(self, num_rows: int, dtype: torch.dtype) -> bool:
-        """Whether a pass of `num_rows` rows can hold several requests' (`forward` with several parts):
-        the compiled stack, every product summing each row alone at that many rows (engine/fast_layer.cpp
-        `rows_alone`: the rows kernel, up to tree.MAX_VERIFY_ROWS rows, or the integer kernels), so each
-        request's logits are bitwise its own pass's."""
+        """Whether a pass of `num_rows` rows can hold several requests' (`forward` with several parts): the
+        compiled stack, each product summing each row alone (engine/fast_layer.cpp `rows_alone`)."""
         native = self.stack.native
         return native is not None and native.rows_alone(self.stack._native_layers(), self._head(native),
                                                         self.lm_head.bias, num_rows, torch.empty(0, dtype=dtype))
 
-    def forward(self, parts: list[PassPart]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
-        """Run each part's tokens over its cache in one pass (several only where `shares_passes`). Returns
-        for each part the logits of all its tokens, (n, V), and {layer: (n, H)} for its hidden_layers."""
+    def forward(self, parts: list) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """Run each part's tokens (engine/runner.py PassPart) over its cache in one pass (several only where
+        `shares_passes`). Returns for each the logits of all its tokens, (n, V), and {layer: (n, H)} for
+        its hidden_layers (indexed as output_hidden_states: 0 embeddings, i layer i's output, -1 / L the
+        final norm's)."""
         num_layers = len(self.stack.layers)
         keep = {num_layers if i == -1 else i for part in parts for i in part.hidden_layers}
         native = self.stack.native
@@ -425,8 +368,8 @@ class FastDecoder:
             x = native.embed(weight, token_ids)
         else:  # a GPU, or a tied embedding stored (in, out)
             x = F.embedding(torch.tensor(token_ids, device=weight.device), weight)
-        x, hidden = self.stack.forward_parts([part.cache for part in parts], x, [part.positions for part in parts],
-                                             [part.attention_mask for part in parts], keep - {num_layers})
+        x, hidden = self.stack.forward([part.cache for part in parts], x, [part.positions for part in parts],
+                                       [part.attention_mask for part in parts], keep - {num_layers})
         if num_layers in keep:
             hidden[num_layers] = self.stack.norm(x, self.final_norm)
         if native is not None:  # final norm and output layer in one call, whatever a drafter reads: the
@@ -435,12 +378,10 @@ class FastDecoder:
         else:
             normed = hidden[num_layers] if num_layers in keep else self.stack.norm(x, self.final_norm)
             logits = linear(normed, self.head_weight, self.lm_head.bias)
-        out, first = [], 0
-        for part in parts:
-            rows = slice(first, first + len(part.token_ids))
-            out.append((logits[rows], {i: hidden[num_layers if i == -1 else i][rows] for i in part.hidden_layers}))
-            first = rows.stop
-        return out
+        sizes = [len(part.token_ids) for part in parts]
+        rows = {layer: kept.split(sizes) for layer, kept in hidden.items()}
+        return [(part_logits, {i: rows[num_layers if i == -1 else i][p] for i in part.hidden_layers})
+                for p, (part, part_logits) in enumerate(zip(parts, logits.split(sizes)))]
 
     def _head(self, native):
         """The output layer's weight as the compiled stack takes it, made once a head weight."""

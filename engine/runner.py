@@ -20,7 +20,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 from engine import fast_decode
-from engine.fast_decode import PassPart
 from engine.static_cache import StaticKVCache
 from engine.tree import MAX_VERIFY_ROWS, Pass, ancestor_mask, tree_depths
 from models.families import Family
@@ -79,6 +78,20 @@ class CacheState:
     def stop_reading(self) -> None:
         """After a drafter's fallback: later passes compute nothing for a drafter."""
         self.reads, self.hidden, self.shared_kv = NO_READS, None, None
+
+
+@dataclass
+class PassPart:
+    """One request's rows in a fast pass (engine/fast_decode.py FastDecoder.forward): token_ids (n,) at
+    rotary `positions` (n,) (or a range of them) after `cache`'s entries, under attention_mask (None:
+    causal over the new rows, or an additive (n, length + n) one, a draft tree's), keeping the rows of
+    `hidden_layers`."""
+
+    cache: StaticKVCache
+    token_ids: list[int]
+    positions: torch.Tensor | range
+    attention_mask: torch.Tensor | None = None
+    hidden_layers: tuple[int, ...] = ()
 
 
 PREFILL_CHUNK = 512  # a longer prompt is read in passes of this many tokens, Stop looked at between them
