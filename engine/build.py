@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from engine.drafters.base import Drafter
 from engine.drafters.registry import load_drafter
 from engine.engine import AUTO, Engine
-from engine.load_settings import CPU_IMAGE_TOKENS, add_model_flags  # noqa: F401 (every command imports it here)
+from engine.load_settings import CPU_IMAGE_TOKENS, LoadSettings, add_model_flags  # noqa: F401 (every command imports it here)
 from engine.settings import MAX_COUNT, MAX_COUNT_TEXT
 from engine.target import load_target
 from models.loading import LoadError, LoadOptions, fitted_options, resolve_device
@@ -41,6 +41,7 @@ class EngineSpec:
     max_images: int = 8
     max_image_tokens: int | None = CPU_IMAGE_TOKENS  # each image's budget of tokens; None: the processor's own
     auto: bool = False  # `--drafter auto`: each request picks among the drafters (engine/auto.py)
+    running_requests: int = LoadSettings.running_requests  # the most answers decoded together (engine/worker.py)
 
 
 def spec_from_args(args: argparse.Namespace, max_images: int = 8) -> EngineSpec:
@@ -60,7 +61,8 @@ def spec_from_args(args: argparse.Namespace, max_images: int = 8) -> EngineSpec:
                           weight_arithmetic=arithmetic,
                           trust_remote_code=args.trust_remote_code, drafter_dtype=args.drafter_dtype)
     return EngineSpec(target, tuple(names), options, preset, max_images,
-                      image_token_budget(getattr(args, "max_image_tokens", None), options), auto)
+                      image_token_budget(getattr(args, "max_image_tokens", None), options), auto,
+                      getattr(args, "running_requests", LoadSettings.running_requests))
 
 
 def image_token_budget(flag: int | None, options: LoadOptions) -> int | None:
@@ -102,7 +104,7 @@ def build_engine(spec: EngineSpec) -> Engine:
         drafter = load_drafter(name, target, options)
         drafters[drafter_key(drafter, drafters)] = drafter
     return Engine(target, drafters, max_images=spec.max_images, max_image_tokens=spec.max_image_tokens,
-                  auto=spec.auto)
+                  auto=spec.auto, running_requests=spec.running_requests)
 
 
 def drafter_key(drafter: Drafter, taken: dict) -> str:

@@ -277,10 +277,13 @@ class DraftLength:
         return max(self.max_k, self.fixed or 0, 1)
 
     def update(self, rows: int, depth: int, num_accepted: int, tree: bool, draft_s: float, verify_s: float,
-               round_s: float) -> int:
+               round_s: float, alone: bool = True) -> int:
         """Learn one round: `rows` verified (1 + draft nodes), drafted `depth` deep, `num_accepted`
-        kept; seconds drafting, verifying and in all. Returns the next k."""
-        self.costs.record_round(Round(self.drafter, rows, depth, tree, draft_s, verify_s, round_s))
+        kept; seconds drafting, verifying and in all. Returns the next k. A round stepped beside other
+        answers (not `alone`: engine/worker.py's shared rounds) has their work in its times: they are
+        not recorded as the engine's pass costs."""
+        if alone:
+            self.costs.record_round(Round(self.drafter, rows, depth, tree, draft_s, verify_s, round_s))
         if depth:
             self.tree = tree
             self.seen.record(depth, num_accepted)

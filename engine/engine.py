@@ -4,14 +4,15 @@
     for event in engine.stream(messages, drafter="text"):
         ...  # Chunk events, then one Done; each carries a snapshot of the statistics
 
-`stream` queues the request on the engine's worker thread (engine/worker.py), which runs `run`
-for one request at a time under the engine's lock; the caller holds nothing between events, so
-one that walks away (closes the stream, drops it, or just stops reading) never blocks the next
-request. The app reaches it through the backend interface (engine/backend.py).
+`stream` queues the request on the engine's worker thread (engine/worker.py), which steps up to
+`running_requests` answers (`_steps`) together in rounds under the engine's lock, each round's
+target passes in one shared pass; the caller holds nothing between events, so one that walks away
+(closes the stream, drops it, or just stops reading) never blocks the others. The app reaches it
+through the backend interface (engine/backend.py).
 
 All per-request state (KV caches, positions, the drafter's session, the sampler's generator) is
-created inside `run` and dropped when it ends, so requests cannot see each other's state;
-the loaded target and drafters hold none. The lock runs one generation at a time, because the
+created inside `_steps` and dropped when it ends, so requests cannot see each other's state;
+the loaded target and drafters hold none. The lock keeps one thread computing, because the
 models share one device and one set of threads.
 """
 
@@ -29,8 +30,9 @@ import torch
 from engine.auto import DrafterChooser
 from engine.draft_length import PassCosts
 from engine.drafters.base import Drafter
-from engine.loop import Chunk, DecodeSettings, Done, RequestInfo, generate
+from engine.loop import Chunk, DecodeSettings, Done, PassRequest, RequestInfo, answer, drive
 from engine.images import fit_to_processor
+from engine.load_settings import LoadSettings
 from engine.prompt import Prompt, encode_vlm, images_of, neutralize, normalize
 from engine.sampling import SamplingSettings
 # Ceilings, check_ceilings and ceiling_variable are the schema's (engine/settings.py), imported here by the app
@@ -41,6 +43,7 @@ from engine.worker import Stream, Worker
 
 
 AUTO = "auto"  # the drafter name that picks one per request
+RUNNING_REQUESTS = LoadSettings.running_requests  # the default of the most answers decoded together
 
 
 class ContextError(RequestError):
@@ -49,20 +52,21 @@ class ContextError(RequestError):
 
 class Engine:
     def __init__(self, target: Target, drafters: dict[str, Drafter] | None = None, max_images: int = 8,
-                 max_image_tokens: int | None = None, auto: bool = False):
+                 max_image_tokens: int | None = None, auto: bool = False, running_requests: int = RUNNING_REQUESTS):
         self.target = target
         self.drafters = dict(drafters or {})
         self.max_images = max_images
         self.max_image_tokens = max_image_tokens  # default budget of tokens per image; None: the processor's own
         self.auto = auto and bool(self.drafters)  # the default drafter is "auto" (engine/auto.py)
-        self.lock = threading.Lock()  # one generation at a time: held by the worker thread alone (engine/worker.py)
+        self.running_requests = running_requests  # the most answers the worker decodes together; more wait in line
+        self.lock = threading.Lock()  # one thread computing: held by the worker thread alone (engine/worker.py)
         # Callers prepare prompts (`prepare`) while an answer runs: with their own copy of the
         # processor (fast tokenizers raise "Already borrowed" when two threads use one), one at a time.
         self.prepare_lock = threading.Lock()
         self.prepare_processor = copy.deepcopy(target.processor)
         self.costs = PassCosts()  # measured pass costs: the draft length (engine/draft_length.py)
         self.chooser = DrafterChooser(list(self.drafters))  # what each drafter delivered: "auto"
-        self.worker = Worker(self)  # serves concurrent callers one request at a time (engine/worker.py)
+        self.worker = Worker(self)  # serves concurrent callers, their answers stepped together (engine/worker.py)
 
     @property
     def default_drafter(self) -> str | None:
@@ -114,10 +118,14 @@ class Engine:
     def stream(self, *args, **kwargs) -> Stream:
         """Answer a request (`_run`'s arguments, its events) on the worker thread: the caller holds
         nothing between events; closing or dropping the stream stops the request. The only way in."""
-        request = inspect.signature(self._run).bind(*args, **kwargs).arguments
+        request = inspect.signature(self._steps).bind(*args, **kwargs).arguments
         return self.worker.submit(request.pop("messages"), **request)
 
-    def _run(
+    def _run(self, *args, **kwargs) -> Iterator[Chunk | Done]:
+        """`_steps`'s events (its arguments), each of its target passes run at once, alone (loop.drive)."""
+        return drive(self._steps(*args, **kwargs))
+
+    def _steps(
         self,
         messages: list[dict] | Prompt,
         drafter: str | None = None,
@@ -126,15 +134,16 @@ class Engine:
         stop: threading.Event | None = None,
         started: float | None = None,
         max_image_tokens: int | None = None,
-    ) -> Iterator[Chunk | Done]:
+    ) -> Iterator[Chunk | Done | PassRequest]:
         """Answer the conversation's last user turn (messages, or a Prompt from `prepare`).
         drafter=None decodes plainly; "auto" picks one of the loaded drafters by what each has
         delivered (engine/auto.py). `started`: the request's start (time.perf_counter()),
         default now; `ttft_s` and `total_s` count from it, so image and prompt processing
         are included (`prepare_s`). A request stopped before it starts ends at once, with no
         answer; an answer that fills the context ends with finish_reason "context".
-        The worker thread's alone (engine/worker.py), which holds the engine's lock around it;
-        every caller uses `stream`."""
+        Yields the events and each target pass the answer needs (loop.answer: its logits, or the pass's
+        exception, sent back). The worker thread's alone (engine/worker.py), which holds the engine's lock
+        around each round; every caller uses `stream`."""
         started = time.perf_counter() if started is None else started
         if drafter is not None and drafter not in self.drafters and not (drafter == AUTO and self.drafters):
             raise RequestError(f"unknown drafter {drafter!r}; loaded: {', '.join(self.drafters) or 'none'}")
@@ -153,13 +162,19 @@ class Engine:
         if context_cut:  # the answer must fit the context too
             decode = replace(decode, max_new_tokens=room)
         try:
-            for event in generate(self.target.runner_for(len(prompt.images)), self.target.tokenizer, prompt,
-                                  self.drafters.get(drafter) if drafter else None, sampling, decode, stop,
-                                  self.costs, RequestInfo(started, context_cut, auto_choice)):
+            steps = answer(self.target.runner_for(len(prompt.images)), self.target.tokenizer, prompt,
+                           self.drafters.get(drafter) if drafter else None, sampling, decode, stop, self.costs,
+                           RequestInfo(started, context_cut, auto_choice))
+            event = next(steps)
+            while True:  # the loop's events and passes out, each pass's logits back in (None after an event)
                 if isinstance(event, Done) and drafter:
                     self.chooser.record(drafter, len(prompt.images), event.stats.decode_tokens,
                                         event.stats.decode_tok_s)
-                yield event
+                reply = yield event
+                try:
+                    event = steps.send(reply)
+                except StopIteration:
+                    return
         except torch.OutOfMemoryError:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # this request's caches are gone; the next one starts clean

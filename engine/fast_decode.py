@@ -34,8 +34,8 @@ below is its reference and the fallback.
 One decoder-layer function (`decoder_layer`) and one stack of them (`FastStack`) serve every
 user: the target's and model drafters' forward (`FastDecoder`, through engine/runner.py) and
 the drafter heads' (engine/fast_heads.py: the MTP head and the block drafter, whose entries
-sit at the target's M-RoPE positions, three rows that differ after an image: `RotaryTable`
-takes (3, n) positions and recomposes the rows by `mrope_section` as transformers does).
+sit at the target's M-RoPE positions, three rows that differ after an image: engine/rotary.py's
+`RotaryTable` takes (3, n) positions and recomposes the rows by `mrope_section` as transformers does).
 
 Covered: text stacks of full-attention layers with default RoPE, SiLU MLP and plain float
 Linear weights: Qwen2-VL / Qwen2.5-VL (text tokens move all three M-RoPE rows together, which
@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from engine import fast_native, huge_pages, packed
 from engine.quantized import QUANTIZED, Int8Weight, Q4Weight, log_slow_path, native_layer, native_weight, quantized_linear
 from engine.rotary import RotaryTable
-from engine.static_cache import StaticKVCache
+from engine.static_cache import StaticKVCache, attention_dtype
 from models.families import fast_text_types
 
 TEXT_TYPES = fast_text_types()  # as each family declares (models/families/)
@@ -196,14 +196,6 @@ def decoder_layer(layer: Layer, sizes: Attention, x: torch.Tensor, cos: torch.Te
     return x + linear(gate if "silu" in left_out else F.silu(gate) * up, layer.down_weight)
 
 
-def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's and attention's dtype: float32 for 16-bit weights on a CPU. The cache holds
-    the same (16-bit) values; float32 attention there costs a third of bfloat16's at a short
-    context (no native bfloat16 arithmetic: docs/performance.md) and accumulates in float32 as
-    SDPA's 16-bit kernel does."""
-    return torch.float32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else dtype
-
-
 class FastStack:
     """A model's decoder layers (check `stack_unsupported` first) over a StaticKVCache, without
     the final norm: what the target's forward and the drafter heads share."""
@@ -253,34 +245,49 @@ class FastStack:
         return StaticKVCache(len(self.layers), self.sizes.kv_heads, self.sizes.head_dim, capacity, self.cache_dtype,
                              self.device)
 
-    def forward(self, cache: StaticKVCache, x: torch.Tensor, positions: torch.Tensor | range,
-                attention_mask: torch.Tensor | None, keep: set[int] = frozenset()) -> tuple[torch.Tensor, dict]:
-        """Run x (n, H) at rotary positions (n,) (or a range of them) or M-RoPE (3, n), appended after the cache's
-        entries. attention_mask: None (causal over the new rows, every cached entry visible) or
-        (n, length + n), bool (True = attend) or additive. Returns the last layer's output
-        (n, H), not normed, and {i: (n, H)} for i in `keep` (0 = x, i = the output of layer i)."""
-        n, start = len(x), cache.length
-        cache.reserve(n)
-        cos, signed_sin = self.rotary(positions)
-        if attention_mask is None and n > 1:  # causal: row i sees slots 0 .. start + i
-            attention_mask = torch.ones(n, start + n, dtype=torch.bool, device=x.device).tril(start)
-        if attention_mask is not None and attention_mask.is_floating_point():
-            attention_mask = attention_mask.to(self.cache_dtype)  # additive: in the attention's dtype
-        mask = None if attention_mask is None else attention_mask[None, None]
+    def forward(self, caches: list[StaticKVCache], x: torch.Tensor, positions: list[torch.Tensor | range],
+                attention_masks: list[torch.Tensor | None], keep: set[int] = frozenset()) -> tuple[torch.Tensor, dict]:
+        """Run x (N, H), appended after each cache's entries: request p's rows (after those of the requests
+        before it) at its rotary positions[p], (n,) or a range of them, or M-RoPE (3, n), over its own
+        caches[p] under attention_masks[p]: None (causal over the new rows, every cached entry visible) or
+        (n, length + n), bool (True = attend) or additive. Several requests only on the compiled stack
+        (engine/fast_layer.cpp `stack_parts`: the products over all N rows, the attention per request),
+        where every product sums each row alone (`FastDecoder.shares_passes`). Returns the last layer's
+        output (N, H), not normed, and {i: (N, H)} for i in `keep` (0 = x, i = the output of layer i)."""
+        if len(caches) > 1 and self.native is None:
+            raise ValueError("the Python layer's products are not summed row by row: pass each request alone")
+        rows = [len(p) if isinstance(p, range) else p.shape[-1] for p in positions]
+        starts = [cache.length for cache in caches]
+        for cache, n in zip(caches, rows):
+            cache.reserve(n)
+        tables = [self.rotary(p) for p in positions]
+        cos, signed_sin = tables[0] if len(tables) == 1 else (torch.cat(table) for table in zip(*tables))
+        masks = [self._mask(mask, start, n, x.device) for mask, start, n in zip(attention_masks, starts, rows)]
         hidden = {0: x} if 0 in keep else {}
         if self.native is not None:  # every layer in one call (engine/fast_layer.cpp)
             later = sorted(keep - {0})
-            x, *kept = self.native.stack(x, self._native_layers(), cos, signed_sin, cache.keys, cache.values, start,
-                                         mask, *self.sizes_args, later)
+            x, *kept = self.native.stack_parts(x, self._native_layers(), cos, signed_sin,
+                                               [cache.keys for cache in caches], [cache.values for cache in caches],
+                                               starts, rows, masks, *self.sizes_args, later)
             hidden.update(zip(later, kept))
         else:
+            cache, start, mask = caches[0], starts[0], masks[0]
             for index, layer in enumerate(self.layers):
                 x = self.layer_fn(layer, self.sizes, x, cos, signed_sin, cache.keys[index], cache.values[index],
                                   start, mask)
                 if index + 1 in keep:
                     hidden[index + 1] = x
-        cache.length = start + n
+        for cache, start, n in zip(caches, starts, rows):
+            cache.length = start + n
         return x, hidden
+
+    def _mask(self, attention_mask: torch.Tensor | None, start: int, n: int, device) -> torch.Tensor | None:
+        """A request's mask as the layers take it, (1, 1, n, start + n), or None (one row, all visible)."""
+        if attention_mask is None and n > 1:  # causal: row i sees slots 0 .. start + i
+            attention_mask = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.to(self.cache_dtype)  # additive: in the attention's dtype
+        return None if attention_mask is None else attention_mask[None, None]
 
 
 class FastDecoder:
@@ -351,32 +358,39 @@ class FastDecoder:
             log_slow_path([self._native_head_weight])
         return self._native_head_weight
 
-    def forward(self, cache: StaticKVCache, token_ids: list[int], positions: torch.Tensor | range,
-                attention_mask: torch.Tensor | None, num_logits: int,
-                hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run token_ids (n,) at rotary `positions` (n,) (or a range of them), appended after the
-        cache's entries.
-
-        attention_mask: None (causal over the new tokens, all cached entries visible) or an
-        additive (n, length + n) one (a draft tree's). Returns the logits of the last
-        `num_logits` tokens, (num_logits, V), and {layer: (n, H)} for `hidden_layers` (indexed as
-        output_hidden_states: 0 embeddings, i the output of layer i, -1 / L the final norm's).
-        """
-        num_layers = len(self.stack.layers)
-        keep = {num_layers if i == -1 else i for i in hidden_layers}
+    def shares_passes(self, num_rows: int, dtype: torch.dtype) -> bool:
+        """Whether a pass of `num_rows` rows can hold several requests' (`forward` with several parts): the
+        compiled stack, each product summing each row alone (engine/fast_layer.cpp `rows_alone`)."""
         native = self.stack.native
+        return native is not None and native.rows_alone(self.stack._native_layers(), self._native_head(),
+                                                        self.lm_head.bias, num_rows, torch.empty(0, dtype=dtype))
+
+    def forward(self, parts: list) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """Run each part's tokens (engine/runner.py PassPart) over its cache in one pass (several only where
+        `shares_passes`). Returns for each the logits of all its tokens, (n, V), and {layer: (n, H)} for
+        its hidden_layers (indexed as output_hidden_states: 0 embeddings, i layer i's output, -1 / L the
+        final norm's)."""
+        num_layers = len(self.stack.layers)
+        keep = {num_layers if i == -1 else i for part in parts for i in part.hidden_layers}
+        native = self.stack.native
+        token_ids = [token for part in parts for token in part.token_ids]
         weight = self.embed.weight  # the covered families' embedding: a lookup
         if native is not None and weight.is_contiguous():
             x = native.embed(weight, token_ids)
         else:  # a GPU, or a tied embedding stored (in, out)
             x = F.embedding(torch.tensor(token_ids, device=weight.device), weight)
-        x, hidden = self.stack.forward(cache, x, positions, attention_mask, keep - {num_layers})
-        normed = None  # the final norm's rows, (n, H) where a drafter reads them
+        x, hidden = self.stack.forward([part.cache for part in parts], x, [part.positions for part in parts],
+                                       [part.attention_mask for part in parts], keep - {num_layers})
         if num_layers in keep:
-            hidden[num_layers] = normed = self.stack.norm(x, self.final_norm)
-        hidden = {i: hidden[num_layers if i == -1 else i] for i in hidden_layers}
+            hidden[num_layers] = self.stack.norm(x, self.final_norm)
         if native is not None:  # final norm and output layer in one call, whatever a drafter reads: the
             # same kernel as plain decoding's passes (torch.mm here read the head at half the speed)
-            return native.logits(x, self.final_norm, self._native_head(), self.lm_head.bias, self.eps, num_logits), hidden
-        normed = self.stack.norm(x[-num_logits:], self.final_norm) if normed is None else normed[-num_logits:]
-        return linear(normed, self.head_weight, self.lm_head.bias), hidden
+            logits = native.logits(x, self.final_norm, self._native_head(), self.lm_head.bias, self.eps, len(x))
+        else:
+            normed = hidden[num_layers] if num_layers in keep else self.stack.norm(x, self.final_norm)
+            logits = linear(normed, self.head_weight, self.lm_head.bias)
+        sizes = [len(part.token_ids) for part in parts]
+        rows = {layer: kept.split(sizes) for layer, kept in hidden.items()}
+        return [(part_logits, {i: rows[num_layers if i == -1 else i][p] for i in part.hidden_layers})
+                for p, (part, part_logits) in enumerate(zip(parts, logits.split(sizes)))]
+

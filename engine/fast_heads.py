@@ -26,8 +26,9 @@ from types import SimpleNamespace
 import torch
 
 from engine import fast_native
-from engine.fast_decode import FastStack, attention_dtype, default_input_major, share, stack_unsupported
+from engine.fast_decode import FastStack, default_input_major, share, stack_unsupported
 from engine.rotary import RotaryTable
+from engine.static_cache import attention_dtype
 from engine.quantized import native_layer
 from engine.rows_kernel import rows_product
 from engine.static_cache import HEADROOM, StaticKVCache
@@ -63,7 +64,7 @@ class FastHead:
         n = len(x)
         positions = positions.reshape(-1, n)
         positions = positions[0] if len(positions) == 1 else positions
-        x, _ = self.stack.forward(cache, x, positions, None if mask is None else mask[0, 0])
+        x, _ = self.stack.forward([cache], x, [positions], [None if mask is None else mask[0, 0]])
         return self.stack.norm(x, self.final_norm)[None]
 
 

@@ -590,14 +590,29 @@ static Recognised storage_of(const Tensor& weight, const c10::optional<Tensor>& 
   return {Storage::rows, "rows"};
 }
 
+// Whether a product of n rows of x of `type` times a rows weight (storage_of's rows entry) runs the
+// rows kernel: at most ROWS_KERNEL_MAX rows, bias and scales in x's dtype, the weight's too or int8.
+// Else ATen's, whose sums of a row depend on the rows beside it.
+static bool rows_call_takes(int64_t n, const Tensor& weight, const c10::optional<Tensor>& bias,
+                            const c10::optional<Tensor>& scales, at::ScalarType type) {
+  return n <= ROWS_KERNEL_MAX && plain(bias, type) && plain(scales, type) &&
+         (weight.scalar_type() == type || weight.scalar_type() == at::kChar);
+}
+
+// Whether n rows of x of `type` times this (in, out) weight go to the rows kernel.
+static bool rows_kernel_takes(int64_t n, const Tensor& weight, const c10::optional<Tensor>& bias,
+                              const c10::optional<Tensor>& scales, at::ScalarType type) {
+  return storage_of(weight, scales, c10::nullopt, false).storage == Storage::rows &&
+         rows_call_takes(n, weight, bias, scales, type);
+}
+
 // x (n, in) times weight (in, out) (float, or int8 with scales (out,): fast_decode.Int8Weight's
 // values transposed), plus bias, by the rows kernel: ATen's for longer passes and for x, bias or
 // scales in another dtype than the kernel takes.
 static Tensor rows_or_aten(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias,
                            const c10::optional<Tensor>& scales) {
   const auto type = x.scalar_type();
-  if (x.size(0) <= ROWS_KERNEL_MAX && plain(bias, type) && plain(scales, type) &&
-      (weight.scalar_type() == type || weight.scalar_type() == at::kChar)) {
+  if (rows_call_takes(x.size(0), weight, bias, scales, type)) {
     const Tensor rows = weight.t();  // (out, in), contiguous
     switch (weight.scalar_type()) {
       case at::kFloat: return rows_product<float, float>(x, rows, scales, bias);
@@ -695,6 +710,44 @@ struct Layer {
   Tensor post_norm;  // (H,)
   Weight gate_up_weight;  // (H, 2 I)
   Weight down_weight;  // (I, H)
+};
+
+// Whether `linear` sums each of n rows of x of `type` on its own, so that a row's bits do not depend
+// on the rows beside it: the rows kernel, int8 activations', Q4_0's and ggml blocks' kernels (any
+// number of rows, each row quantized on its own); not ATen's product.
+static bool sums_rows_alone(const Weight& w, const c10::optional<Tensor>& bias, int64_t n, at::ScalarType type) {
+  const Storage storage = w.storage.storage;
+  const bool own_kernel = storage != Storage::rows && storage != Storage::aten;
+  const bool update_alone = !w.down || (rows_kernel_takes(n, *w.down, c10::nullopt, c10::nullopt, type) &&
+                                        rows_kernel_takes(n, *w.up, c10::nullopt, c10::nullopt, type));
+  return (own_kernel || (storage == Storage::rows && rows_call_takes(n, w.values, bias, w.scales, type))) &&
+         update_alone;
+}
+
+// Whether each of a layer's products sums each of n rows on its own.
+static bool layer_sums_rows_alone(const Layer& w, int64_t n, at::ScalarType type) {
+  return sums_rows_alone(w.qkv_weight, w.qkv_bias, n, type) && sums_rows_alone(w.o_weight, w.o_bias, n, type) &&
+         sums_rows_alone(w.gate_up_weight, c10::nullopt, n, type) &&
+         sums_rows_alone(w.down_weight, c10::nullopt, n, type);
+}
+
+// Whether a pass of n rows of x's dtype through these layers and the output layer (head, head_bias) sums
+// every row of every product on its own: then several requests' rows can share one pass (stack_parts),
+// each row's logits bitwise those of its request's own pass.
+bool rows_alone(const std::vector<Layer>& layers, const Weight& head, const c10::optional<Tensor>& head_bias,
+                int64_t n, const Tensor& x) {
+  const auto type = x.scalar_type();
+  return sums_rows_alone(head, head_bias, n, type) &&
+         std::all_of(layers.begin(), layers.end(), [&](const Layer& w) { return layer_sums_rows_alone(w, n, type); });
+}
+
+// One request's rows in a pass (stack_parts): rows first .. first + n - 1 of the pass, at slots
+// start .. start + n - 1 of its own cache layer, keys / values float (1, kv_heads, capacity, D),
+// under its own mask: undefined (every slot visible), or (n, start + n) bool or additive float.
+struct Part {
+  Tensor keys, values;
+  int64_t start, first, n;
+  Tensor mask;
 };
 
 // Float value as T holds it (rounding to 16 bits where T is a 16-bit type).
@@ -953,76 +1006,110 @@ static Tensor add_residual(Tensor y, const Tensor& x) {
   return y;
 }
 
-// A llama-style layer's attention and MLP over `input` (n, width), the normed rows q, k and v read,
-// at slots start .. start + n - 1 of keys / values, float (1, kv_heads, capacity, D); the
-// attention's output joins `residual` (n, H) of T. fast_decode.decoder_layer's arithmetic, step for
-// step, after its input norm.
+// A llama-style layer's attention and MLP over `input` (n, width), the normed rows q, k and v read;
+// each part's rows at its slots of its own cache layer (a pass over one request: one part, all its
+// rows); the attention's output joins `residual` (n, H) of T. fast_decode.decoder_layer's
+// arithmetic, step for step, after its input norm: the products over all rows, the rotary, cache
+// writes and attention per part.
 template <typename T>
 static Tensor attention_and_mlp(const Tensor& input, const Tensor& residual, const Layer& w, const Tensor& cos,
-                                const Tensor& signed_sin, Tensor& keys, Tensor& values, int64_t start,
-                                const Tensor& mask, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling,
-                                double eps) {
-  const int64_t n = input.size(0), end = start + n;
+                                const Tensor& signed_sin, const std::vector<Part>& parts, int64_t heads,
+                                int64_t kv_heads, int64_t head_dim, double scaling, double eps) {
+  const int64_t n = input.size(0);
   Tensor qkv = linear(input, w.qkv_weight, w.qkv_bias);  // (n, q + 2 kv)
-  Tensor queries = at::empty({1, heads, n, head_dim}, keys.options());
-  rotate_and_write<T>(qkv, cos, signed_sin, queries, keys, values, start, heads, kv_heads, head_dim);
-  Tensor attended = at::empty({n, heads * head_dim}, keys.options());
-  attend(queries.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(2), n, end, mask,
-         heads, kv_heads, head_dim, static_cast<float>(scaling), attended.data_ptr<float>());
+  Tensor attended = at::empty({n, heads * head_dim}, parts.front().keys.options());
+  for (const Part& part : parts) {
+    Tensor keys = part.keys, values = part.values;
+    Tensor queries = at::empty({1, heads, part.n, head_dim}, keys.options());
+    rotate_and_write<T>(qkv.narrow(0, part.first, part.n), cos.narrow(0, part.first, part.n),
+                        signed_sin.narrow(0, part.first, part.n), queries, keys, values, part.start, heads, kv_heads,
+                        head_dim);
+    attend(queries.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(2), part.n,
+           part.start + part.n, part.mask, heads, kv_heads, head_dim, static_cast<float>(scaling),
+           attended.data_ptr<float>() + part.first * heads * head_dim);
+  }
   Tensor h = add_residual<T>(linear(attended.to(residual.scalar_type()), w.o_weight, w.o_bias), residual);
   Tensor gate_up = linear(rms_norm_rows<T>(h, w.post_norm, eps), w.gate_up_weight, c10::nullopt);  // (n, 2 I)
   return add_residual<T>(linear(silu_times_up<T>(gate_up), w.down_weight, c10::nullopt), h);
 }
 
-// One decoder layer over x (n, H) of T at slots start .. start + n - 1 of keys / values, float (1,
-// kv_heads, capacity, D): fast_decode.decoder_layer's arithmetic, step for step.
+// One decoder layer over x (n, H) of T, each part's rows at its slots of its own cache layer:
+// fast_decode.decoder_layer's arithmetic, step for step.
 template <typename T>
-static Tensor fused_layer(const Tensor& x, const Layer& w, const Tensor& cos, const Tensor& signed_sin, Tensor& keys,
-                          Tensor& values, int64_t start, const Tensor& mask, int64_t heads, int64_t kv_heads,
-                          int64_t head_dim, double scaling, double eps) {
-  return attention_and_mlp<T>(rms_norm_rows<T>(x, w.input_norm, eps), x, w, cos, signed_sin, keys, values, start,
-                              mask, heads, kv_heads, head_dim, scaling, eps);
+static Tensor fused_layer(const Tensor& x, const Layer& w, const Tensor& cos, const Tensor& signed_sin,
+                          const std::vector<Part>& parts, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                          double scaling, double eps) {
+  return attention_and_mlp<T>(rms_norm_rows<T>(x, w.input_norm, eps), x, w, cos, signed_sin, parts, heads, kv_heads,
+                              head_dim, scaling, eps);
 }
 
-// Every layer of a pass: x (n, H) of float32, bfloat16 or float16 at slots start .. start + n - 1;
-// layers[i] the weights of layer i; keys[i] / values[i] float32 (1, kv_heads, capacity, D),
-// contiguous; cos, signed_sin (n, 1, D) contiguous (fast_decode.RotaryTable); mask: None (every
-// slot visible) or (1, 1, n, start + n), bool (True = attend) or additive float32. Anything else
-// is refused (fast_decode.FastStack runs the Python layer for it). Returns {the last layer's output,
-// then the output of layer i for each i in keep}.
-std::vector<Tensor> stack(Tensor x, const std::vector<Layer>& layers, const Tensor& cos, const Tensor& signed_sin,
-                          std::vector<Tensor> keys, std::vector<Tensor> values, int64_t start,
-                          const c10::optional<Tensor>& mask, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                          double scaling, double eps, const std::vector<int64_t>& keep) {
+// Every layer of a pass over several requests' rows: x (n, H) of float32, bfloat16 or float16, part p
+// its rows rows_of[p] after those of the parts before it, at slots starts[p] .. of its own cache,
+// keys[p][i] / values[p][i] float32 (1, kv_heads, capacity, D), contiguous, for layer i (layers[i]
+// its weights); cos, signed_sin (n, 1, D) contiguous (fast_decode.RotaryTable), each row's own;
+// masks[p]: None (every slot visible) or (1, 1, rows, start + rows), bool (True = attend) or
+// additive float32. Several parts only where every product sums each row alone (`rows_alone`): each
+// part's rows are then bitwise its own pass's. Anything else is refused (fast_decode.FastStack runs
+// the Python layer for it). Returns {the last layer's output, then the output of layer i for each i in keep}.
+std::vector<Tensor> stack_parts(Tensor x, const std::vector<Layer>& layers, const Tensor& cos,
+                                const Tensor& signed_sin, const std::vector<std::vector<Tensor>>& keys,
+                                const std::vector<std::vector<Tensor>>& values, const std::vector<int64_t>& starts,
+                                const std::vector<int64_t>& rows_of, const std::vector<c10::optional<Tensor>>& masks,
+                                int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, double eps,
+                                const std::vector<int64_t>& keep) {
   const int64_t n = x.size(0);
+  const size_t num_parts = starts.size();
   const auto type = x.scalar_type();
   TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kHalf,
               "the compiled stack takes float32, bfloat16 or float16 activations, not ", type);
-  for (size_t i = 0; i < layers.size(); ++i)
-    TORCH_CHECK(keys[i].scalar_type() == at::kFloat && keys[i].is_contiguous() && values[i].is_contiguous(),
-                "the compiled stack takes a contiguous float32 cache (fast_decode.attention_dtype)");
+  TORCH_CHECK(num_parts > 0 && keys.size() == num_parts && values.size() == num_parts && rows_of.size() == num_parts &&
+                  masks.size() == num_parts, "a cache, a start, a number of rows and a mask for each part");
   TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous(), "cos and signed_sin must be contiguous");
-  TORCH_CHECK(!mask.has_value() || mask->scalar_type() == at::kBool || mask->scalar_type() == at::kFloat,
-              "the mask must be bool or float32, not ", mask.has_value() ? mask->scalar_type() : at::kBool);
-  const Tensor rows_mask = mask.has_value() ? mask->reshape({n, start + n}).contiguous() : Tensor();
+  std::vector<std::vector<Part>> parts(layers.size());  // parts[i]: layer i's
+  int64_t first = 0;
+  for (size_t p = 0; p < num_parts; ++p) {
+    const int64_t rows = rows_of[p], start = starts[p];
+    const auto& mask = masks[p];
+    TORCH_CHECK(!mask.has_value() || mask->scalar_type() == at::kBool || mask->scalar_type() == at::kFloat,
+                "the mask must be bool or float32, not ", mask.has_value() ? mask->scalar_type() : at::kBool);
+    const Tensor rows_mask = mask.has_value() ? mask->reshape({rows, start + rows}).contiguous() : Tensor();
+    for (size_t i = 0; i < layers.size(); ++i) {
+      TORCH_CHECK(keys[p][i].scalar_type() == at::kFloat && keys[p][i].is_contiguous() && values[p][i].is_contiguous(),
+                  "the compiled stack takes a contiguous float32 cache (static_cache.attention_dtype)");
+      parts[i].push_back(Part{keys[p][i], values[p][i], start, first, rows, rows_mask});
+    }
+    first += rows;
+  }
+  TORCH_CHECK(first == n, "the parts have ", first, " rows, x ", n);
+  TORCH_CHECK(num_parts == 1 || std::all_of(layers.begin(), layers.end(), [&](const Layer& w) {
+                return layer_sums_rows_alone(w, n, type);
+              }), "a pass over several requests' rows takes products that sum each row alone (rows_alone): ", n,
+              " rows here would run ATen's; pass each request alone");
   x = x.contiguous();
   std::vector<Tensor> out(1 + keep.size());
   for (size_t i = 0; i < layers.size(); ++i) {
     if (type == at::kFloat) {
-      x = fused_layer<float>(x, layers[i], cos, signed_sin, keys[i], values[i], start, rows_mask, heads, kv_heads,
-                             head_dim, scaling, eps);
+      x = fused_layer<float>(x, layers[i], cos, signed_sin, parts[i], heads, kv_heads, head_dim, scaling, eps);
     } else if (type == at::kBFloat16) {
-      x = fused_layer<at::BFloat16>(x, layers[i], cos, signed_sin, keys[i], values[i], start, rows_mask, heads,
-                                    kv_heads, head_dim, scaling, eps);
+      x = fused_layer<at::BFloat16>(x, layers[i], cos, signed_sin, parts[i], heads, kv_heads, head_dim, scaling, eps);
     } else {
-      x = fused_layer<at::Half>(x, layers[i], cos, signed_sin, keys[i], values[i], start, rows_mask, heads, kv_heads,
-                                head_dim, scaling, eps);
+      x = fused_layer<at::Half>(x, layers[i], cos, signed_sin, parts[i], heads, kv_heads, head_dim, scaling, eps);
     }
     for (size_t j = 0; j < keep.size(); ++j)
       if (keep[j] == static_cast<int64_t>(i) + 1) out[1 + j] = x;
   }
   out[0] = x;
   return out;
+}
+
+// Every layer of one request's pass: stack_parts with one part, x (n, H) at slots start .. start + n - 1
+// of keys[i] / values[i]; mask: None or (1, 1, n, start + n).
+std::vector<Tensor> stack(Tensor x, const std::vector<Layer>& layers, const Tensor& cos, const Tensor& signed_sin,
+                          std::vector<Tensor> keys, std::vector<Tensor> values, int64_t start,
+                          const c10::optional<Tensor>& mask, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                          double scaling, double eps, const std::vector<int64_t>& keep) {
+  return stack_parts(x, layers, cos, signed_sin, {keys}, {values}, {start}, {x.size(0)}, {mask}, heads, kv_heads,
+                     head_dim, scaling, eps, keep);
 }
 
 // EAGLE-3's layer over rows of T: its two input norms, then attention_and_mlp with its own residual.
@@ -1033,8 +1120,9 @@ static Tensor eagle3_rows(const Tensor& embeds, const Tensor& hidden, const Tens
                           double eps, bool normed_residual) {
   const Tensor normed = rms_norm_rows<T>(hidden, hidden_norm, eps);
   const Tensor input = at::cat({rms_norm_rows<T>(embeds, layer.input_norm, eps), normed}, 1);  // (n, 2 H)
-  return attention_and_mlp<T>(input, normed_residual ? normed : hidden, layer, cos, signed_sin, keys, values, start,
-                              mask, heads, kv_heads, head_dim, scaling, eps);
+  return attention_and_mlp<T>(input, normed_residual ? normed : hidden, layer, cos, signed_sin,
+                              {Part{keys, values, start, 0, embeds.size(0), mask}}, heads, kv_heads, head_dim, scaling,
+                              eps);
 }
 
 // EAGLE-3's layer (models/eagle3.py Eagle3.forward) over embeds and hidden (n, H) of T at slots start
@@ -1156,6 +1244,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("down_weight", &Layer::down_weight);
   m.def("embed", &embed);
   m.def("stack", &stack);
+  m.def("stack_parts", &stack_parts);
+  m.def("rows_alone", &rows_alone);
   m.def("eagle3_layer", &eagle3_layer);
   m.def("rms_norm", &rms_norm);
   m.def("logits", &logits);

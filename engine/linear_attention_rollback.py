@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from engine.runner import CacheState, Runner
+from engine.tree import Pass
 from models.families import Family
 from models.loading import has_linear_attention
 
@@ -64,18 +65,25 @@ class HybridRunner(Runner):
         state.snapshot = Snapshot(self._linear_states(state))
 
     @torch.inference_mode()
-    def extend(self, state: HybridCacheState, token_ids: list[int]) -> torch.Tensor:
-        """Run pending + token_ids; returns the logits of token_ids, (n, V)."""
-        run = state.pending + token_ids
-        if state.snapshot is not None:
-            state.snapshot.run += run
-        state.cache_len -= len(state.pending)
-        state.rope_pos -= len(state.pending)
-        state.pending = []
-        logits = super().extend(state, run)
-        if state.hidden is not None:
-            state.hidden = {layer: rows[-len(token_ids):] for layer, rows in state.hidden.items()}
-        return logits[-len(token_ids):]
+    def run(self, passes: list[Pass]) -> list[torch.Tensor]:
+        """Each pass (a chain: this cache takes no tree) runs pending + its tokens, alone; returns the logits
+        of its tokens, (n, V)."""
+        logits = []
+        for one in passes:
+            state, token_ids = one.state, one.token_ids
+            if one.parents is not None:
+                raise ValueError("a cache with linear-attention layers takes no draft tree")
+            run = state.pending + token_ids
+            if state.snapshot is not None:
+                state.snapshot.run += run
+            state.cache_len -= len(state.pending)
+            state.rope_pos -= len(state.pending)
+            state.pending = []
+            (out,) = super().run([Pass(state, run)])
+            if state.hidden is not None:
+                state.hidden = {layer: rows[-len(token_ids):] for layer, rows in state.hidden.items()}
+            logits.append(out[-len(token_ids):])
+        return logits
 
     def rollback(self, state: HybridCacheState, num_tokens: int) -> None:
         snapshot, state.snapshot = state.snapshot, None

@@ -67,6 +67,9 @@ class LoadSettings:
                                            "many tokens per image (0: the model's processor's own limit; default: "
                                            f"{CPU_IMAGE_TOKENS} on a CPU, the processor's own on a GPU)", low=0,
                                            high=MAX_COUNT, high_text=MAX_COUNT_TEXT, env="VLM_MAX_IMAGE_TOKENS")
+    running_requests: int = setting(4, "the most answers the engine decodes together, their target passes shared "
+                                    "(engine/worker.py); more wait in line", low=1, high=64,
+                                    env="VLM_RUNNING_REQUESTS")
     trust_remote_code: bool = setting(False, "run a checkpoint's own Python code (off: such a model is refused, "
                                       "naming this flag)", env="VLM_TRUST_REMOTE_CODE")
 

@@ -2,13 +2,21 @@
 
 Plain decoding is the same loop with no drafter: every draft is empty and each verify pass
 decodes one token. The CLI, the app, the A/B mode and the benchmark all consume `generate`.
+
+`answer` is the loop itself, for one request: it yields its events and, at step 3, the target pass
+it needs (a `PassRequest`), and goes on with that pass's logits sent back. `generate` runs those
+passes at once, alone (`drive`); the engine's worker runs several requests' answers in rounds, each
+round's passes in one shared target pass (engine/worker.py), each answer bitwise what it is alone.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from contextlib import closing
 from dataclasses import dataclass
+
+import torch
 
 from engine import tree
 from engine.draft_length import DraftLength, PassCosts
@@ -58,7 +66,39 @@ class Done:
     stats: Stats
 
 
-def generate(
+@dataclass
+class PassRequest:
+    """A target pass that `answer` needs before it goes on: `one` on `target`; its logits, (n, V), are
+    sent back (an exception raised by the pass is thrown in)."""
+
+    target: Runner
+    one: tree.Pass
+    beside: int = 0  # the other answers stepped in the same round (engine/worker.py), whose work is in its time
+
+
+def generate(target: Runner, *args, **kwargs) -> Iterator[Chunk | Done]:
+    """Answer a prompt alone: `answer`'s events (its arguments), each of its passes run at once."""
+    return drive(answer(target, *args, **kwargs))
+
+
+def drive(steps: Generator) -> Iterator[Chunk | Done]:
+    """The events of one request's steps (`answer`, or the engine's around it), each PassRequest run
+    alone on its target (tree.run_passes) and its logits sent back."""
+    with closing(steps):
+        item = next(steps, None)
+        while item is not None:
+            if isinstance(item, PassRequest):
+                logits = tree.run_passes(item.target, [item.one])[0]
+                try:
+                    item = steps.send(logits)
+                except StopIteration:
+                    return
+            else:
+                yield item
+                item = next(steps, None)
+
+
+def answer(
     target: Runner,
     tokenizer,
     prompt: Prompt,
@@ -68,10 +108,11 @@ def generate(
     stop: threading.Event | None = None,
     costs: PassCosts | None = None,
     request: RequestInfo = RequestInfo(),
-) -> Iterator[Chunk | Done]:
-    """Answer `prompt`; `costs`, the engine's measured pass costs, are read and updated to choose
-    the draft length (engine/draft_length.py). Every event carries a snapshot of the statistics;
-    times count from `request.started` (engine/stats.py)."""
+) -> Generator[Chunk | Done | PassRequest, torch.Tensor, None]:
+    """Answer `prompt`, yielding each event and each target pass it needs (its logits sent back);
+    `costs`, the engine's measured pass costs, are read and updated to choose the draft length
+    (engine/draft_length.py). Every event carries a snapshot of the statistics; times count from
+    `request.started` (engine/stats.py)."""
     clock = Clock(target.device)
     started = clock.now()
     sampler = Sampler(sampling)
@@ -110,8 +151,10 @@ def generate(
         stats.record_draft_length(len(generated), length.k, length.reason)
         draft = drafting.propose(generated, min(length.k, remaining - 1), sampler, tree_budget, decode.tree_branching)
         drafted_at = clock.now()
-        # 3. Verify: one target pass over the last committed token and every draft node, (n+1, V).
-        target_logits = tree.verify(target, state, generated[-1], draft)
+        # 3. Verify: one target pass over the last committed token and every draft node, (n+1, V)
+        #    (run by the caller: alone, or in one pass with other requests', bitwise the same).
+        verify = PassRequest(target, tree.verify_pass(target, state, generated[-1], draft))
+        target_logits = yield verify
         verified_at = clock.now()
         # 4. Accept the path of nodes the target agrees with plus the target's own bonus token.
         path, bonus_token = accept_tree(sampler, draft.token_ids, draft.parents, draft.probs, target_logits)
@@ -127,7 +170,7 @@ def generate(
         now = clock.now()
         stats.record_time(started, first_token_at, now)
         length.update(len(draft.token_ids) + 1, depth, len(path), draft.parents is not None,
-                      drafted_at - round_started, verified_at - drafted_at, now - round_started)
+                      drafted_at - round_started, verified_at - drafted_at, now - round_started, not verify.beside)
         yield _chunk(text, new_tokens, min(len(path), len(new_tokens)), stats)
     length.finish()
     stats.record_time(started, first_token_at, clock.now())

@@ -1,4 +1,4 @@
-"""Rotary position tables for the fast decode path (engine/fast_decode.py, engine/fast_heads.py)."""
+"""Rotary cos / sin tables by position (engine/fast_decode.py's layers, engine/fast_heads.py's heads)."""
 
 from __future__ import annotations
 

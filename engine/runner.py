@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixi
 
 from engine import fast_decode
 from engine.static_cache import StaticKVCache
-from engine.tree import ancestor_mask, tree_depths
+from engine.tree import MAX_VERIFY_ROWS, Pass, ancestor_mask, tree_depths
 from models.families import Family
 
 
@@ -78,6 +78,20 @@ class CacheState:
     def stop_reading(self) -> None:
         """After a drafter's fallback: later passes compute nothing for a drafter."""
         self.reads, self.hidden, self.shared_kv = NO_READS, None, None
+
+
+@dataclass
+class PassPart:
+    """One request's rows in a fast pass (engine/fast_decode.py FastDecoder.forward): token_ids (n,) at
+    rotary `positions` (n,) (or a range of them) after `cache`'s entries, under attention_mask (None:
+    causal over the new rows, or an additive (n, length + n) one, a draft tree's), keeping the rows of
+    `hidden_layers`."""
+
+    cache: StaticKVCache
+    token_ids: list[int]
+    positions: torch.Tensor | range
+    attention_mask: torch.Tensor | None = None
+    hidden_layers: tuple[int, ...] = ()
 
 
 PREFILL_CHUNK = 512  # a longer prompt is read in passes of this many tokens, Stop looked at between them
@@ -165,19 +179,10 @@ class Runner:
         self.rollback(state, 0)  # trims sliding-window layers back to their window
         return self._vocab(out.logits[0, -1]), state
 
-    @torch.inference_mode()
     def extend(self, state: CacheState, token_ids: list[int]) -> torch.Tensor:
         """Append `token_ids` (n,) to the cache; returns float32 logits for each of them, (n, V)."""
-        num_tokens = len(token_ids)
-        if self.fast is not None:  # text tokens: consecutive rotary positions (family.positions' first row)
-            logits = self._fast_forward(state, token_ids, range(state.rope_pos, state.rope_pos + num_tokens), None)
-        else:
-            logits = self._forward(state, token_ids, self.family.positions(state.rope_pos, num_tokens, self.device))
-        state.cache_len += num_tokens
-        state.rope_pos += num_tokens
-        return logits
+        return self.run([Pass(state, token_ids)])[0]
 
-    @torch.inference_mode()
     def extend_tree(self, state: CacheState, token_ids: list[int], parents: list[int]) -> torch.Tensor:
         """Append n draft-tree entries after the committed ones; returns their float32 logits, (n, V).
 
@@ -189,19 +194,81 @@ class Runner:
         the committed sequence until `keep_path` settles the tree. With hidden layers to read
         (state.reads), `hidden` holds the pass's rows of every entry; `keep_path` keeps the path's.
         """
-        if state.reads.shared_kv:
-            raise ValueError("a tree pass computes no shared K/V for a drafter that attends to them")
-        parents = state.tree_parents + list(parents)
+        return self.run([Pass(state, token_ids, list(parents))])[0]
+
+    @torch.inference_mode()
+    def run(self, passes: list[Pass]) -> list[torch.Tensor]:
+        """Each pass's float32 logits, (n, V), as `extend` / `extend_tree` give them, and its state moved
+        on as they move it. Several requests' passes share one target pass where the fast forward can
+        hold them (`FastDecoder.shares_passes`: the products over all their rows, each row summed alone,
+        the attention per request over its own cache; at most MAX_VERIFY_ROWS rows a pass), so each
+        request's logits are bitwise those of its own pass; elsewhere each runs its own pass."""
+        for one in passes:
+            if one.parents is not None and one.state.reads.shared_kv:
+                raise ValueError("a tree pass computes no shared K/V for a drafter that attends to them")
+        logits = [logit for group in self._shared_groups(passes) for logit in self._run_group(group)]
+        for one in passes:
+            if one.parents is None:
+                one.state.cache_len += len(one.token_ids)
+                one.state.rope_pos += len(one.token_ids)
+            else:
+                one.state.tree_parents = one.state.tree_parents + one.parents
+        return logits
+
+    def _shared_groups(self, passes: list[Pass]) -> list[list[Pass]]:
+        """The passes in order, in groups that each run as one target pass."""
+        if self.fast is None:
+            return [[one] for one in passes]
+        groups: list[list[Pass]] = []
+        rows = 0
+        for one in passes:
+            rows += len(one.token_ids)
+            if groups and rows <= MAX_VERIFY_ROWS and self.fast.shares_passes(rows, self.fast.stack.dtype):
+                groups[-1].append(one)
+            else:
+                groups.append([one])
+                rows = len(one.token_ids)
+        return groups
+
+    def _run_group(self, group: list[Pass]) -> list[torch.Tensor]:
+        """Float32 logits (n, V) of each pass of the group, run as one pass."""
+        if self.fast is None:
+            (one,) = group
+            return [self._forward(one.state, one.token_ids, *self._pass_inputs(one))]
+        parts = [self._fast_part(one) for one in group]
+        out = self.fast.forward(parts)
+        for one, (_, hidden) in zip(group, out):
+            if one.state.reads.hidden_layers:
+                one.state.hidden = hidden
+        return [self._vocab(logits) for logits, _ in out]
+
+    def _pass_inputs(self, one: Pass) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pass's position ids as the model takes them, (1, n) or M-RoPE (3, 1, n), and its attention
+        mask: None (causal) for a chain, an additive (1, 1, n, cache_len + tree) one for tree entries."""
+        state, num_tokens = one.state, len(one.token_ids)
+        if one.parents is None:
+            return self.family.positions(state.rope_pos, num_tokens, self.device), None
+        parents = state.tree_parents + one.parents
         depths = tree_depths(parents)
-        num_tokens = len(token_ids)
         position_ids = self.family.positions(state.rope_pos, max(depths) + 1, self.device)[..., depths[-num_tokens:]]
         seen = ancestor_mask(parents)[-num_tokens:].to(self.device)  # (n, tree) ancestors and self
         seen = torch.cat([seen.new_ones(num_tokens, state.cache_len), seen], dim=1)
         mask = torch.zeros(seen.shape, dtype=self.model.dtype, device=self.device)
         mask.masked_fill_(~seen, torch.finfo(self.model.dtype).min)  # additive: eager and SDPA alike
-        logits = self._forward(state, token_ids, position_ids, mask[None, None])
-        state.tree_parents = parents
-        return logits
+        return position_ids, mask[None, None]
+
+    def _fast_part(self, one: Pass) -> PassPart:
+        """The pass as engine/fast_decode.py takes it: text tokens move every M-RoPE row together, so
+        the first row of positions is enough (a chain's: consecutive, a range)."""
+        state, num_tokens = one.state, len(one.token_ids)
+        if state.reads.shared_kv:
+            raise ValueError("the fast forward computes no shared K/V; build the Runner with fast=False")
+        if one.parents is None:
+            positions, mask = range(state.rope_pos, state.rope_pos + num_tokens), None
+        else:
+            position_ids, mask = self._pass_inputs(one)
+            positions, mask = position_ids.reshape(-1, num_tokens)[0], mask[0, 0]
+        return PassPart(state.cache, one.token_ids, positions, mask, state.reads.hidden_layers)
 
     @torch.inference_mode()
     def keep_path(self, state: CacheState, path: list[int]) -> None:
@@ -243,11 +310,8 @@ class Runner:
 
     def _forward(self, state: CacheState, token_ids: list[int], position_ids: torch.Tensor,
                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Run token_ids (n,) at position_ids over the cache; float32 logits (n, V)."""
+        """Run token_ids (n,) at position_ids over the cache with transformers' forward; float32 logits (n, V)."""
         num_tokens = len(token_ids)
-        if self.fast is not None:  # text tokens move every M-RoPE row together: the first row is enough
-            return self._fast_forward(state, token_ids, position_ids.reshape(-1, num_tokens)[0],
-                                      None if attention_mask is None else attention_mask[0, 0])
         input_ids = torch.tensor([token_ids], device=self.device)
         if self.family.direct_text_steps and not state.reads:
             logits = self.family.text_step(self.model, input_ids, position_ids, state.cache, num_tokens,
@@ -259,19 +323,6 @@ class Runner:
             self._keep_hidden(state, out, num_tokens)
             logits = out.logits
         return self._vocab(logits[0, -num_tokens:])
-
-    def _fast_forward(self, state: CacheState, token_ids: list[int], positions: torch.Tensor | range,
-                      attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """_forward through engine/fast_decode.py, at 1-D rotary positions (n,) (or a range of
-        them) under attention_mask (n, cache_len + n) or None (causal)."""
-        if state.reads.shared_kv:
-            raise ValueError("the fast forward computes no shared K/V; build the Runner with fast=False")
-        num_tokens = len(token_ids)
-        logits, hidden = self.fast.forward(state.cache, token_ids, positions, attention_mask, num_tokens,
-                                           state.reads.hidden_layers)
-        if state.reads.hidden_layers:
-            state.hidden = hidden
-        return self._vocab(logits)
 
     def checkpoint(self, state: CacheState) -> None:
         """The cache holds committed tokens only, and a rollback to here may follow. Nothing to

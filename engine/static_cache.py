@@ -65,3 +65,11 @@ class StaticKVCache:
         for buffers in (self.keys, self.values):
             for buffer in buffers:
                 buffer[:, :, start:start + len(source)] = buffer[:, :, source]
+
+
+def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's and attention's dtype: float32 for 16-bit weights on a CPU. The cache holds
+    the same (16-bit) values; float32 attention there costs a third of bfloat16's at a short
+    context (no native bfloat16 arithmetic: docs/performance.md) and accumulates in float32 as
+    SDPA's 16-bit kernel does."""
+    return torch.float32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else dtype

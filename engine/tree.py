@@ -37,6 +37,8 @@ a tree pass would mix across branches.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # The most draft nodes a round verifies (a chain's tokens, a tree's nodes): the settings' range
@@ -45,6 +47,17 @@ import torch
 # row of any verify pass is bitwise the one-token pass it replaces.
 MAX_DRAFT_NODES = 64
 MAX_VERIFY_ROWS = 1 + MAX_DRAFT_NODES
+
+
+@dataclass
+class Pass:
+    """One request's pass over its own cache: token_ids (n,) appended as a chain (`Runner.extend`), or as
+    draft-tree entries when `parents` is given (`Runner.extend_tree`, which says what parents holds).
+    `Runner.run` takes several requests' passes of one round."""
+
+    state: object  # engine/runner.py CacheState (the model's cache for this request)
+    token_ids: list[int]
+    parents: list[int] | None = None
 
 
 def tree_depths(parents: list[int]) -> list[int]:
@@ -114,15 +127,31 @@ def depth(draft) -> int:
     return max(tree_depths(draft.parents)) + 1
 
 
-def verify(target, state, last_token: int, draft) -> torch.Tensor:
-    """One target pass over the last committed token and every node of the draft: logits
-    (n+1, V), row 0 after the last committed token, row 1 + i after node i."""
+def verify_pass(target, state, last_token: int, draft) -> Pass:
+    """The target pass that verifies a draft: the last committed token and every node of the draft,
+    whose logits (n+1, V) are row 0 after the last committed token, row 1 + i after node i."""
     tokens = [last_token] + draft.token_ids
     if draft.parents is None:
         if draft.token_ids:
             target.checkpoint(state)  # a rejection rolls back to here (engine/linear_attention_rollback.py)
-        return target.extend(state, tokens)
-    return target.extend_tree(state, tokens, [-1] + [parent + 1 for parent in draft.parents])
+        return Pass(state, tokens)
+    return Pass(state, tokens, [-1] + [parent + 1 for parent in draft.parents])
+
+
+def run_passes(target, passes: list[Pass]) -> list[torch.Tensor]:
+    """The logits of each pass, all of them on `target`: one alone through its extend / extend_tree;
+    several in Runner.run, which shares target passes among them where each request's logits stay
+    bitwise those of its own pass (engine/runner.py)."""
+    if len(passes) > 1:
+        return target.run(passes)
+    return [target.extend(one.state, one.token_ids) if one.parents is None
+            else target.extend_tree(one.state, one.token_ids, one.parents) for one in passes]
+
+
+def verify(target, state, last_token: int, draft) -> torch.Tensor:
+    """One target pass over the last committed token and every node of the draft: logits
+    (n+1, V), row 0 after the last committed token, row 1 + i after node i."""
+    return run_passes(target, [verify_pass(target, state, last_token, draft)])[0]
 
 
 def keep(target, state, draft, path: list[int]) -> None:

@@ -1,6 +1,6 @@
 """The engine worker (engine/worker.py) and the built-in backend: requests queue in order, a
 caller that walks away holds nothing, a waiting request stopped leaves the queue at once, and
-the events are Engine._run's. Running answers are held at a gate in the target's `extend`
+the events are Engine._run's (one request alone). Running answers are held at a gate in the target's `extend`
 (the test releases it), never at "long enough"."""
 
 from __future__ import annotations
@@ -49,15 +49,20 @@ class Gate:
 def finished(engine, monkeypatch):
     """The Done of every request the engine ends, in order, with the request's question, as the
     worker sees them (not the caller)."""
-    done, run = [], engine._run
+    done, steps = [], engine._steps
 
     def recording(messages, **options):
-        for event in run(messages, **options):
-            if isinstance(event, Done):
-                done.append((messages[-1]["content"][-1]["text"], event))
-            yield event
+        answer = steps(messages, **options)
+        item = next(answer)
+        while True:  # events and passes out, each pass's logits back in
+            if isinstance(item, Done):
+                done.append((messages[-1]["content"][-1]["text"], item))
+            try:
+                item = answer.send((yield item))
+            except StopIteration:
+                return
 
-    monkeypatch.setattr(engine, "_run", recording)
+    monkeypatch.setattr(engine, "_steps", recording)
     return done
 
 
