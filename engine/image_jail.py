@@ -83,6 +83,11 @@ class Stopped(ImageError):
     """The caller stopped (Stop, New chat) before its image was decoded."""
 
 
+class OutOfTime(ImageError):
+    """The caller's time budget ran out before its image was decoded: the caller's limit, not the file's
+    (another request may decode it)."""
+
+
 class _Ended(Exception):
     """The child's pipe ended: the child is gone."""
 
@@ -234,8 +239,9 @@ class ImageJail:
                 child.kill()
                 if until is None:
                     raise ImageError(f"{name}: not decoded: the image decoder did not start within {START_S:g} s")
-                raise ImageError(_late(name, full, self.decoding) if deadline is None or until < deadline else
-                                 f"{name}: not decoded: the answer's time budget ran out first") from None
+                if deadline is not None and until >= deadline:
+                    raise OutOfTime(f"{name}: not decoded: the answer's time budget ran out first") from None
+                raise ImageError(_late(name, full, self.decoding)) from None
             except Stopped:
                 child.kill()
                 raise Stopped(f"{name}: not decoded: the answer was stopped") from None
@@ -306,8 +312,8 @@ class ImageJail:
                 if cancelled():
                     raise Stopped(f"{name}: not decoded: the answer was stopped")
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise ImageError(f"{name}: not decoded: the answer's time budget ran out while it waited for "
-                                     "the image decoders")
+                    raise OutOfTime(f"{name}: not decoded: the answer's time budget ran out while it waited for "
+                                    "the image decoders")
                 self.turns.wait(POLL_S)
             self.busy += 1
             self.busy_by_client[client] = self.busy_by_client.get(client, 0) + 1
