@@ -179,7 +179,8 @@ def refused_files(served: Served, message, checked: dict[str, str | None], keep:
     return {"paths": refused, "at": time.time()} if refused else gr.skip()
 
 
-def respond(served: Engine | Served, session: Session, options: Options | dict, demo_model: bool = False):
+def respond(served: Engine | Served, session: Session, options: Options | dict, demo_model: bool = False,
+            ledger: Visitors | None = None):
     """Prepare the pending turn's images, then stream its answer into the chat panels (and,
     last, the message box), throttled; plots less often. A refused turn (an unreadable image, a
     prompt too long for the context) goes back into the message box, less a refused file, with
@@ -187,7 +188,7 @@ def respond(served: Engine | Served, session: Session, options: Options | dict, 
     (while it waited in the queue) goes back into the box, text and images, and the panel says so;
     one that failed is shown with the reason. A chat cleared meanwhile gets empty panels. `options`
     as sent (a dict: the page sends them unprocessed), checked here: a bad one is refused like a
-    bad image, and the turn is cleared whatever fails."""
+    bad image, and the turn is cleared whatever fails; a refused turn's decodes leave `ledger`."""
     turn, history, served = session.pending, session.turns, served_of(served)
     if turn is None:
         return
@@ -218,6 +219,8 @@ def respond(served: Engine | Served, session: Session, options: Options | dict, 
         if (side is None or not side.stats.new_tokens) and session.turns is history:
             returned, stopped_early = turn.message, True  # stopped before it started: nothing kept
     except (RequestError, ImageError) as error:
+        if ledger is not None:
+            ledger.decodes.forget(*turn.files)
         returned = _without_named_files(turn.message, str(error))
         kept = "your text stays" if len(returned["files"]) < len(turn.files) else "your message is back in the box"
         gr.Warning(f"Cannot answer: {error} ({kept}).")
@@ -314,9 +317,13 @@ def api_chat(served: Served, message_value, session: Session, options: Options, 
         turn.queue_wait_s, turn.load_s = waited, turn.load_s + before
         claim(visitors, session, turn.files, request)
         visitors.spoke(session, session_id)
-        for side in answer(served, session, turn, options):
-            if tick.ready():
-                yield side.text, _public_stats(served, side.stats, session.dropped)
+        try:
+            for side in answer(served, session, turn, options):
+                if tick.ready():
+                    yield side.text, _public_stats(served, side.stats, session.dropped)
+        except (RequestError, ImageError):  # refused (a shape the processor refuses, say): its pixels serve nothing
+            visitors.decodes.forget(*turn.files)
+            raise
     served.answer_times.record(time.perf_counter() - arrived - waited)
     yield side.text, _public_stats(served, side.stats, session.dropped)
 

@@ -219,7 +219,7 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
     @gpu
     def respond(session: Session, *values):
         visitors.touch(session)
-        yield from callbacks.respond(served, session, dict(zip(settings, values)), demo_model)
+        yield from callbacks.respond(served, session, dict(zip(settings, values)), demo_model, visitors)
 
     # preprocess=False: the settings reach callbacks.respond as sent, which checks them and clears the
     # turn when one is wrong (Gradio's own check would refuse before the callback, leaving the turn pending).

@@ -37,7 +37,7 @@ from app_ui.served import Served, served_of
 from engine.ab import Side
 from engine.backend import Request
 from engine.engine import AUTO, ContextError, Engine, RequestError, check_ceilings, check_text
-from app_ui.uploads import Ledger, open_upload
+from app_ui.uploads import Ledger, open_upload, return_freed_memory
 from engine.image_jail import Stopped
 from engine.images import ImageError
 from engine.prompt import Prompt
@@ -359,6 +359,7 @@ def answer(engine: Engine | Served, session: Session, turn: Turn, options: Optio
         session.running = False
         if side.stats is not None and side.stats.new_tokens and not failed:
             record(session, turn, side, history)
+        return_freed_memory()
 
 
 def record(session: Session, turn: Turn, side: Side, history: list[Turn]) -> None:

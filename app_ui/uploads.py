@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from PIL import Image
 
+from engine import images
 from engine.image_jail import POLL_S, ImageJail, OutOfTime, Stopped, never
 from engine.images import ImageError
 
@@ -93,6 +94,12 @@ def decode_uploads(engine: Served, ledger: Ledger, paths: list[str], client: str
     return time.perf_counter() - started, None
 
 
+def return_freed_memory() -> None:
+    """The heap pages an answer freed (its images' pixels, the processor's arrays) back to the
+    system: glibc keeps them in the answering thread's arena otherwise (engine/images.py)."""
+    images._return_freed_memory()
+
+
 def _wait_for(decode: threading.Event, name: str, cancelled: Callable[[], bool], deadline: float | None) -> None:
     """Until another caller's decode of `name` ends; Stopped or OutOfTime as the jail's wait for a turn."""
     while not decode.wait(POLL_S):
@@ -135,13 +142,15 @@ class Decodes:
         if ended is not None:
             ended.set()
 
-    def forget(self, path: str) -> None:
-        """The upload is deleted: its pixels go, and a caller waiting for its decode goes on."""
+    def forget(self, *paths: str) -> None:
+        """The uploads are deleted (or their turn refused: their pixels serve nothing; decoded again if
+        sent again): their pixels go, and callers waiting for their decodes go on."""
         with self.lock:
-            self.kept.pop(path, None)
-            ended = self.running.pop(path, None)
-        if ended is not None:
-            ended.set()
+            for path in paths:
+                self.kept.pop(path, None)
+            ended = [self.running.pop(path) for path in paths if path in self.running]
+        for event in ended:
+            event.set()
 
     def _bound(self, client: str) -> None:
         mine = sum(decoded.nbytes() for owner, decoded in self.kept.values() if owner == client)

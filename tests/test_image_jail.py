@@ -96,6 +96,40 @@ def test_a_repeated_scan_jpeg_is_cut_at_the_deadline_and_a_40_megapixel_row_come
         jail.close()
 
 
+def test_a_long_decode_leaves_its_slot_and_another_addresss_photo_does_not_wait_for_it(tmp_path):
+    """One slot: a bomb past long_decode_s moves to the long lane; a second address's bomb, past it
+    too while a third address's photo waits, is refused; the photo is decoded while the first bomb
+    still runs (then stopped)."""
+    jail = ImageJail(Decoding(decode_slots=1, decode_seconds=30, long_decode_s=0.5))
+    results, stop_first = {}, threading.Event()
+
+    def load(who: str, data: bytes, **options):
+        try:
+            results[who] = jail.load(data, name=f"{who}.jpg", client=who, **options).size
+        except images.ImageError as error:
+            results[who] = str(error)
+
+    try:
+        jail.warm()
+        bomb = repeated_scan_jpeg(1024, 3000)
+        first = threading.Thread(target=load, args=("first", bomb), kwargs={"cancelled": stop_first.is_set})
+        first.start()
+        wait_until(lambda: jail.long_busy == 1, "the first bomb in the long lane", timeout=30)
+        second = threading.Thread(target=load, args=("second", bomb))
+        second.start()
+        wait_until(lambda: jail.busy == 1, "the second bomb in the slot", timeout=30)
+        load("photo", pathlib.Path(photo_png(tmp_path)).read_bytes())
+        assert results["photo"] == (400, 300) and "first" not in results  # the first bomb still decodes
+        second.join(30)
+        assert results["second"] == ("second.jpg: decoding takes over 0.5 s, and the server is decoding another "
+                                     "such image now; send it again in a moment"), results
+    finally:
+        stop_first.set()
+        first.join(30)
+        jail.close()
+    assert results["first"] == "first.jpg: not decoded: the answer was stopped"
+
+
 def test_a_stop_ends_a_decode_in_progress_and_pillows_own_bound_holds_in_the_child(tmp_path):
     jail = ImageJail(Decoding(decode_slots=1, decode_seconds=60))
     stop = threading.Event()
