@@ -11,8 +11,8 @@ for each family (measure/image_bombs.py builds the files: a strip-table TIFF, a 
 JPEG, a 40,000,000x1 PNG, a 6000x6000 PNG of zeros), three visitors, each from an address of
 its own (127.0.58.1-3), upload the file and send it to /chat (`/gradio_api/call/chat`) at once;
 one second later a quiet visitor (127.0.58.9) asks a question in text, then one about a small
-photo. Printed, one JSON line a family: the server's peak RSS over idle (VmHWM, reset for the
-family through /proc/PID/clear_refs), its RSS over idle once every answer is in and `--settle`
+photo. Printed, one JSON line a family: the server's RSS over idle as the family starts, its peak
+RSS over idle (VmHWM, reset for the family through /proc/PID/clear_refs), its RSS over idle once every answer is in and `--settle`
 seconds have passed, each visitor's answer (the refusal, shortened), and the quiet visitor's
 first token: seconds from its send to its first streamed words, measured here, and the server's
 `ttft_s`. The jail's children are processes of their own: their memory is not the server's
@@ -138,6 +138,7 @@ def storm(url: str, pid: int, idle_mb: float, name: str, data: bytes, settle_s: 
     def ask(source: str, file: dict) -> None:
         answers[source] = chat(url, "What is this?", [file], source)
 
+    start_mb = rss_mb(pid)
     reset_peak(pid)
     senders = [threading.Thread(target=ask, args=(source, file)) for source, file in zip(VISITORS, files)]
     for sender in senders:
@@ -149,7 +150,7 @@ def storm(url: str, pid: int, idle_mb: float, name: str, data: bytes, settle_s: 
         sender.join()
     peak = rss_mb(pid, "VmHWM")
     time.sleep(settle_s)
-    return {"family": name, "mb_on_disk": round(len(data) / 1e6, 2),
+    return {"family": name, "mb_on_disk": round(len(data) / 1e6, 2), "start_over_idle_mb": round(start_mb - idle_mb),
             "peak_over_idle_mb": round(peak - idle_mb), "after_over_idle_mb": round(rss_mb(pid) - idle_mb),
             "visitors": [answers[source].error or "answered" for source in VISITORS],
             "quiet_text_first_words_s": quiet_text.first_words_s and round(quiet_text.first_words_s, 1),
