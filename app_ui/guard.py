@@ -20,6 +20,7 @@ does not exist.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import json
@@ -28,8 +29,6 @@ import os
 import re
 import secrets
 import time
-
-import asyncio
 
 import anyio
 
