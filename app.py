@@ -89,7 +89,7 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
         visitors = Visitors(limits, public=[EXAMPLES_DIR])
         demo = build_demo(served, gpu=gpu_decorator(), visitors=visitors, ab_backend=ab_backend)
         demo.queue(default_concurrency_limit=1)
-    guard = _guard(demo, visitors, get_upload_folder())
+    guard = _guard(demo, visitors, get_upload_folder(), served)
     startup.close()  # the starting page gives the port to the app (the browser, if any, is open on it)
     try:
         demo.launch(server_name=config.host, server_port=startup.port, share=config.share,
@@ -115,14 +115,19 @@ def _start(argv: list[str] | None, block: bool, limits, startup):
     return demo
 
 
-def _guard(demo, visitors, uploads: str):
+def _guard(demo, visitors, uploads: str, served):
     """The visitors' guard in front of the app (app_ui/guard.py), refusing to start where it could not
-    read Gradio's queue (every field it reads must be there: a check that cannot look refuses)."""
+    read Gradio's queue (every field it reads must be there: a check that cannot look refuses); an
+    answer's uploads are decoded before it joins the line (app_ui/prepare_lane.py)."""
     from starlette.middleware import Middleware
 
     from app_ui import queue_rules
     from app_ui.callbacks import GENERATE
     from app_ui.guard import Guard
+    from app_ui.uploads import decode_uploads
+
+    def decode(paths, client, cancelled):
+        return decode_uploads(served, visitors, paths, client, cancelled, visitors.limits.time_budget_s)
 
     try:
         queue_rules.check_readable(demo)
@@ -133,7 +138,7 @@ def _guard(demo, visitors, uploads: str):
     # The Guard reads the client's address itself (X-Forwarded-For only behind VLM_PROXY_HOPS proxies);
     # uvicorn, which Gradio starts, would otherwise replace a local client's address by the header's.
     os.environ["FORWARDED_ALLOW_IPS"] = ""  # uvicorn's Config reads it when launch builds one: trust no proxy
-    return Middleware(Guard, visitors=visitors, uploads=uploads, answer_group=group)
+    return Middleware(Guard, visitors=visitors, uploads=uploads, answer_group=group, decode=decode)
 
 
 def _load(config, startup):

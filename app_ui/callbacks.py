@@ -15,9 +15,6 @@ import time
 from contextlib import contextmanager
 
 import gradio as gr
-from gradio.components.multimodal_textbox import MultimodalData
-from gradio.data_classes import FileData
-from pydantic import field_validator, model_validator
 
 from app_ui import ab_views, highlight, queue_rules, views
 from app_ui.components import ab_names
@@ -30,6 +27,7 @@ from app_ui.visitors import Visitors
 from engine.ab import MIN_PAIRS, ABProgress, run_ab
 from engine.backend import Backend
 from engine.engine import Engine, RequestError
+from engine.image_jail import OutOfTime
 from engine.images import ImageError
 
 logger = logging.getLogger(__name__)
@@ -157,11 +155,11 @@ def start(session: Session, turn: Turn) -> None:
 
 
 def refused_files(served: Served, message, checked: dict[str, str | None], keep: int = 512,
-                  client: str | None = None):
+                  client: str | None = None, ledger: Visitors | None = None):
     """{"paths": [...]} of the message's files that are not usable images, each named in a notice
     (ImageError's words), or gr.skip() when there are none; `checked`: path -> the refusal (None:
     fine), so that typing reopens nothing (the oldest entries go beyond `keep`). Each is decoded in
-    the jail (engine/image_jail.py), among `client`'s decodes."""
+    the jail (engine/image_jail.py), among `client`'s decodes, and kept in `ledger` for the send."""
     refused = []
     for file in (message or {}).get("files") or []:
         path = file.get("path") if isinstance(file, dict) else getattr(file, "path", file)
@@ -169,7 +167,7 @@ def refused_files(served: Served, message, checked: dict[str, str | None], keep:
             continue
         if path not in checked:
             try:
-                open_upload(path, jail=served.jail, **served.image_fit(), client=client)
+                open_upload(path, jail=served.jail, ledger=ledger, **served.image_fit(), client=client)
                 checked[path] = None
             except ImageError as error:
                 checked[path] = str(error)
@@ -181,7 +179,8 @@ def refused_files(served: Served, message, checked: dict[str, str | None], keep:
     return {"paths": refused, "at": time.time()} if refused else gr.skip()
 
 
-def respond(served: Engine | Served, session: Session, options: Options | dict, demo_model: bool = False):
+def respond(served: Engine | Served, session: Session, options: Options | dict, demo_model: bool = False,
+            ledger: Visitors | None = None):
     """Prepare the pending turn's images, then stream its answer into the chat panels (and,
     last, the message box), throttled; plots less often. A refused turn (an unreadable image, a
     prompt too long for the context) goes back into the message box, less a refused file, with
@@ -189,7 +188,7 @@ def respond(served: Engine | Served, session: Session, options: Options | dict, 
     (while it waited in the queue) goes back into the box, text and images, and the panel says so;
     one that failed is shown with the reason. A chat cleared meanwhile gets empty panels. `options`
     as sent (a dict: the page sends them unprocessed), checked here: a bad one is refused like a
-    bad image, and the turn is cleared whatever fails."""
+    bad image, and the turn is cleared whatever fails; a refused turn's decodes leave `ledger`."""
     turn, history, served = session.pending, session.turns, served_of(served)
     if turn is None:
         return
@@ -220,6 +219,8 @@ def respond(served: Engine | Served, session: Session, options: Options | dict, 
         if (side is None or not side.stats.new_tokens) and session.turns is history:
             returned, stopped_early = turn.message, True  # stopped before it started: nothing kept
     except (RequestError, ImageError) as error:
+        if ledger is not None:
+            ledger.decodes.forget(*turn.files)
         returned = _without_named_files(turn.message, str(error))
         kept = "your text stays" if len(returned["files"]) < len(turn.files) else "your message is back in the box"
         gr.Warning(f"Cannot answer: {error} ({kept}).")
@@ -265,12 +266,25 @@ def shown_waiting(session: Session) -> tuple:
     return panel, "", gr.Column(visible=False), panel, gr.Timer(active=True)
 
 
-def prepare(served: Served, session: Session, request: gr.Request | None = None) -> None:
-    """The page's step between showing a message and answering it: its images decoded in the jail,
-    outside the answer slot (GENERATE), so that a slow or hostile image holds no visitor's answer;
-    a refusal is reported by the answer step."""
+def prepare(served: Served, session: Session, request: gr.Request | None = None, ledger: Visitors | None = None
+            ) -> None:
+    """The page's step between showing a message and answering it: its images decoded in the jail
+    (or taken from `ledger`, where the check when they were attached left them), outside the answer
+    slot (GENERATE), so that a slow or hostile image holds no visitor's answer; a refusal is
+    reported by the answer step."""
     if session.pending is not None:
-        prepare_images(served, session, session.pending, client_of(request))
+        prepare_images(served, session, session.pending, client_of(request), ledger)
+
+
+def decoded_before(request: gr.Request | None) -> float:
+    """The seconds the request's uploads took to decode before it joined the line (the Guard's
+    `prepare`; 0 when they were not), part of its time budget; OutOfTime when the budget ran out
+    then (they are not decoded again in the answer's slot)."""
+    state = getattr(getattr(request, "request", None), "state", None)
+    refusal = getattr(state, "images_refused", None)
+    if refusal:
+        raise OutOfTime(refusal)
+    return getattr(state, "images_s", 0.0) or 0.0
 
 
 def panels(messages: list[dict], side=None, statistics: str | None = None,
@@ -298,13 +312,18 @@ def api_chat(served: Served, message_value, session: Session, options: Options, 
     with user_errors():
         session.check_not_expired(visitors.limits.idle_s)
         options = checked(options, served)
-        turn = new_turn(message_value, served, session, client_of(request), arrived=arrived)
-        turn.queue_wait_s = waited
+        before = decoded_before(request)
+        turn = new_turn(message_value, served, session, client_of(request), arrived=arrived, ledger=visitors)
+        turn.queue_wait_s, turn.load_s = waited, turn.load_s + before
         claim(visitors, session, turn.files, request)
         visitors.spoke(session, session_id)
-        for side in answer(served, session, turn, options):
-            if tick.ready():
-                yield side.text, _public_stats(served, side.stats, session.dropped)
+        try:
+            for side in answer(served, session, turn, options):
+                if tick.ready():
+                    yield side.text, _public_stats(served, side.stats, session.dropped)
+        except (RequestError, ImageError):  # refused (a shape the processor refuses, say): its pixels serve nothing
+            visitors.decodes.forget(*turn.files)
+            raise
     served.answer_times.record(time.perf_counter() - arrived - waited)
     yield side.text, _public_stats(served, side.stats, session.dropped)
 
@@ -319,15 +338,18 @@ def _public_stats(served: Served, stats, dropped: int) -> dict:
 
 
 def _ab_events(served: Served, message_value, session: Session, options: Options, arrived: float,
-               ab_backend: Backend | None, client: str | None = None):
+               ab_backend: Backend | None, request: gr.Request | None = None, ledger: Visitors | None = None):
     """run_ab on one message (no chat history), with a stop flag that Stop sets (also while the
-    request waits in the queue); against `ab_backend` when there is one."""
+    request waits in the queue); against `ab_backend` when there is one; its uploads from `ledger`
+    where the Guard decoded them before it joined the line."""
     options = checked(options, served)
+    before, client = decoded_before(request), client_of(request)
     if served.server_decides and ab_backend is None:
         raise RequestError(f"the server at {served.name} decides its own decoding, so there is no plain and "
                            "speculative run to compare; start the app with --ab-backend URL to compare it with "
                            "another backend")
-    turn = new_turn(message_value, served, session, client, answers=2, alone=True, arrived=arrived)
+    turn = new_turn(message_value, served, session, client, answers=2, alone=True, arrived=arrived, ledger=ledger)
+    turn.load_s += before
     messages = messages_for(Session(), turn, options.system_prompt)
     drafter = drafter_for(options, served) if served.drafters else None  # run_ab says why None cannot do
     stop, session.running, began = session.begin(arrived, answers=2 * MIN_PAIRS, spent=turn.load_s), True, time.perf_counter()
@@ -347,11 +369,11 @@ def _ab_events(served: Served, message_value, session: Session, options: Options
 
 
 def ab_live(served: Served, message_value, session: Session, options: Options, arrived: float,
-             ab_backend: Backend | None, client: str | None = None):
+             ab_backend: Backend | None, request: gr.Request | None = None, ledger: Visitors | None = None):
     tick, names = views.Throttle(views.UPDATES_PER_SECOND), ab_names(served, ab_backend)
     with user_errors():
         asked = ab_views.asked(*read_message(message_value, served))
-        for event in _ab_events(served, message_value, session, options, arrived, ab_backend, client):
+        for event in _ab_events(served, message_value, session, options, arrived, ab_backend, request, ledger):
             done = not isinstance(event, ABProgress)
             if done or tick.ready():
                 verdict = asked + ab_views.ab_markdown(event if done else None, None if done else event, names)
@@ -362,33 +384,11 @@ def ab_live(served: Served, message_value, session: Session, options: Options, a
 
 
 def api_ab(served: Served, message_value, session: Session, options: Options, arrived: float,
-           ab_backend: Backend | None, client: str | None = None):
+           ab_backend: Backend | None, request: gr.Request | None = None, ledger: Visitors | None = None):
     """/ab: plain answer, speculative answer, speedup, identical, first difference (or None);
     stopped: speedup, identical and first difference are None."""
     with user_errors():
-        *_, result = _ab_events(served, message_value, session, options, arrived, ab_backend, client)
+        *_, result = _ab_events(served, message_value, session, options, arrived, ab_backend, request, ledger)
     difference = result.as_dict()["first_difference"]
     identical = None if result.identical is None else json.dumps(result.identical)  # gr.JSON reads "true"
     return result.plain.text, result.speculative.text, result.decode_speedup, identical, difference
-
-
-class ApiMessageData(MultimodalData):
-    """The API's message as sent: "text" may be missing or of any type and "files" null (as
-    none), so that new_turn names what is wrong instead of Gradio failing without a message.
-    Files are still Gradio's FileData: only files uploaded to this server are taken. With
-    preprocess=False the callback gets this model's dict: {"text": ..., "files": [FileData dicts]}."""
-
-    text: object = ""
-    files: list[FileData] | object = []  # anything else reaches new_turn, which names it
-
-    @model_validator(mode="before")
-    @classmethod
-    def _any_value_is_a_message(cls, message):
-        """A bare string is the message's text (docs/app.md); any other value that is not a dict
-        becomes the text too, for new_turn to name ("the text must be a string, not int")."""
-        return message if isinstance(message, dict) or isinstance(message, cls) else {"text": message}
-
-    @field_validator("files", mode="before")
-    @classmethod
-    def _none_is_no_files(cls, files):
-        return [] if files is None else files

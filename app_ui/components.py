@@ -1,6 +1,7 @@
 """The page's parts: the header, the settings sidebar, the Chat and A/B tabs, and the examples
 that fit the loaded model; their style and scripts are files in app_ui/page/ (`CSS`, `script`).
-The events that connect them are app_ui/layout.py's.
+The events that connect them are app_ui/layout.py's; the API's message box reads its value as
+`ApiMessageData`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ import os
 from types import SimpleNamespace
 
 import gradio as gr
+from gradio.components.multimodal_textbox import MultimodalData
+from gradio.data_classes import FileData
+from pydantic import field_validator, model_validator
 
 from app_ui import ab_views, views
 from app_ui.served import Served
@@ -324,3 +328,25 @@ def box_placeholder(demo_model: bool, reads_images: bool, note: str | None) -> s
     if demo_model and not note:
         return "Ask about the images… (drop, paste or upload several)"
     return "Ask anything, or about images… (drop, paste or upload several)"
+
+
+class ApiMessageData(MultimodalData):
+    """The API's message as sent: "text" may be missing or of any type and "files" null (as
+    none), so that new_turn names what is wrong instead of Gradio failing without a message.
+    Files are still Gradio's FileData: only files uploaded to this server are taken. With
+    preprocess=False the callback gets this model's dict: {"text": ..., "files": [FileData dicts]}."""
+
+    text: object = ""
+    files: list[FileData] | object = []  # anything else reaches new_turn, which names it
+
+    @model_validator(mode="before")
+    @classmethod
+    def _any_value_is_a_message(cls, message):
+        """A bare string is the message's text (docs/app.md); any other value that is not a dict
+        becomes the text too, for new_turn to name ("the text must be a string, not int")."""
+        return message if isinstance(message, dict) or isinstance(message, cls) else {"text": message}
+
+    @field_validator("files", mode="before")
+    @classmethod
+    def _none_is_no_files(cls, files):
+        return [] if files is None else files

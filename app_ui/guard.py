@@ -6,7 +6,9 @@ the path, the headers, the Content-Length; then, for a JSON body (bounded by
 `Limits.request_bytes`, `request_deadline_s` and the bodies being read at once: app_ui/bodies.py), one
 parse in a worker thread that counts the files the request names as it goes (keys as JSON
 reads them, escaped or not; it stops past the limit) and checks that each is the visitor's own
-upload (or an example), without touching the disk. A refusal is one line naming the problem:
+upload (or an example), without touching the disk. An answer that names uploads is held out of
+the answer lane while they are decoded (app_ui/prepare_lane.py), so that no decode runs in the
+answer slot. A refusal is one line naming the problem:
 text for an upload, and for a JSON request the 422 shape Gradio's clients show as a validation
 message.
 
@@ -18,6 +20,7 @@ does not exist.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import json
@@ -29,8 +32,9 @@ import time
 
 import anyio
 
-from app_ui import queue_rules, routes
+from app_ui import prepare_lane, queue_rules, routes
 from app_ui.bodies import MeteredBody, Reading, read_body, recording_upload, refuse, refuse_json, replay
+from app_ui.stop_lane import GradioQueue
 from app_ui.visitors import MB, Visitor, Visitors
 
 logger = logging.getLogger(__name__)
@@ -38,19 +42,27 @@ COOKIE = "vlm_visitor"  # a random name per visitor: whose uploads a request may
 _COOKIE_VALUE = re.compile(rb"(?:^|;)\s*" + COOKIE.encode() + rb"=([A-Za-z0-9_-]{20,64})\s*(?:;|$)")
 FILE_ROUTES = ("/gradio_api/file=", "/gradio_api/file/")  # Gradio's downloads (the second: its old name)
 NO_SUCH_FILE = "no such file"
+DECODING_THREADS = 32  # answers whose uploads are decoded at once before they join the line (the jail bounds the decodes)
 
 
 class Guard:
     """`uploads`: Gradio's upload folder, whose files are downloaded only by their own visitor;
     `answer_group`: the concurrency group of the events that answer, bounded per conversation and
-    per address before they join the queue (app_ui/queue_rules.py)."""
+    per address before they join the queue (app_ui/queue_rules.py); `decode(paths, client,
+    cancelled)`: decodes an answer's uploads before it joins the line, keeping them in the ledger
+    (uploads.decode_uploads: the seconds it took, and the refusal when the time budget ran out),
+    None: they are decoded in the answer's slot."""
 
-    def __init__(self, app, visitors: Visitors, uploads: str | None = None, answer_group: str = "generate"):
+    def __init__(self, app, visitors: Visitors, uploads: str | None = None, answer_group: str = "generate",
+                 decode=None):
         self.app = app
         self.visitors = visitors
         self.uploads = uploads and os.path.abspath(uploads)
         self.group = answer_group
         self.reading = Reading(visitors.limits)
+        self.decode = decode
+        self.decoding: set[asyncio.Task] = set()  # answers held while their uploads decode
+        self.decoders: anyio.CapacityLimiter | None = None  # their threads (made in the server's event loop)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "websocket":  # no route of this app takes one: closed before it is accepted
@@ -131,11 +143,42 @@ class Guard:
         if refusal:
             logger.info("refused %s from %s: %s", path, visitor.client, refusal)
             return await refuse_json(send, refusal)
+        uploads = [path for path in _named_paths(request) if self.visitors.is_upload(path)] \
+            if answer and self.decode is not None else []
         try:
+            if uploads:
+                return await self.join_held(scope, body, send, uploads, visitor.client, blocks)
             return await self.app(scope, replay(body), send)
         finally:
             if answer:
                 with contextlib.suppress(queue_rules.QueueUnreadable):  # refused above if so
+                    queue_rules.interleave(blocks, self.group)
+
+    async def join_held(self, scope, body: bytes, send, uploads: list[str], client: str, blocks):
+        """Gradio's join of an answer that names `uploads`, held in PREPARING from the moment it
+        joins (Gradio starts no event meanwhile) while a task decodes them (`prepare`)."""
+        queue, joined = GradioQueue(blocks._queue), _Joined(send)
+        async with queue.lock:
+            await self.app(scope, replay(body), joined.send)
+            event = prepare_lane.hold(queue, self.group, joined.event_id)
+        if event is not None:
+            task = asyncio.get_running_loop().create_task(self.prepare(blocks, event, uploads, client, scope["state"]))
+            self.decoding.add(task)
+            task.add_done_callback(self.decoding.discard)
+
+    async def prepare(self, blocks, event, uploads: list[str], client: str, state: dict) -> None:
+        """Decode a held answer's uploads on a thread, then release it to the answer lane; the
+        request's state tells its handler what it took (`images_s`, `images_refused`)."""
+        queue = GradioQueue(blocks._queue)
+        self.decoders = self.decoders or anyio.CapacityLimiter(DECODING_THREADS)
+        try:
+            state["images_s"], state["images_refused"] = await anyio.to_thread.run_sync(
+                self.decode, uploads, client, lambda: not prepare_lane.held(queue, event), limiter=self.decoders)
+        except Exception:  # its handler decodes them then, in its slot
+            logger.exception("decoding an answer's uploads before its turn failed")
+        finally:
+            if await prepare_lane.release(queue, event, self.group):
+                with contextlib.suppress(queue_rules.QueueUnreadable):
                     queue_rules.interleave(blocks, self.group)
 
     def client(self, scope, headers: dict) -> str:
@@ -267,6 +310,29 @@ def _event_data_refusal(blocks, path: str, request: dict | None) -> str | None:
     if not (isinstance(event_data, dict) and "index" in event_data and "value" in event_data):
         return 'this event needs its event_data, {"index": ..., "value": ...}, as the page sends it'
     return None
+
+
+def _named_paths(request: dict | None) -> list[str]:
+    """The paths of the files a request names ({"path": ...} anywhere in it), each once."""
+    if request is None:
+        return []
+    return list(dict.fromkeys(value["path"] for value in _walk(request)
+                              if isinstance(value, dict) and isinstance(value.get("path"), str)))
+
+
+class _Joined:
+    """A join's `send`, reading the event id Gradio answers ({"event_id": ...})."""
+
+    def __init__(self, send):
+        self._send, self.body, self.event_id = send, b"", None
+
+    async def send(self, message):
+        if message["type"] == "http.response.body":
+            self.body += message.get("body", b"")
+            if not message.get("more_body"):
+                with contextlib.suppress(ValueError, AttributeError):
+                    self.event_id = json.loads(self.body).get("event_id")
+        await self._send(message)
 
 
 def _walk(value):

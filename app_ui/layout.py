@@ -64,7 +64,7 @@ def build_demo(served: Served | Engine, gpu: Callable = lambda fn: fn, visitors:
             ab = components.ab_tab(examples, served, ab_backend)
         _wire_settings(served, settings)
         for box in (chat.message, ab.message):
-            _flag_refused_files(served, box)
+            _flag_refused_files(served, box, visitors)
         kept = _wire_kept(demo, served, session, settings, chat, chats, visitors)
         _wire_chat(served, gpu, session, settings, chat, visitors, examples, kept)
         _wire_ab(served, gpu, session, {k: v for k, v in settings.items() if k != "mode"}, ab, visitors, ab_backend)
@@ -82,15 +82,17 @@ def _wire_settings(served: Served, settings: dict) -> None:
                                [settings["drafter"]], [settings["drafter"]], **INSTANT)
 
 
-def _flag_refused_files(served: Served, box: gr.MultimodalTextbox) -> None:
+def _flag_refused_files(served: Served, box: gr.MultimodalTextbox, visitors: Visitors) -> None:
     """A file that is not a usable image is named in a notice as soon as it is attached, and taken
     out of the box; the text stays, typed meanwhile too (the box is edited on the page:
-    DROP_REFUSED_FILES). Each upload is opened once (callbacks.refused_files)."""
+    DROP_REFUSED_FILES). Each upload is decoded once (callbacks.refused_files), and kept for the send
+    in the upload ledger (`visitors`)."""
     refused = gr.JSON(visible=False)
     checked: dict[str, str | None] = {}
 
     def check(message, request: gr.Request):
-        return callbacks.refused_files(served, message, checked, client=callbacks.client_of(request))
+        return callbacks.refused_files(served, message, checked, client=callbacks.client_of(request),
+                                       ledger=visitors)
 
     box.change(check, [box], [refused], **INSTANT, trigger_mode="always_last")
     refused.change(None, [refused, box], [box], js=DROP_REFUSED_FILES, **INSTANT)
@@ -210,7 +212,7 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
     @gpu
     def respond(session: Session, *values):
         visitors.touch(session)
-        yield from callbacks.respond(served, session, dict(zip(settings, values)), demo_model)
+        yield from callbacks.respond(served, session, dict(zip(settings, values)), demo_model, visitors)
 
     # preprocess=False: the settings reach callbacks.respond as sent, which checks them and clears the
     # turn when one is wrong (Gradio's own check would refuse before the callback, leaving the turn pending).
@@ -223,7 +225,7 @@ def _wire_chat(served: Served, gpu: Callable, session: gr.State, settings: dict,
     figures, statistics = chat.panels[-1], chat.panels[1]
     waiting = [statistics, chat.panels[2], chat.panels[5], figures, _line_timer(served, session, chat)]
     shown = [chat.message, chat.chatbot, chat.stop, *waiting]  # waiting: callbacks.shown_waiting's
-    prepare = _prepare_event(served, session, chat.chatbot)
+    prepare = _prepare_event(served, session, chat.chatbot, visitors)
 
     def answered(accepted, clear_box: bool = True):  # a turn accepted: shown, its images prepared, answered, kept
         accepted.success(lambda session: show(session, clear_box), [session], shown, **INSTANT).success(**prepare) \
@@ -307,12 +309,13 @@ def _line_timer(served: Served, session: gr.State, chat: SimpleNamespace) -> gr.
     return line
 
 
-def _prepare_event(served: Served, session: gr.State, chatbot: gr.Chatbot) -> dict:
-    """The step between showing a message and answering it: its images decoded in the jail, outside
-    the answer slot (callbacks.prepare); the chat shows Gradio's pending dots meanwhile, as it does
-    while the answer's step waits."""
+def _prepare_event(served: Served, session: gr.State, chatbot: gr.Chatbot, visitors: Visitors) -> dict:
+    """The step between showing a message and answering it: its images decoded in the jail (or as the
+    check when they were attached left them in the ledger), outside the answer slot
+    (callbacks.prepare); the chat shows Gradio's pending dots meanwhile, as it does while the
+    answer's step waits."""
     def prepare_images(session: Session, request: gr.Request):
-        callbacks.prepare(served, session, request)
+        callbacks.prepare(served, session, request, visitors)
 
     return dict(fn=prepare_images, inputs=[session], outputs=None, show_progress_on=[chatbot], **PREPARE)
 
@@ -326,7 +329,7 @@ def _wire_ab(served: Served, gpu: Callable, session: gr.State, settings: list, a
         visitors.touch(session, request.session_hash)
         options = Options(mode="speculative", **dict(zip(settings, values)))
         yield from callbacks.ab_live(served, message_value, session, options, callbacks.arrival(request), ab_backend,
-                                     callbacks.client_of(request))
+                                     request, visitors)
 
     def start_run(message_value):  # Enter in an empty box: nothing happens, no toast (as in the chat)
         if callbacks.is_empty(message_value):
@@ -355,7 +358,7 @@ def _wire_api(served: Served, gpu: Callable, session: gr.State, settings: list, 
     non-image file without naming it, our image validation names the file and the reason."""
     with gr.Row(visible=False):
         message = gr.MultimodalTextbox(file_count="multiple", label="message")
-        message.data_model = callbacks.ApiMessageData  # so that new_turn names a missing text or null files
+        message.data_model = components.ApiMessageData  # so that new_turn names a missing text or null files
         answer_text, statistics = gr.Textbox(label="answer"), gr.JSON(label="statistics")
         plain, speculative = gr.Textbox(label="plain"), gr.Textbox(label="speculative")
         speedup, identical = gr.Number(label="speedup"), gr.JSON(label="identical")  # true, false, null
@@ -379,7 +382,7 @@ def _wire_api(served: Served, gpu: Callable, session: gr.State, settings: list, 
         stopped)."""
         visitors.touch(session, request.session_hash)
         return callbacks.api_ab(served, message, session, Options(mode="speculative", **values),
-                                callbacks.arrival(request), ab_backend, callbacks.client_of(request))
+                                callbacks.arrival(request), ab_backend, request, visitors)
 
     def clear(session):
         callbacks.clear(session, visitors)

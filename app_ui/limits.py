@@ -51,6 +51,10 @@ class Limits:
                             "X-Forwarded-For's right", "VLM_PROXY_HOPS")
     time_budget_s: float = limit(120.0, "wall-clock time one answer may take (then it ends: time_budget; 0: none)",
                                  "VLM_TIME_BUDGET_S")
+    decoded_bytes_per_client: int = limit(128 * MB, "uploads' decoded pixels kept (each upload decoded once, at the "
+                                          "model's size), per client address; its oldest go first",
+                                          "VLM_DECODED_BYTES_PER_CLIENT")
+    decoded_bytes_total: int = limit(512 * MB, "...all clients", "VLM_DECODED_BYTES_TOTAL")
     sweep_s: float = limit(10.0, "how often idle conversations and old uploads are swept", "VLM_SWEEP_S")
     # Gradio keeps its own state for this many sessions, the most recently active (the page's
     # components as that visitor last saw them; size per session: docs/app.md); an older one is dropped.

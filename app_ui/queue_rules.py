@@ -6,10 +6,13 @@ visitor would wait behind them all. So, before Gradio queues an answer (`refusal
 the Guard): a conversation may have one answer waiting, an address `Limits.answers_per_client`
 waiting or running. And after each answer joins (`interleave`), the waiting list is put in turns
 by address: every address's first waiting answer before any address's second, so a visitor
-waits for at most one answer of each other address, not for all of one address's answers.
+waits for at most one answer of each other address, not for all of one address's answers. An
+answer whose images are being decoded before it joins the line (app_ui/prepare_lane.py, the lane
+PREPARING) counts as waiting.
 
 It uses Gradio's queue internals (gradio/queueing.py: `Queue.event_queue_per_concurrency_id`,
-`EventQueue.queue`, `Queue.active_jobs`, `Event.session_hash`, `Event.request`), read for
+`EventQueue.queue` and `current_concurrency`, `Queue.active_jobs`, `Event.session_hash`, `Event._id`,
+`Event.request`), read for
 Gradio 6, as app_ui/stop_lane.py does; an event's address is the one the Guard stamped on its
 request (`scope["state"]["client"]`). Each is read as an attribute, never with a default: a
 field Gradio renamed raises QueueUnreadable, the Guard then refuses answers, and app.py checks
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import typing
 from contextlib import contextmanager
+
+from app_ui.prepare_lane import PREPARING
 
 
 class QueueUnreadable(RuntimeError):
@@ -47,16 +52,21 @@ def check_readable(blocks) -> None:
         lanes, jobs = queue.event_queue_per_concurrency_id, queue.active_jobs
         if not isinstance(lanes, dict) or not isinstance(jobs, list):
             raise TypeError("event_queue_per_concurrency_id is not a dict or active_jobs not a list")
-        lane = queueing.EventQueue("probe", 1).queue
+        lane = queueing.EventQueue("probe", 1)
         event = queueing.Event(None, next(iter(blocks.fns.values())), None, None)
-        if not isinstance(lane, list):
-            raise TypeError("EventQueue.queue is not a list")
-        event.session_hash, event.concurrency_id, event.request  # noqa: B018 (each must be there)
+        if not isinstance(lane.queue, list) or not isinstance(lane.current_concurrency, int):
+            raise TypeError("EventQueue.queue is not a list or current_concurrency not a number")
+        event.session_hash, event.concurrency_id, event.request, event._id  # noqa: B018 (each must be there)
 
 
 def _waiting(blocks, group: str) -> list:
     lane = blocks._queue.event_queue_per_concurrency_id.get(group)  # a group's lane is made at its first event
     return lane.queue if lane is not None else []
+
+
+def _held(blocks) -> list:
+    """The answers whose images are being decoded before they join the line (app_ui/prepare_lane.py)."""
+    return _waiting(blocks, PREPARING)
 
 
 def _running(blocks, group: str) -> list:
@@ -101,7 +111,7 @@ def refusal(blocks, group: str, session_hash: str | None, client: str, per_clien
     """Why an answer of `session_hash` from `client` may not join the queue now, or None;
     QueueUnreadable when the queue cannot be read."""
     with _reading():
-        waiting, running = _waiting(blocks, group), _running(blocks, group)
+        waiting, running = _waiting(blocks, group) + _held(blocks), _running(blocks, group)
         mine = sum(client_of(event) == client for event in waiting + running)
         queued = bool(session_hash) and any(event.session_hash == session_hash for event in waiting)
     if queued:
@@ -135,4 +145,4 @@ def interleave(blocks, group: str) -> None:
 def sessions(blocks, group: str) -> set[str]:
     """The session ids with an answer waiting or running."""
     with _reading():
-        return {event.session_hash for event in _waiting(blocks, group) + _running(blocks, group)}
+        return {event.session_hash for event in _waiting(blocks, group) + _held(blocks) + _running(blocks, group)}

@@ -18,7 +18,7 @@ Policies (docs/app.md, "Limits and failures"):
   still being decoded then are refused by name.
 - Images are decoded in the jail's children (engine/image_jail.py, `open_upload`), at most
   `VLM_DECODES_PER_CLIENT` at once for one address; Stop (or New chat) ends a decode in progress
-  and starts none.
+  and starts none. An upload is decoded once (app_ui/uploads.py: kept with it in the ledger).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from app_ui.served import Served, served_of
 from engine.ab import Side
 from engine.backend import Request
 from engine.engine import AUTO, ContextError, Engine, RequestError, check_ceilings, check_text
-from engine.image_jail import ImageJail, Stopped
+from app_ui.uploads import Ledger, open_upload, return_freed_memory
+from engine.image_jail import Stopped
 from engine.images import ImageError
 from engine.prompt import Prompt
 from engine.settings import Settings
@@ -217,32 +218,29 @@ def drafter_for(options: Settings, engine: Engine | Served) -> str | None:
 
 
 def new_turn(message: dict | str | None, engine: Engine | Served, session: Session | None = None,
-             client: str | None = None, answers: int = 1, alone: bool = False, arrived: float | None = None) -> Turn:
+             client: str | None = None, answers: int = 1, alone: bool = False, arrived: float | None = None,
+             ledger: Ledger | None = None) -> Turn:
     """A MultimodalTextbox value ({"text": ..., "files": [...]}) made into a turn whose images
     are validated and shrunk to the processor's size in the jail (`open_upload`; `client`: the
     address whose decodes are bounded together); RequestError / ImageError name the file, the
     field or the limit. Checks the text before opening any image. A session's Stop ends the
     decodes (Stopped), and its time budget for `answers` answers bounds them; `alone`: the turn is
     asked without the conversation (an A/B), whose images it does not count; `arrived`
-    (time.perf_counter()): when the request came (default: now), a Stop since then applies."""
+    (time.perf_counter()): when the request came (default: now), a Stop since then applies;
+    `ledger`: where each upload's decode is kept (`open_upload`)."""
     started, engine = time.perf_counter(), served_of(engine)
     arrived = started if arrived is None else arrived
     text, files = read_message(message, engine, None if alone else session)
     budget = session.time_budget_s if session is not None else None
     options = {"client": client, "deadline": time.monotonic() + answers * budget if budget else None,
                "cancelled": session.stopped_since(arrived) if session is not None else lambda: False}
-    images = [open_upload(path, jail=engine.jail, name=os.path.basename(path), **engine.image_fit(), **options)
-              for path in files]
+    images = [open_upload(path, jail=engine.jail, ledger=ledger, name=os.path.basename(path), **engine.image_fit(),
+                          **options) for path in files]
     return Turn(text, files, images, arrived=arrived, load_s=time.perf_counter() - started)
 
 
-def open_upload(path: str, jail: ImageJail, **options) -> Image.Image:
-    """A visitor's file decoded in `jail`'s children (engine/image_jail.py `ImageJail.load`, its
-    options): the one way the app opens an upload."""
-    return jail.load(path, **options)
-
-
-def prepare_images(engine: Served, session: Session, turn: Turn, client: str | None = None) -> None:
+def prepare_images(engine: Served, session: Session, turn: Turn, client: str | None = None,
+                   ledger: Ledger | None = None) -> None:
     """Open and shrink `turn`'s images, once (a turn shown at once has its files only): a refusal is
     kept in `turn.refusal` for its answer to report; a Stop meanwhile leaves them unopened (the
     answer then ends as stopped before it started)."""
@@ -250,7 +248,7 @@ def prepare_images(engine: Served, session: Session, turn: Turn, client: str | N
         return
     session.preparing = True  # neither Stop nor the sweep drops the turn meanwhile: its answer's step comes
     try:
-        prepared = new_turn(turn.message, engine, session, client, arrived=turn.arrived)
+        prepared = new_turn(turn.message, engine, session, client, arrived=turn.arrived, ledger=ledger)
         turn.images, turn.load_s = prepared.images, prepared.load_s
     except Stopped:
         return
@@ -372,6 +370,7 @@ def answer(engine: Engine | Served, session: Session, turn: Turn, options: Optio
         session.running = False
         if side.stats is not None and side.stats.new_tokens and not failed:
             record(session, turn, side, history)
+        return_freed_memory()
 
 
 def record(session: Session, turn: Turn, side: Side, history: list[Turn]) -> None:

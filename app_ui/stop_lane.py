@@ -8,7 +8,8 @@ flag set and ends without an answer (app_ui/session.py).
 Gradio has no public way to do this, so one small adapter, `GradioQueue`, is the only code here
 that touches its queue's internals (gradio/queueing.py, read for Gradio 6: `Blocks._queue`,
 `Queue.event_queue_per_concurrency_id`, `Queue.delete_lock`, `EventQueue(concurrency_id,
-concurrency_limit)` and its `queue` list, `Event.session_hash` and `Event.concurrency_id`).
+concurrency_limit)`, its `queue` list and `current_concurrency`, `Event.session_hash`, `Event._id`
+and `Event.concurrency_id`).
 tests/test_stop_lane.py runs it on a real Gradio queue, so an upgrade that moves any of them fails
 there, not silently in production.
 """
@@ -52,6 +53,25 @@ class GradioQueue:
         """The lane `name` with no concurrency limit, made when missing."""
         lanes = self.queue.event_queue_per_concurrency_id
         return lanes.setdefault(name, self._lane_type(name, None))
+
+    def held_lane(self, name: str):
+        """The lane `name` whose one slot is taken for ever, so Gradio starts none of its events
+        (`EventQueue.current_concurrency` at its limit; no event of it ever ends to free it), made
+        when missing (app_ui/prepare_lane.py)."""
+        lanes = self.queue.event_queue_per_concurrency_id
+        if name not in lanes:
+            lane = self._lane_type(name, 1)
+            lane.current_concurrency = 1
+            lanes[name] = lane
+        return lanes[name]
+
+    def lane(self, name: str):
+        return self.queue.event_queue_per_concurrency_id[name]
+
+    @staticmethod
+    def event(lane, event_id: str):
+        """The event of `lane` with Gradio's id `event_id` (`Event._id`), or None."""
+        return next((event for event in lane.queue if event._id == event_id), None)
 
     @staticmethod
     def waiting(lane, session_hash: str) -> list:

@@ -7,11 +7,12 @@ of its routes and the shape of its request bodies.
   `unsent_upload_s` old. `uploads` is the ledger: an upload is held by each conversation that
   sent it, and while no conversation sent it yet; a conversation that is cleared, expires or is
   closed lets go of every upload it sent (`release`, once), shown or not, and a file goes, once,
-  when nobody holds it. Each upload is its `Visitor`'s: Gradio stores equal contents at
-  one path (`<upload folder>/<hash>/<name>`), so `uploaded` moves each file to a folder of its
-  own with an unguessable name, and only its visitor may name it in a message or download it
-  (`may_use`). Each upload is written to a journal of this process, outside every folder Gradio
-  serves, so that the next process deletes what this one left (app_ui/journals.py, at start).
+  when nobody holds it, its decode with it (app_ui/uploads.py `Decodes`). Each upload is its
+  `Visitor`'s: Gradio stores equal contents at one path (`<upload folder>/<hash>/<name>`), so
+  `uploaded` moves each file to a folder of its own with an unguessable name, and only its
+  visitor may name it in a message or download it (`may_use`). Each upload is written to a
+  journal of this process, outside every folder Gradio serves, so that the next process deletes
+  what this one left (app_ui/journals.py, at start).
 - `Guard` (app_ui/guard.py) is the ASGI middleware in front of Gradio that applies these
   bounds before Gradio reads a request: a route not allowed by name (app_ui/routes.py) answers
   404; the
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 
 from app_ui.limits import MB, Limits  # noqa: F401 (the bounds it holds; imported from here too)
 from app_ui.session import Session
+from app_ui.uploads import Decoded, Decodes
 
 # A request without a session id gets a new Gradio session that no later request can reach; it
 # counts among its address's sessions for this long (Gradio's state for it lasts longer).
@@ -105,6 +107,7 @@ class Visitors:
         self.journal = journal  # this process's list of uploads (see sweep_journals)
         self.public = [os.path.join(os.path.abspath(folder), "") for folder in public]  # anyone's: the examples
         self.moved: dict[str, str] = {}  # Gradio's path -> the latest upload moved from it (see `_private`)
+        self.decodes = Decodes(limits.decoded_bytes_per_client, limits.decoded_bytes_total)  # app_ui/uploads.py
         # The Gradio session ids with an answer waiting in the queue or running (app.py sets it:
         # app_ui/queue_rules.py `sessions`); called from the sweep, in the server's event loop.
         self.answering: Callable[[], set[str]] = set
@@ -246,6 +249,19 @@ class Visitors:
                     self._delete(path)
 
     # --- uploads --------------------------------------------------------------------------------
+    def is_upload(self, path: str) -> bool:
+        with self.lock:
+            return os.path.abspath(path) in self.uploads
+
+    def decoded(self, path: str) -> Decoded | threading.Event | None:
+        """app_ui/uploads.py `Ledger.decoded`; a file that is not an upload (an example) is never kept: None."""
+        return self.decodes.decoded(os.path.abspath(path)) if self.is_upload(path) else None
+
+    def keep_decoded(self, path: str, decoded: Decoded | None) -> None:
+        with self.lock:
+            upload = self.uploads.get(os.path.abspath(path))
+        self.decodes.keep(os.path.abspath(path), upload and upload.client, decoded)
+
     def reserve(self, client: str, size: int) -> tuple[int | None, str | None]:
         """(a reservation, None), or (None, why) when an upload of `size` bytes from `client`
         is refused. Against the address's own bounds the bytes count from now until `uploaded`
@@ -336,8 +352,9 @@ class Visitors:
         return private
 
     def _delete(self, path: str) -> None:
-        """Remove an upload and its folder if that is now empty (Gradio keeps one folder a file)."""
+        """Remove an upload, its decode and its folder if that is now empty (Gradio keeps one folder a file)."""
         self.uploads.pop(path, None)
+        self.decodes.forget(path)
         with contextlib.suppress(OSError):
             os.remove(path)
         with contextlib.suppress(OSError):

@@ -23,10 +23,12 @@ a byte, and speaks a protocol of JSON headers and raw pixels, so nothing it send
 here (multiprocessing's pipes unpickle what a child sends, and a child whose decoder was
 subverted must not run code in the server).
 
-Bounds on waiting: at most `slots` images decode at once, all visitors together, and at most
-`decodes_per_client` of one client address (`VLM_DECODES_PER_CLIENT`): a visitor's bombs wait
-for each other, not for another visitor's photo. A caller waiting for its turn holds no pixels
-and stops waiting when it is cancelled or its deadline passes.
+Bounds on waiting: at most `slots` images decode at once, and at most `decodes_per_client` of
+one address (`VLM_DECODES_PER_CLIENT`): a visitor's bombs wait for each other, not for another
+visitor's photo. A waiting caller holds no pixels and stops waiting when it is cancelled or past
+its deadline. A decode past `long_decode_s` (`VLM_LONG_DECODE_S`) leaves its slot for the long
+lane (`LONG_SLOTS`), or, that taken while another address waits, ends refused: several
+addresses' bombs cost a waiting photo about `long_decode_s` each, not `decode_seconds`.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLL_S = 0.05  # how often a wait looks at its caller's stop
 START_S = 60.0  # a new child has this long to import Pillow and say it is ready (outside any image's limit)
 CPU_GRACE_S = 2  # the CPU limit's seconds past the wall deadline (Child.start)
+LONG_SLOTS = 1  # decodes past `long_decode_s` going on at once, outside the slots
 
 
 def default_decode_slots() -> int:
@@ -74,6 +77,8 @@ class Decoding:
                                     low=1, env="VLM_DECODE_SECONDS")
     decodes_per_client: int = setting(1, "images one client address has decoded at once", low=1,
                                       env="VLM_DECODES_PER_CLIENT")
+    long_decode_s: float = setting(1.0, "a decode past this leaves its slot to others: one such at a time, the "
+                                   "next refused while another address waits", low=0.1, env="VLM_LONG_DECODE_S")
 
     def slots(self) -> int:
         return default_decode_slots() if self.decode_slots is None else max(1, self.decode_slots)
@@ -81,6 +86,20 @@ class Decoding:
 
 class Stopped(ImageError):
     """The caller stopped (Stop, New chat) before its image was decoded."""
+
+
+class OutOfTime(ImageError):
+    """The caller's time budget ran out before its image was decoded: the caller's limit, not the file's
+    (another request may decode it)."""
+
+
+class _Busy(Exception):
+    """A decode past `long_decode_s`, the long lane taken and another address waiting: it ends."""
+
+
+@dataclass
+class Lane:
+    long: bool = False  # where a decode holds its turn: one of the slots, or the long lane
 
 
 class _Ended(Exception):
@@ -173,7 +192,9 @@ class ImageJail:
 
     decoding: Decoding = field(default_factory=Decoding)
     idle: list[Child] = field(default_factory=list)
-    busy: int = 0
+    busy: int = 0  # decodes in the slots
+    long_busy: int = 0  # decodes past long_decode_s, in the long lane
+    slot_waiters: int = 0  # callers waiting for a slot (not for their own address's bound)
     busy_by_client: dict[str | None, int] = field(default_factory=dict)
     peak: int = 0
     turns: threading.Condition = field(default_factory=threading.Condition)
@@ -207,23 +228,33 @@ class ImageJail:
                "max_decoded_bytes": max_decoded_bytes, "fit": fit is not None, "resample": resample_of(fit)}
         if data is not None and len(data) > max_bytes:  # not sent to a child at all
             raise ImageError(f"{name}: {len(data) / 1e6:.1f} MB is over the upload limit of {max_bytes / 1e6:.0f} MB")
-        with self._turn(client, name, cancelled, deadline):
+        with self._turn(client, name, cancelled, deadline) as lane:
             if cancelled():  # stopped while it waited: no child is asked
                 raise Stopped(f"{name}: not decoded: the answer was stopped")
             return self._decode(job, data or b"", lambda width, height: fit_size(width, height, fit, family),
-                                cancelled, deadline)
+                                cancelled, deadline, lane)
 
-    def _decode(self, job: dict, data: bytes, target_for, cancelled, deadline: float | None) -> Image.Image:
+    def _decode(self, job: dict, data: bytes, target_for, cancelled, deadline: float | None,
+                lane: Lane) -> Image.Image:
         """One job in a child (a new one if the idle one has gone meanwhile); the child goes back
-        to the pool unless it failed, was stopped or retires."""
+        to the pool unless it failed, was stopped, retires, or left the long lane to others."""
         name, limit_s = job["name"], self.decoding.decode_seconds
         for attempt in (1, 2):
             child, until = self._child(), None
             try:
                 child.wait_ready(cancelled)
                 until = min(time.monotonic() + limit_s, math.inf if deadline is None else deadline)
-                image = self._exchange(child, job, data, target_for, until, cancelled)
+                long_at = time.monotonic() + self.decoding.long_decode_s
+
+                def watched() -> bool:  # the caller's stop, and the slot left past long_decode_s
+                    return cancelled() or (time.monotonic() >= long_at and self._leave_slot(lane))
+
+                image = self._exchange(child, job, data, target_for, until, watched)
                 break
+            except _Busy:
+                child.kill()
+                raise ImageError(f"{name}: decoding takes over {self.decoding.long_decode_s:g} s, and the server is "
+                                 "decoding another such image now; send it again in a moment") from None
             except _Ended:
                 child.kill()
                 if attempt == 1 and not job.pop("sent", False):
@@ -234,8 +265,9 @@ class ImageJail:
                 child.kill()
                 if until is None:
                     raise ImageError(f"{name}: not decoded: the image decoder did not start within {START_S:g} s")
-                raise ImageError(_late(name, full, self.decoding) if deadline is None or until < deadline else
-                                 f"{name}: not decoded: the answer's time budget ran out first") from None
+                if deadline is not None and until >= deadline:
+                    raise OutOfTime(f"{name}: not decoded: the answer's time budget ran out first") from None
+                raise ImageError(_late(name, full, self.decoding)) from None
             except Stopped:
                 child.kill()
                 raise Stopped(f"{name}: not decoded: the answer was stopped") from None
@@ -296,27 +328,50 @@ class ImageJail:
                 return self.idle.pop()
         return Child.start(self.decoding)
 
+    def _leave_slot(self, lane: Lane) -> bool:
+        """A decode past long_decode_s: into the long lane if that is free (its slot to the next
+        caller); _Busy if not, while another caller waits for a slot; else it keeps its slot."""
+        with self.turns:
+            if lane.long:
+                return False
+            if self.long_busy < LONG_SLOTS:
+                lane.long, self.long_busy, self.busy = True, self.long_busy + 1, self.busy - 1
+                self.turns.notify_all()
+            elif self.slot_waiters:
+                raise _Busy
+        return False
+
     @contextmanager
     def _turn(self, client: str | None, name: str, cancelled: Callable[[], bool], deadline: float | None):
         """Wait for a slot, and for the client's own bound; Stopped or ImageError when the caller
-        stops or its deadline passes first."""
-        per_client = self.decoding.decodes_per_client
+        stops or its deadline passes first. Yields the decode's Lane."""
+        per_client, for_slot = self.decoding.decodes_per_client, False
         with self.turns:
-            while self.busy >= self.decoding.slots() or self.busy_by_client.get(client, 0) >= per_client:
-                if cancelled():
-                    raise Stopped(f"{name}: not decoded: the answer was stopped")
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise ImageError(f"{name}: not decoded: the answer's time budget ran out while it waited for "
-                                     "the image decoders")
-                self.turns.wait(POLL_S)
+            try:
+                while self.busy >= self.decoding.slots() or self.busy_by_client.get(client, 0) >= per_client:
+                    own = self.busy_by_client.get(client, 0) >= per_client  # waiting for its own address's decodes
+                    if for_slot == own:
+                        for_slot, self.slot_waiters = not own, self.slot_waiters + (-1 if own else 1)
+                    if cancelled():
+                        raise Stopped(f"{name}: not decoded: the answer was stopped")
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise OutOfTime(f"{name}: not decoded: the answer's time budget ran out while it waited "
+                                        "for the image decoders")
+                    self.turns.wait(POLL_S)
+            finally:
+                self.slot_waiters -= for_slot
             self.busy += 1
             self.busy_by_client[client] = self.busy_by_client.get(client, 0) + 1
-            self.peak = max(self.peak, self.busy)
+            self.peak = max(self.peak, self.busy + self.long_busy)
+        lane = Lane()
         try:
-            yield
+            yield lane
         finally:
             with self.turns:
-                self.busy -= 1
+                if lane.long:
+                    self.long_busy -= 1
+                else:
+                    self.busy -= 1
                 self.busy_by_client[client] -= 1
                 if not self.busy_by_client[client]:
                     del self.busy_by_client[client]

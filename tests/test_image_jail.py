@@ -2,8 +2,10 @@
 issue's hostile files, built here byte by byte, are refused by name within the child's limits
 (memory, time), the server's memory does not grow with them, the pool answers the next image
 from a new child, a Stop ends a decode in progress, and an upload is never decoded in the
-server's own process. Then the same through the real app (`app.main`): one visitor's TIFF bomb,
-another visitor's picture question answered."""
+server's own process; an upload is decoded once (the check when it is attached and the send share
+it, kept on its ledger entry). Then the same through the real app (`app.main`): one visitor's TIFF
+bomb, another visitor's picture question answered; an API answer's images decoded before it takes
+the answer slot, so that another address's answer goes first while they decode."""
 
 from __future__ import annotations
 
@@ -17,12 +19,18 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from gradio_client import Client
+
+from app_ui import callbacks
+from app_ui import uploads as uploads_module
 from app_ui.served import Served
-from app_ui.session import Session, new_turn
+from app_ui.session import Session, Turn, new_turn, prepare_images
+from app_ui.uploads import open_upload
+from app_ui.visitors import Limits, Visitor, Visitors
 from engine import images
 from engine.image_jail import Decoding, ImageJail, Stopped
 from tests.conftest import ROOT
-from tests.helpers import launch_app, rss_bytes
+from tests.helpers import launch_app, message, rss_bytes, wait_until
 from measure.image_bombs import repeated_scan_jpeg, strip_tiff, zeros_png
 from tests.test_hostile import api_call, chat_data, file_data, upload
 
@@ -88,6 +96,40 @@ def test_a_repeated_scan_jpeg_is_cut_at_the_deadline_and_a_40_megapixel_row_come
         jail.close()
 
 
+def test_a_long_decode_leaves_its_slot_and_another_addresss_photo_does_not_wait_for_it(tmp_path):
+    """One slot: a bomb past long_decode_s moves to the long lane; a second address's bomb, past it
+    too while a third address's photo waits, is refused; the photo is decoded while the first bomb
+    still runs (then stopped)."""
+    jail = ImageJail(Decoding(decode_slots=1, decode_seconds=30, long_decode_s=0.5))
+    results, stop_first = {}, threading.Event()
+
+    def load(who: str, data: bytes, **options):
+        try:
+            results[who] = jail.load(data, name=f"{who}.jpg", client=who, **options).size
+        except images.ImageError as error:
+            results[who] = str(error)
+
+    try:
+        jail.warm()
+        bomb = repeated_scan_jpeg(1024, 3000)
+        first = threading.Thread(target=load, args=("first", bomb), kwargs={"cancelled": stop_first.is_set})
+        first.start()
+        wait_until(lambda: jail.long_busy == 1, "the first bomb in the long lane", timeout=30)
+        second = threading.Thread(target=load, args=("second", bomb))
+        second.start()
+        wait_until(lambda: jail.busy == 1, "the second bomb in the slot", timeout=30)
+        load("photo", pathlib.Path(photo_png(tmp_path)).read_bytes())
+        assert results["photo"] == (400, 300) and "first" not in results  # the first bomb still decodes
+        second.join(30)
+        assert results["second"] == ("second.jpg: decoding takes over 0.5 s, and the server is decoding another "
+                                     "such image now; send it again in a moment"), results
+    finally:
+        stop_first.set()
+        first.join(30)
+        jail.close()
+    assert results["first"] == "first.jpg: not decoded: the answer was stopped"
+
+
 def test_a_stop_ends_a_decode_in_progress_and_pillows_own_bound_holds_in_the_child(tmp_path):
     jail = ImageJail(Decoding(decode_slots=1, decode_seconds=60))
     stop = threading.Event()
@@ -126,6 +168,49 @@ def test_an_upload_is_decoded_in_a_child_never_in_the_server(tmp_path, monkeypat
         session.time_budget_s = 1e-6
         with pytest.raises(images.ImageError, match="^photo.png: not decoded: the answer's time budget ran out"):
             new_turn(message, served, session)
+    finally:
+        served.jail.close()
+
+
+def uploaded(visitors: Visitors, tmp_path, names: list[str]) -> list[str]:
+    """Photos put in `visitors`' ledger as the Guard records an upload (moved to private folders)."""
+    token, refusal = visitors.reserve("127.0.0.1", 0)
+    assert refusal is None
+    paths, refusal = visitors.uploaded(token, [photo_png(tmp_path, name) for name in names])
+    assert refusal is None
+    return paths
+
+
+def test_an_upload_is_decoded_once_for_its_check_and_its_send_and_forgotten_with_it(tmp_path):
+    served = Served(backend=None, model="no model", jail=ImageJail(Decoding(decode_slots=1)))
+    fitted = 300 * 400 * 3  # no processor: the photo's own size
+    visitors = Visitors(Limits(decoded_bytes_per_client=2 * fitted))
+    loads, load = [], served.jail.load
+    served.jail.load = lambda path, **options: loads.append(os.path.basename(path)) or load(path, **options)
+    try:
+        first, second, third = uploaded(visitors, tmp_path, ["a.png", "b.png", "c.png"])
+        # The page's check when it is attached, then the send's prepare step: one decode, the same pixels.
+        assert callbacks.refused_files(served, {"files": [first]}, {}, ledger=visitors).__class__.__name__ == "dict"
+        assert loads == ["a.png"]
+        session, turn = Session(), Turn("What is this?", [first], [])
+        prepare_images(served, session, turn, ledger=visitors)
+        assert loads == ["a.png"] and turn.images[0] is visitors.decodes.kept[first][1].image
+        # Two callers at once: one decodes, the other waits for it.
+        pixels = []
+        threads = [threading.Thread(target=lambda: pixels.append(open_upload(second, served.jail, visitors)))
+                   for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert loads == ["a.png", "b.png"] and len(pixels) == 2 and pixels[0] is pixels[1]
+        # Beyond the address's bound the least recently used goes (decoded again if it is sent); a
+        # deleted upload takes its pixels with it.
+        open_upload(third, served.jail, visitors)
+        assert list(visitors.decodes.kept) == [second, third]
+        assert visitors.claim(session, [second], Visitor("127.0.0.1")) is None
+        visitors.release(session)
+        assert second not in visitors.uploads and list(visitors.decodes.kept) == [third]
     finally:
         served.jail.close()
 
@@ -169,3 +254,35 @@ def test_a_tiff_bomb_sent_to_the_app_is_refused_and_another_visitor_gets_an_answ
     kind, (answer, stats) = results["visitor"]
     assert kind == "complete" and stats["new_tokens"] >= 1, results["visitor"]
     assert rss_bytes() - before < 2 * RSS_BOUND
+
+
+def test_an_api_answers_images_are_decoded_before_it_takes_the_slot(jailed_server, tmp_path, monkeypatch):
+    """/chat through gradio_client with an image whose decode is held (a bomb's stand-in): the answer
+    waits outside the answer slot meanwhile, so another address's /chat, sent after it, is answered
+    while that decode is still held; released, the first is answered too."""
+    held, release, returned = threading.Event(), threading.Event(), threading.Event()
+    decode = uploads_module.open_upload
+
+    def holding(path, **options):
+        if os.path.basename(path) == "held.png":
+            held.set()
+            release.wait(60)  # bounded: a failed test must not hang the server
+            returned.set()
+        return decode(path, **options)
+
+    monkeypatch.setattr(uploads_module, "open_upload", holding)  # uploads.decode_uploads: before its turn
+    client = Client(jailed_server.url, verbose=False)
+    try:
+        job = client.submit(message("What is this?", [photo_png(tmp_path, "held.png")]), mode="plain",
+                            max_new_tokens=3, api_name="/chat")
+        wait_until(held.is_set, "the held image's decode")
+        (photo,) = upload(jailed_server.url, [("photo.png", pathlib.Path(photo_png(tmp_path)).read_bytes())],
+                          "127.0.57.4").json()
+        kind, (answer, stats) = api_call(jailed_server.url, "chat", chat_data("What is this?", [file_data(photo)]),
+                                         "127.0.57.4")
+        assert kind == "complete" and stats["new_tokens"] >= 1
+        assert not returned.is_set() and not job.done()  # answered while the other's decode was held
+    finally:
+        release.set()
+    answer, stats = job.result(timeout=120)
+    assert stats["new_tokens"] >= 1
