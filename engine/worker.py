@@ -25,15 +25,19 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+import torch
+
 from engine import tree
 from engine.loop import PassRequest
 from engine.openmp_pool import release_thread_pool
+from engine.thread_count import ThreadCount, use_threads
 
 if TYPE_CHECKING:
     from engine.loop import Chunk, Done
@@ -111,6 +115,7 @@ class Worker:
         self.waiting: deque[Job] = deque()
         self.running = 0  # requests being answered
         self.serving = False  # a thread is serving the queue
+        self.threads = ThreadCount(torch.get_num_threads())  # the passes' threads, from their measured costs
 
     def submit(self, messages, stop: threading.Event | None = None, **options) -> Stream:
         """Queue a request (Engine._steps's arguments); its events, in order, as they come."""
@@ -156,8 +161,13 @@ class Worker:
             item.beside = len(asked) - 1
             by_target.setdefault(id(item.target), []).append((request, item))
         for group in by_target.values():
+            passes = [item.one for _, item in group]
+            threads = self.threads.choose()  # from the passes' measured costs (engine/thread_count.py)
+            use_threads(threads)
+            started = time.perf_counter()
             try:
-                replies = tree.run_passes(group[0][1].target, [item.one for _, item in group])
+                replies = tree.run_passes(group[0][1].target, passes)
+                self.threads.record(threads, sum(len(one.token_ids) for one in passes), time.perf_counter() - started)
             except Exception as error:  # thrown into each answer of the pass (the engine words it)
                 replies = [error] * len(group)
             for (request, _), reply in zip(group, replies):
