@@ -13,8 +13,8 @@ collector sees. Printed: VmRSS after each step, then one line a mapping over 8 M
 MB, what it is: the model file, a huge-page arena, the heap), and under each the storages that
 lie in it (MB, their holders), and VmRSS after a second `malloc_trim(0)` (`warm_up` ends with
 one, as in the app: what is left to give back). A measurement of this process, not of
-the server's: the page, Gradio's sessions and the jail are not in it (app.py's idle RSS is a
-few hundred MB more: docs/app.md).
+the server's: the page, Gradio's sessions and the jail are not in it (app.py's idle RSS was
+about 160 MB more on 8 December: docs/app.md).
 """
 
 from __future__ import annotations
