@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields, replace
 
 from PIL import Image
 
+from app_ui.uploads import return_freed_memory
 from app_ui.visitors import Limits
 from engine.image_jail import Decoding
 from engine.build import EngineSpec, spec_from_args
@@ -257,7 +258,9 @@ def own_model_for_llamacpp(config: Config, flag: str) -> str | None:
 
 def warm_up(engine) -> None:
     """One short answer per decoding mode before serving, so that one-time costs (first
-    kernels, allocator growth) stay out of the first visitor's statistics."""
+    kernels, allocator growth) stay out of the first visitor's statistics; then the heap pages
+    the load and the warm-up freed go back to the system (glibc's `malloc_trim(0)`, a no-op
+    elsewhere: the loader's copies, about 340 MB for the smol demo, docs/app.md "Memory")."""
     picture = Image.new("RGB", (84, 84), (200, 120, 40))
     messages = [{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "Hi"}]}]
     from engine.loop import DecodeSettings
@@ -266,3 +269,4 @@ def warm_up(engine) -> None:
         for _ in engine.stream(messages, drafter=drafter, decode=DecodeSettings(max_new_tokens=4)):
             pass
     engine.costs.reset()  # cold-start timings and a made-up prompt say nothing about the requests to come
+    return_freed_memory()

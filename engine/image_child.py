@@ -15,7 +15,8 @@ The protocol, on stdin / stdout, each message a 4-byte big-endian length and a J
     parent: {"name", "path" or "data_bytes" (that many raw bytes follow), "max_bytes",
              "max_pixels", "max_decoded_bytes", "fit": bool, "resample": int}
     child:  {"header": [width, height]}   (with "fit": the upright size, once the header is read)
-    parent: {"target": [width, height] or null}
+    parent: {"target": [width, height] or null}, or {"refused": "name: why"} (a shape the
+            model's processor refuses: the child refuses the file without decoding it)
     child:  {"size": [width, height], "pid": ..., "retire": bool} then width x height x 3 bytes
             (8-bit RGB, row by row), or {"refused": "name: why", "retire": bool}
 The parent parses only JSON and a byte count it checks: nothing a decoder made is unpickled.
@@ -89,8 +90,10 @@ def main(limits: dict) -> None:
 
         def target_for(width: int, height: int):
             send(out, {"header": [width, height]})
-            target = (receive(read_exact) or {}).get("target")
-            return tuple(target) if target else None
+            answer = receive(read_exact) or {}
+            if "refused" in answer:  # a shape the model's processor refuses: not decoded
+                raise images.ImageError(str(answer["refused"]))
+            return tuple(answer["target"]) if answer.get("target") else None
 
         retire = _cpu_used() + 2 * cpu_s > lifetime
         try:

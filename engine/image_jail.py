@@ -50,7 +50,7 @@ from PIL import Image
 
 from engine.image_child import OUT_OF_MEMORY, receive, send
 from engine.images import (MAX_DECODED_BYTES, MAX_FILE_BYTES, MAX_PIXELS, ImageError, fit_size, load_image,
-                           resample_of)
+                           resample_of, shape_refused)
 from engine.settings import setting
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,7 +287,7 @@ class ImageJail:
         job["sent"] = True
         reply = child.receive(until, cancelled)
         while "header" in reply:
-            child.send({"target": self._target(child, job, reply["header"], target_for)})
+            child.send(self._target(job, reply["header"], target_for))
             reply = child.receive(until, cancelled)
         child.retire = bool(reply.get("retire"))
         if "refused" in reply:
@@ -301,18 +301,17 @@ class ImageJail:
         return image
 
     @staticmethod
-    def _target(child: Child, job: dict, header, target_for) -> tuple[int, int] | None:
-        """The size the model takes the image at, from the upright size the child read in its header."""
+    def _target(job: dict, header, target_for) -> dict:
+        """The size the model takes the image at, from the upright size the child read in its
+        header ({"target": None}: as it is); {"refused": why} where the model's processor would
+        refuse that shape (Qwen-VL's over 200:1): the child refuses the file, never decoding it."""
         if not job["fit"]:
-            return None
-        width, height = header
+            return {"target": None}
+        width, height = (int(side) for side in header)
         try:
-            return target_for(int(width), int(height))
-        except Exception as error:  # e.g. Qwen's smart_resize on a 40,000,000x1 image
-            child.retire = True  # it waits for an answer it will not get
-            words = " ".join(str(error).split())[:160]
-            raise ImageError(f"{job['name']}: {width}x{height} is a shape this model's processor does not take "
-                             f"({words}); send it cropped") from None
+            return {"target": target_for(width, height)}
+        except Exception as error:  # e.g. a 40,000,000x1 PNG for Qwen-VL
+            return {"refused": str(shape_refused(job["name"], width, height, error))}
 
     def _put_back(self, child: Child) -> None:
         """An idle child for the next image, or, retiring, ended and reaped."""

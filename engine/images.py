@@ -84,9 +84,22 @@ def load_image(source, name: str | None = None, max_bytes: int = MAX_FILE_BYTES,
     if isinstance(source, Image.Image):
         return to_rgb(source) if fit is None else fit_to_processor(to_rgb(source), fit, family)
     name = name or (os.path.basename(source) if isinstance(source, (str, os.PathLike)) else "image")
-    return decode_file(source, name, max_bytes, max_pixels, max_decoded_bytes,
-                       None if fit is None else lambda width, height: fit_size(width, height, fit, family),
+    def target_for(width: int, height: int) -> tuple[int, int] | None:
+        try:
+            return fit_size(width, height, fit, family)
+        except Exception as error:  # e.g. Qwen-VL's over 200:1
+            raise shape_refused(name, width, height, error) from None
+
+    return decode_file(source, name, max_bytes, max_pixels, max_decoded_bytes, None if fit is None else target_for,
                        Image.Resampling(resample_of(fit)))
+
+
+def shape_refused(name: str, width: int, height: int, error: Exception) -> ImageError:
+    """The refusal of an image whose size (from its header) the model's processor would refuse
+    (`fit_size` raised `error`), one line, before it is decoded."""
+    words = " ".join(str(error).split())[:160]
+    return ImageError(f"{name}: {width}x{height} is a shape this model's processor does not take ({words}); "
+                      "send it cropped")
 
 
 def decode_file(source, name: str, max_bytes: int = MAX_FILE_BYTES, max_pixels: int = MAX_PIXELS,

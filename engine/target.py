@@ -23,7 +23,8 @@ from engine.linear_attention_rollback import runner_for
 from engine.runner import Runner
 from models import picture_weights
 from models.families import Family
-from models.loading import FAST_QUANTIZATIONS, LoadError, LoadOptions, load_config, load_vlm
+from models.loading import (FAST_QUANTIZATIONS, LoadError, LoadOptions, copy_out_of_weight_files, load_config,
+                            load_vlm)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ def load_target(name: str, options: LoadOptions = LoadOptions()) -> Target:
         adapt_packed(runners, name, deltas)
     if options.weight_arithmetic != "float":
         use_weight_arithmetic(runners, name, options)
+    copied = copy_out_of_weight_files([runner.model for runner in runners])  # the file's pages can go now
+    if copied:
+        log.info("%s: %.1f MB of weights copied out of the weights file, so that its mapping goes", name, copied / 1e6)
     return Target(name, vlm.model, vlm.processor, vlm.family, runners[0], vlm.placeholder_ids,
                   runners[1] if len(runners) > 1 else None)
 

@@ -11,10 +11,10 @@ each runner's model (its parameters and buffers, by name), its fast path's stack
 products, the GGUF blocks, `PackedWeight`, `Adapted`), and any other tensor that the garbage
 collector sees. Printed: VmRSS after each step, then one line a mapping over 8 MB (resident
 MB, what it is: the model file, a huge-page arena, the heap), and under each the storages that
-lie in it (MB, their holders), and VmRSS once glibc's `malloc_trim(0)` has given the heap's
-free pages back. A measurement of this process, not of
-the server's: the page, Gradio's sessions and the jail are not in it (app.py's idle RSS is a
-few hundred MB more: docs/app.md).
+lie in it (MB, their holders), and VmRSS after a second `malloc_trim(0)` (`warm_up` ends with
+one, as in the app: what is left to give back). A measurement of this process, not of
+the server's: the page, Gradio's sessions and the jail are not in it (app.py's idle RSS was
+about 160 MB more on 8 December: docs/app.md).
 """
 
 from __future__ import annotations
@@ -148,10 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     print(f"warmed up: VmRSS {rss_mb():.0f} MB", flush=True)
     report(engine)
-    import ctypes
+    from app_ui.uploads import return_freed_memory
 
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc: the heap's free pages back to the system
-    print(f"after malloc_trim(0): VmRSS {rss_mb():.0f} MB", flush=True)
+    return_freed_memory()  # glibc's malloc_trim(0) again: what the warm-up's own trim left
+    print(f"after another malloc_trim(0): VmRSS {rss_mb():.0f} MB", flush=True)
 
 
 if __name__ == "__main__":

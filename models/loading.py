@@ -8,6 +8,7 @@ loaded model (runners, drafters) lives in `engine/`.
 
 from __future__ import annotations
 
+import collections
 import os
 from dataclasses import dataclass, replace
 
@@ -159,6 +160,63 @@ def load_vlm(name: str, options: LoadOptions, config=None, dtype: str | None = N
     model = from_pretrained(AutoModelForImageTextToText, name, model_kwargs(options, dtype))
     processor = processor_of(name, family, options)
     return LoadedVLM(name, model, processor, family, frozenset(family.placeholder_ids(processor)))
+
+
+def copy_out_of_weight_files(modules: list[torch.nn.Module]) -> int:
+    """The parameters and buffers of `modules` that still lie in a mapped `.safetensors` file
+    (transformers maps it and hands out views of it) copied to memory of their own, where they
+    are at most a quarter of that file: then the file's mapping, whose pages reading the weights
+    made resident, goes with its last tensor. For after the runners have copied what they read
+    (engine/target.py): the smol demo's vision merger, 4 MB, held its 517 MB file resident. A
+    file whose tensors are mostly still in use stays mapped (a copy would only double the peak).
+    Returns the bytes copied; where /proc/self/maps is missing (not Linux), none."""
+    ranges = weight_file_ranges()
+    found: list[tuple[dict, str, torch.Tensor, int]] = []  # (the module's table, key, tensor, its file's range)
+    views: dict[tuple, int] = {}  # each distinct view's bytes, once, by (its file's range, address, shape...)
+    for module in {id(module): module for module in modules}.values():
+        for owner in module.modules():
+            for table in (owner._parameters, owner._buffers):
+                for key, tensor in table.items():
+                    at = _range_of(tensor, ranges) if tensor is not None else None
+                    if at is not None:
+                        found.append((table, key, tensor, at))
+                        views[(at, *_view(tensor))] = tensor.nbytes
+    held = collections.Counter()
+    for (at, *_), size in views.items():
+        held[at] += size
+    copies: dict[tuple, torch.Tensor] = {}  # one copy of a view several modules share
+    for table, key, tensor, at in found:
+        start, end = ranges[at]
+        if held[at] * 4 > end - start:
+            continue
+        if _view(tensor) not in copies:
+            copies[_view(tensor)] = tensor.detach().clone()
+        copy = copies[_view(tensor)]
+        if isinstance(tensor, torch.nn.Parameter):
+            tensor.data = copy  # the parameter object stays (tied weights, optimizers' references)
+        else:
+            table[key] = copy
+    return sum(copy.nbytes for copy in copies.values())
+
+
+def weight_file_ranges(maps: str = "/proc/self/maps") -> list[tuple[int, int]]:
+    """(start, end) of each mapping of a `.safetensors` file in this process; none where `maps` is missing."""
+    try:
+        with open(maps) as lines:
+            return [tuple(int(end, 16) for end in line.split()[0].split("-")) for line in lines
+                    if line.rstrip().endswith(".safetensors")]
+    except OSError:
+        return []
+
+
+def _range_of(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> int | None:
+    if tensor.device.type != "cpu":
+        return None
+    return next((at for at, (start, end) in enumerate(ranges) if start <= tensor.data_ptr() < end), None)
+
+
+def _view(tensor: torch.Tensor) -> tuple:
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype
 
 
 def fit_dtype(parameters: int, memory_bytes: int) -> tuple[str, str]:

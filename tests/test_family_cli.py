@@ -21,6 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
+from app_ui import setup
 from app_ui.setup import load_engine, read_config, warm_up
 from models.families import REGISTRY
 from tests import tiny_next
@@ -115,11 +116,14 @@ def test_module_entry_point_with_images(folders, capsys):
 
 
 @pytest.mark.parametrize("family", DRAFTERS)
-def test_app_setup_serves_the_folder(folders, family):
+def test_app_setup_serves_the_folder(folders, family, monkeypatch):
     """The app's path: flags read, engine built with the drafter and n-gram, one warm-up answer
-    per decoding mode."""
+    per decoding mode, then the heap's free pages given back once (malloc_trim)."""
     target, drafter = folders(family)
     config = read_config(["--model", target, "--drafter", drafter, "--dtype", "float32", "--device", "cpu"], environ={})
     engine = load_engine(config)
+    trims = []
+    monkeypatch.setattr(setup, "return_freed_memory", lambda: trims.append(1))
     warm_up(engine)
+    assert len(trims) == 1
     assert [d.kind for d in engine.drafters.values()] == [DRAFTERS[family][1], "ngram"]

@@ -96,6 +96,27 @@ def test_a_repeated_scan_jpeg_is_cut_at_the_deadline_and_a_40_megapixel_row_come
         jail.close()
 
 
+def test_a_shape_qwen_vl_refuses_is_refused_by_the_child_from_its_header_never_decoded_or_sent(tmp_path, zoo):
+    """Qwen-VL's processor refuses an aspect ratio over 200:1 (smart_resize); a 40,000,000x1 PNG
+    (120 MB as RGB) is refused by the child from its header, named with its ratio, and the same
+    child serves the next image."""
+    target = zoo.target("qwen2_vl")
+    with pytest.raises(ValueError, match="aspect ratio"):  # the processor's own refusal, at 201:1
+        target.processor.image_processor(images=[Image.new("RGB", (201 * 28, 28))])
+    jail = ImageJail(Decoding(decode_slots=1))
+    try:
+        first = jail.load(photo_png(tmp_path), fit=target.processor, family=target.family).info["decoded_by"]
+        refusal, _, grown = refused(jail, zeros_png(40_000_000, 1), "row.png", fit=target.processor,
+                                    family=target.family)
+        assert refusal == ("row.png: 40000000x1 is a shape this model's processor does not take (an aspect ratio "
+                           "of 40,000,000:1, over the 200:1 it takes); send it cropped")
+        assert grown < RSS_BOUND
+        again = jail.load(photo_png(tmp_path), fit=target.processor, family=target.family)
+        assert again.info["decoded_by"] == first != os.getpid()
+    finally:
+        jail.close()
+
+
 def test_a_long_decode_leaves_its_slot_and_another_addresss_photo_does_not_wait_for_it(tmp_path):
     """One slot: a bomb past long_decode_s moves to the long lane; a second address's bomb, past it
     too while a third address's photo waits, is refused; the photo is decoded while the first bomb

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from .base import MRopeFamily
 
 
+MAX_RATIO = 200  # transformers' smart_resize refuses a longer side over 200 times the shorter
+
+
 @dataclass(frozen=True)
 class QwenVLFamily(MRopeFamily):
     """An M-RoPE family whose image processor is Qwen-VL's patchifier (Qwen3.5's too)."""
@@ -26,13 +29,15 @@ class QwenVLFamily(MRopeFamily):
 
     def fitted_size(self, image_processor, width: int, height: int) -> tuple[int, int] | None:
         """Exactly the size `smart_resize` gives when it shrinks (so the processor's output is bit
-        for bit that of the full image); the same size when it would not shrink, or when it
-        refuses the aspect ratio (over 200:1: the processor says so itself)."""
+        for bit that of the full image); the same size when it would not shrink. ValueError for
+        an aspect ratio over 200:1, which `smart_resize` refuses: said from the header, before
+        such an image is decoded (a 40,000,000x1 PNG is 120 MB as RGB)."""
         if not _is_patchifier(image_processor):
             return None
         factor, max_pixels = image_processor.patch_size * image_processor.merge_size, image_processor.size.longest_edge
-        if max(width, height) > 200 * min(width, height):
-            return width, height
+        if max(width, height) > MAX_RATIO * min(width, height):
+            raise ValueError(f"an aspect ratio of {max(width, height) / min(width, height):,.0f}:1, over the "
+                             f"{MAX_RATIO}:1 it takes")
         if round(height / factor) * factor * round(width / factor) * factor <= max_pixels:
             return width, height
         beta = math.sqrt(height * width / max_pixels)
