@@ -53,8 +53,8 @@ class ThreadCount:
         """A round's passes over `rows` rows took `seconds` on `threads` threads; the current count
         becomes the cheaper of the two where both have been measured at this size."""
         key = (threads, rows)
-        old = self.costs.get(key)
-        self.costs[key] = seconds if old is None else old + WEIGHT * (seconds - old)
+        old = self.costs.get(key)  # a try's count was last measured long ago: its try replaces that
+        self.costs[key] = seconds if old is None or threads != self.current else old + WEIGHT * (seconds - old)
         if threads != self.current:  # a try: the next one sooner after a switch, later after each loss
             self.every = EVERY if self.cheaper(threads, rows) else min(2 * self.every, MOST_EVERY)
             self.next_try = self.rounds + self.every
