@@ -38,6 +38,7 @@ from PIL import Image
 from app_ui.visitors import MB, Limits, Visitors
 from engine import images
 from engine.image_jail import Decoding, ImageJail
+from engine.loop import PassRequest
 from engine.settings import Settings
 from measure.image_bombs import zeros_png
 from tests.conftest import ROOT
@@ -415,18 +416,25 @@ def test_whole_numbers_past_any_bound_are_refused_by_name_and_a_bare_string_is_t
 def held(server, monkeypatch):
     """Answers to a message containing "HOLD" stop after their first chunk until `release` is set
     or their stop flag is (Stop, or the time budget)."""
-    release, run = threading.Event(), server.engine._run
+    release, steps = threading.Event(), server.engine._steps
 
-    def holding(messages, *args, stop=None, **kwargs):
+    def holding(messages, *args, stop=None, **kwargs):  # Engine._steps, its first event held
         text = json.dumps([part.get("text", "") for m in getattr(messages, "messages", messages)
                            for part in m["content"] if part["type"] == "text"])
-        for i, event in enumerate(run(messages, *args, stop=stop, **kwargs)):
-            yield event
-            if i == 0 and "HOLD" in text:
-                while not (release.is_set() or (stop is not None and stop.is_set())):
-                    release.wait(0.05)
+        inner, events, reply = steps(messages, *args, stop=stop, **kwargs), 0, None
+        while True:
+            try:
+                item = inner.throw(reply) if isinstance(reply, BaseException) else inner.send(reply)
+            except StopIteration:
+                return
+            reply = yield item  # the worker sends a pass's logits back, None after an event
+            if not isinstance(item, PassRequest):
+                events += 1
+                if events == 1 and "HOLD" in text:
+                    while not (release.is_set() or (stop is not None and stop.is_set())):
+                        release.wait(0.05)
 
-    monkeypatch.setattr(server.engine, "_run", holding)
+    monkeypatch.setattr(server.engine, "_steps", holding)
     yield release
     release.set()
 
