@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 from engine.loop import DecodeSettings, Done
 
@@ -90,7 +91,8 @@ def main(argv=None) -> int:
         drafters = spec.drafters if args.drafter else PRESETS["demo"].drafters
         spec = EngineSpec(os.path.join(args.models, "target"),
                           tuple(os.path.join(args.models, os.path.basename(d)) if d != "ngram" else d
-                                for d in drafters), spec.options)
+                                for d in drafters),
+                          replace(spec.options, weight_arithmetic=args.weight_arithmetic or PRESETS["demo"].weight_arithmetic))
     engine = build_engine(spec)
     questions = eval_questions(args.seed, args.limit)
     decode = DecodeSettings(max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens or None)

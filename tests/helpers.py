@@ -32,7 +32,7 @@ from app_ui import setup
 from engine.__main__ import main as cli_main
 from engine.engine import Engine
 from engine.images import load_image
-from engine.loop import Chunk, DecodeSettings, Done
+from engine.loop import Chunk, DecodeSettings, Done, PassRequest
 from tests.conftest import ROOT
 
 SHORT = 24  # max_new_tokens of a reference answer unless asked: enough to stream, quick on a shared CPU
@@ -344,3 +344,20 @@ def send(page, box_id: str, text: str, files: list[str]) -> None:
     expect(box.locator("img")).to_have_count(len(files), timeout=30_000)  # uploaded, thumbnails shown
     box.locator("textarea").fill(text)
     box.locator("textarea").press("Enter")
+
+
+def held_after_first_event(steps, hold):
+    """An answer's steps (Engine._steps, loop.answer: events, and target passes whose logits come
+    back by send) that calls `hold()` after its first event: the answer holds the engine's worker there."""
+    events, reply = 0, None
+    while True:
+        try:
+            item = steps.throw(reply) if isinstance(reply, BaseException) else steps.send(reply)
+        except StopIteration as end:
+            return end.value
+        reply = yield item
+        if not isinstance(item, PassRequest):
+            events += 1
+            if events == 1:
+                hold()
+

@@ -20,7 +20,7 @@ import pytest
 import app
 from models.presets import DEMO_MODEL
 from tests.conftest import ROOT
-from tests.helpers import CHROMIUM, EXAMPLES, free_port, send
+from tests.helpers import CHROMIUM, EXAMPLES, free_port, held_after_first_event, send
 
 SCREENSHOTS = os.path.join(ROOT, "artifacts", "screenshots")
 FINISHED = re.compile("end of answer|max new tokens reached")
@@ -772,19 +772,16 @@ def engine_held_after_its_first_words(gate):
     answer's first chunk: the answer holds the engine, and a Stop sent meanwhile ends it right there."""
     import engine.engine as engine_module
 
-    original = engine_module.generate
+    original = engine_module.answer
 
     def held_after_the_first_chunk(*args, **kwargs):
-        for number, event in enumerate(original(*args, **kwargs)):
-            yield event
-            if number == 0:
-                gate.wait(60)
+        return held_after_first_event(original(*args, **kwargs), lambda: gate.wait(60))
 
-    engine_module.generate = held_after_the_first_chunk
+    engine_module.answer = held_after_the_first_chunk
     try:
         yield
     finally:
-        engine_module.generate = original
+        engine_module.answer = original
 
 
 @pytest.mark.parametrize("viewport", ["desktop", "phone"])

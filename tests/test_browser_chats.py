@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import re
 
 import pytest
@@ -243,6 +244,18 @@ def test_an_earlier_question_is_edited_from_the_keyboard_answered_again_and_kept
     context.close()
 
 
+def settled_box(page, selector: str, timeout: float = 5.0) -> dict:
+    """The element's bounding box once the sidebar's slide has ended (the same box twice, 100 ms apart)."""
+    box, deadline = None, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        page.wait_for_timeout(100)
+        now = page.locator(selector).bounding_box()
+        if now == box:
+            break
+        box = now
+    return box
+
+
 def test_screenshots_of_the_chat_list_in_dark_mode_and_on_a_phone(url, browser, profile):
     from playwright.sync_api import expect
 
@@ -263,7 +276,7 @@ def test_screenshots_of_the_chat_list_in_dark_mode_and_on_a_phone(url, browser, 
     expect(phone.locator("#header p")).to_be_visible()  # the model line, on a phone too
     phone.locator(".sidebar .toggle-button").click()
     expect(phone.locator("#chat-list label")).to_have_count(1, timeout=30_000)
-    toggle = phone.locator(".sidebar .toggle-button").bounding_box()  # whole on the screen (once cut in half)
+    toggle = settled_box(phone, ".sidebar .toggle-button")  # whole on the screen (once cut in half)
     assert toggle["x"] >= 0 and toggle["x"] + toggle["width"] <= 390, toggle
     assert phone.evaluate("""() => { const arrow = document.querySelector('#chatbot .scroll-down-button-container');
         const z = (e) => +getComputedStyle(e).zIndex;  // the chat's arrow stays under the open sidebar

@@ -38,11 +38,10 @@ from PIL import Image
 from app_ui.visitors import MB, Limits, Visitors
 from engine import images
 from engine.image_jail import Decoding, ImageJail
-from engine.loop import PassRequest
 from engine.settings import Settings
 from measure.image_bombs import zeros_png
 from tests.conftest import ROOT
-from tests.helpers import launch_app, message, wait_for_output, wait_until_queued
+from tests.helpers import held_after_first_event, launch_app, message, wait_for_output, wait_until_queued
 
 LIMITS = Limits(idle_s=30.0, unsent_upload_s=30.0, upload_bytes_per_client=20 * MB, upload_files_per_client=40,
                 upload_bytes_total=200 * MB, sessions_per_client=6, sessions=24, time_budget_s=60.0, sweep_s=0.5)
@@ -421,18 +420,11 @@ def held(server, monkeypatch):
     def holding(messages, *args, stop=None, **kwargs):  # Engine._steps, its first event held
         text = json.dumps([part.get("text", "") for m in getattr(messages, "messages", messages)
                            for part in m["content"] if part["type"] == "text"])
-        inner, events, reply = steps(messages, *args, stop=stop, **kwargs), 0, None
-        while True:
-            try:
-                item = inner.throw(reply) if isinstance(reply, BaseException) else inner.send(reply)
-            except StopIteration:
-                return
-            reply = yield item  # the worker sends a pass's logits back, None after an event
-            if not isinstance(item, PassRequest):
-                events += 1
-                if events == 1 and "HOLD" in text:
-                    while not (release.is_set() or (stop is not None and stop.is_set())):
-                        release.wait(0.05)
+        def hold():
+            while "HOLD" in text and not (release.is_set() or (stop is not None and stop.is_set())):
+                release.wait(0.05)
+
+        return held_after_first_event(steps(messages, *args, stop=stop, **kwargs), hold)
 
     monkeypatch.setattr(server.engine, "_steps", holding)
     yield release

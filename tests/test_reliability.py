@@ -128,7 +128,8 @@ def bad_inputs(folder, pictures) -> list[tuple[str, dict, str]]:
     cases = [(name, message("What is this?", [path]), refusal) for name, (path, refusal) in bad_files(folder).items()]
     strip = save(Image.new("RGB", (4000, 10), (0, 90, 200)), folder / "strip.png")
     return cases + [
-        ("aspect ratio 400:1", message("What is this?", [strip]), "processor cannot prepare this message: absolute aspect"),
+        ("aspect ratio 400:1", message("What is this?", [strip]),
+         r"strip\.png: 4000x10 is a shape this model's processor does not take \(an aspect ratio of 400:1"),
         ("9 images", message("Compare them.", pictures + pictures[:1]), r"9 images .*limit is 8 images"),
         ("a good image among bad ones", message("Both?", [pictures[0], f"{folder}/notes.txt"]),
          r"notes\.txt: not an image file"),
