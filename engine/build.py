@@ -54,15 +54,33 @@ def spec_from_args(args: argparse.Namespace, max_images: int = 8) -> EngineSpec:
     except ValueError as error:
         raise LoadError(str(error)) from None
     preset = None if args.model else (args.preset or DEFAULT_PRESET)
-    # not given: the preset's (where no --quantization replaces the blocks), else float rows
-    arithmetic = args.weight_arithmetic or (PRESETS[preset].weight_arithmetic if preset and not args.quantization
-                                            else "float")
+    arithmetic = args.weight_arithmetic or preset_arithmetic(preset, args)
     options = LoadOptions(dtype=args.dtype, device=args.device, quantization=args.quantization,
                           weight_arithmetic=arithmetic,
                           trust_remote_code=args.trust_remote_code, drafter_dtype=args.drafter_dtype)
     return EngineSpec(target, tuple(names), options, preset, max_images,
                       image_token_budget(getattr(args, "max_image_tokens", None), options), auto,
                       getattr(args, "running_requests", LoadSettings.running_requests))
+
+
+def preset_arithmetic(preset: str | None, args: argparse.Namespace) -> str:
+    """--weight-arithmetic not given: the preset's, where no --quantization replaces the blocks and the
+    compiled CPU path that multiplies them runs (else float rows, said on stderr: the preset still
+    loads on a GPU, or without a compiler); float rows for --model."""
+    wanted = PRESETS[preset].weight_arithmetic if preset and not args.quantization else "float"
+    if wanted == "float":
+        return wanted
+    import torch
+
+    from engine import fast_native
+
+    why = ("its model runs on the GPU" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+           else fast_native.unavailable())
+    if why:
+        print(f"the {preset!r} preset's {wanted} rows need the compiled CPU path ({why}): float rows instead",
+              file=sys.stderr)
+        return "float"
+    return wanted
 
 
 def image_token_budget(flag: int | None, options: LoadOptions) -> int | None:

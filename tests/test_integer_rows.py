@@ -200,9 +200,11 @@ def test_the_flag_wins_over_the_presets_arithmetic(monkeypatch):
 
     from engine.build import spec_from_args
     from engine.load_settings import add_model_flags
+    from engine import fast_native  # the preset's integer rows only where the compiled CPU path runs
     from models import presets
 
     monkeypatch.setitem(presets.PRESETS, "smol", replace(presets.PRESETS["smol"], weight_arithmetic="integer"))
+    monkeypatch.setattr(fast_native, "unavailable", lambda: None)
     parser = argparse.ArgumentParser()
     add_model_flags(parser)
 
@@ -215,3 +217,6 @@ def test_the_flag_wins_over_the_presets_arithmetic(monkeypatch):
     assert arithmetic("--preset", "demo") == "float"
     assert arithmetic("--model", "some/folder", "--weight-arithmetic", "integer") == "integer"
     assert arithmetic("--model", "some/folder") == "float"
+    monkeypatch.setattr(fast_native, "unavailable", lambda: "turned off (VLM_NATIVE_LAYER=0)")
+    assert arithmetic("--preset", "smol") == "float"
+    assert arithmetic("--preset", "smol", "--weight-arithmetic", "integer") == "integer"  # given: refused at load
