@@ -14,8 +14,10 @@ round with the other count (soon after a switch, then less and less often while 
 notices when the other process has gone; when it comes, the count in use costs more than the
 other's last measure and the count changes at once. With one
 thread to start with (OMP_NUM_THREADS=1, torch.set_num_threads(1)) it never tries more. The
-count changes only the time a pass takes, never its bits: every product sums each output in one
-fixed order whatever thread computes it (engine/fast_layer.cpp).
+count changes only the time a decode or verify pass takes, never its bits: the compiled products sum
+each output in one fixed order whatever thread computes it (engine/fast_layer.cpp). A prompt's pass
+(ATen's products, on the worker thread at whatever count the last round left) is not shown to be
+independent of the count: not checked here.
 """
 
 from __future__ import annotations
